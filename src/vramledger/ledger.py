@@ -1,0 +1,271 @@
+"""The Ledger: peak memory of a training step, by category and phase, replayed from a Timeline.
+
+Replay walks the Timeline's events in order keeping the live bytes per category (raw tensor
+bytes, and the allocator's block bytes), and records the largest total of each step and of each
+(step, phase). The steady state is steps >= 2 (step 1 creates the optimizer state lazily).
+Every breakdown sums exactly to its total (asserted).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .allocator import AllocatorModel
+from .categories import CATEGORY_PRIORITY, MODEL_STATE_CATEGORIES, Category, Phase
+from .timeline import Timeline
+
+_NCAT = len(CATEGORY_PRIORITY)
+TOP_MODULES = 10
+"""How many modules the top-activation list keeps."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PeakPoint:
+    """The live memory at one moment (the largest of some span of the run)."""
+
+    total: int
+    by_category: dict[Category, int]
+    step: int
+    phase: Phase
+    event: int
+    """Index into ``Timeline.events`` of the allocation that reached it."""
+
+    def __post_init__(self) -> None:
+        assert sum(self.by_category.values()) == self.total, "breakdown must sum to the total"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Replay:
+    """What a replay of a Timeline under one allocator model finds."""
+
+    step_peaks: dict[int, PeakPoint]
+    phase_peaks: dict[tuple[int, Phase], int]
+    step_start: dict[int, int]
+    """Live bytes when each step begins (what the step inherits)."""
+    host_peak: int
+    """Largest live bytes kept in host memory (storages marked on_host)."""
+    activations_by_module: dict[str, int]
+    """Activation bytes live at the end of the last forward, by innermost module."""
+
+
+def replay(timeline: Timeline, allocator: AllocatorModel) -> Replay:
+    rank = {c: i for i, c in enumerate(CATEGORY_PRIORITY)}
+    cat = [rank[timeline.category(sid)] for sid in range(timeline.num_storages)]
+    size = [allocator.block_bytes(b) for b in timeline.nbytes]
+    host = timeline.on_host
+    current = [0] * _NCAT
+    total = 0
+    host_total = host_peak = 0
+    live: set[int] = set()
+    step, phase = 0, Phase.SETUP
+    step_peaks: dict[int, PeakPoint] = {}
+    phase_peaks: dict[tuple[int, Phase], int] = {}
+    step_start: dict[int, int] = {}
+    marks = timeline.marks
+    last_step = timeline.steps
+    forward_end_modules: dict[str, int] = {}
+    m = 0
+
+    def record(event: int) -> None:
+        best = step_peaks.get(step)
+        if best is None or total > best.total:
+            step_peaks[step] = PeakPoint(
+                total=total,
+                by_category={c: current[i] for i, c in enumerate(CATEGORY_PRIORITY)},
+                step=step,
+                phase=phase,
+                event=event,
+            )
+        key = (step, phase)
+        if total > phase_peaks.get(key, -1):
+            phase_peaks[key] = total
+
+    events = timeline.events
+    for i, ev in enumerate(events):
+        while m < len(marks) and marks[m][0] == i:
+            _, new_step, new_phase = marks[m]
+            if new_step == last_step and phase is Phase.FORWARD and new_phase is Phase.BACKWARD:
+                forward_end_modules = _activations_by_module(timeline, live)
+            if new_step != step:
+                step_start[new_step] = total
+            step, phase = new_step, new_phase
+            record(i)
+            m += 1
+        if ev >= 0:
+            if host[ev]:
+                host_total += size[ev]
+                host_peak = max(host_peak, host_total)
+                continue
+            current[cat[ev]] += size[ev]
+            total += size[ev]
+            live.add(ev)
+            record(i)
+        else:
+            sid = ~ev
+            if host[sid]:
+                host_total -= size[sid]
+                continue
+            current[cat[sid]] -= size[sid]
+            total -= size[sid]
+            live.discard(sid)
+    return Replay(
+        step_peaks=step_peaks,
+        phase_peaks=phase_peaks,
+        step_start=step_start,
+        host_peak=host_peak,
+        activations_by_module=forward_end_modules,
+    )
+
+
+def _activations_by_module(timeline: Timeline, live: set[int]) -> dict[str, int]:
+    out: dict[str, int] = defaultdict(int)
+    for sid in live:
+        if timeline.category(sid) is Category.ACTIVATIONS:
+            out[timeline.module[sid] or "(outside any module)"] += timeline.nbytes[sid]
+    return dict(out)
+
+
+def steady_peak(r: Replay) -> PeakPoint:
+    steady = [p for s, p in r.step_peaks.items() if s >= 2]
+    if not steady:
+        raise ValueError("the timeline has no steady-state step (steps >= 2)")
+    return max(steady, key=lambda p: p.total)
+
+
+def steady_phase_peaks(r: Replay) -> dict[Phase, int]:
+    out: dict[Phase, int] = {}
+    for (step, phase), value in r.phase_peaks.items():
+        if step >= 2:
+            out[phase] = max(out.get(phase, 0), value)
+    return out
+
+
+@dataclass(frozen=True, kw_only=True)
+class Ledger:
+    """Peak memory of one training step and where it goes. Bytes are ints."""
+
+    target: str
+    allocator: str
+    peak_bytes: int
+    """Steady-state step peak (steps >= 2) of live tensor bytes, no allocator rounding."""
+    allocated_peak_bytes: int
+    """The same with the target allocator's rounding (CUDA: 512-byte blocks)."""
+    first_step_peak_bytes: int
+    first_step_allocated_peak_bytes: int
+    peak_phase: Phase
+    first_step_peak_phase: Phase
+    at_peak: dict[Category, int]
+    """Category -> bytes at the steady-state peak; sums to ``peak_bytes``."""
+    allocated_at_peak: dict[Category, int]
+    """Category -> allocator bytes at the allocator-view peak; sums to ``allocated_peak_bytes``."""
+    first_step_at_peak: dict[Category, int]
+    phases: dict[Phase, int]
+    """Peak live bytes of each phase in the steady state."""
+    allocated_phases: dict[Phase, int]
+    step_start_bytes: int
+    """Live bytes when the last step began (what it inherits: parameters, state, gradients)."""
+    host_bytes: int
+    """Peak bytes the target keeps in host memory (not in ``peak_bytes``)."""
+    parameters: int
+    trainable_parameters: int
+    top_modules: list[tuple[str, int]]
+    """Modules holding the most activation bytes at the end of the forward pass."""
+    optimizer_state_bytes: int
+    """Optimizer state at the end of the run (device and host)."""
+    spec: dict[str, Any] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    version: str = ""
+
+    def __post_init__(self) -> None:
+        assert sum(self.at_peak.values()) == self.peak_bytes
+        assert sum(self.allocated_at_peak.values()) == self.allocated_peak_bytes
+        assert sum(self.first_step_at_peak.values()) == self.first_step_peak_bytes
+
+    @property
+    def model_state_bytes(self) -> int:
+        return sum(self.at_peak.get(c, 0) for c in MODEL_STATE_CATEGORIES)
+
+    @property
+    def optimizer_state_bytes_per_param(self) -> float:
+        return self.optimizer_state_bytes / self.trainable_parameters if self.trainable_parameters else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON contract (fields are added, never renamed or removed)."""
+        return {
+            "vramledger_version": self.version,
+            "target": self.target,
+            "allocator": self.allocator,
+            "peak_bytes": self.peak_bytes,
+            "allocated_peak_bytes": self.allocated_peak_bytes,
+            "first_step_peak_bytes": self.first_step_peak_bytes,
+            "first_step_allocated_peak_bytes": self.first_step_allocated_peak_bytes,
+            "peak_phase": self.peak_phase.value,
+            "first_step_peak_phase": self.first_step_peak_phase.value,
+            "at_peak": {c.value: b for c, b in self.at_peak.items()},
+            "allocated_at_peak": {c.value: b for c, b in self.allocated_at_peak.items()},
+            "first_step_at_peak": {c.value: b for c, b in self.first_step_at_peak.items()},
+            "phases": {p.value: b for p, b in self.phases.items()},
+            "allocated_phases": {p.value: b for p, b in self.allocated_phases.items()},
+            "step_start_bytes": self.step_start_bytes,
+            "host_bytes": self.host_bytes,
+            "model_state_bytes": self.model_state_bytes,
+            "parameters": self.parameters,
+            "trainable_parameters": self.trainable_parameters,
+            "optimizer_state_bytes": self.optimizer_state_bytes,
+            "optimizer_state_bytes_per_param": round(self.optimizer_state_bytes_per_param, 4),
+            "top_modules": [{"module": m, "activation_bytes": b} for m, b in self.top_modules],
+            "spec": self.spec,
+            "notes": self.notes,
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def build_ledger(
+    timeline: Timeline,
+    *,
+    target: str,
+    allocator: AllocatorModel,
+    parameters: int,
+    trainable_parameters: int,
+    optimizer_state_bytes: int,
+    spec: dict[str, Any] | None = None,
+    notes: list[str] | None = None,
+    seconds: float = 0.0,
+    version: str = "",
+) -> Ledger:
+    from .allocator import AllocatorModel as _Alloc
+
+    raw = replay(timeline, _Alloc(name="raw", block=1))
+    blocks = replay(timeline, allocator)
+    peak, first = steady_peak(raw), raw.step_peaks[1]
+    alloc_peak, alloc_first = steady_peak(blocks), blocks.step_peaks[1]
+    top = sorted(raw.activations_by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES]
+    last_step = timeline.steps
+    return Ledger(
+        target=target,
+        allocator=allocator.name,
+        peak_bytes=peak.total,
+        allocated_peak_bytes=alloc_peak.total,
+        first_step_peak_bytes=first.total,
+        first_step_allocated_peak_bytes=alloc_first.total,
+        peak_phase=peak.phase,
+        first_step_peak_phase=first.phase,
+        at_peak=peak.by_category,
+        allocated_at_peak=alloc_peak.by_category,
+        first_step_at_peak=first.by_category,
+        phases=steady_phase_peaks(raw),
+        allocated_phases=steady_phase_peaks(blocks),
+        step_start_bytes=raw.step_start.get(last_step, 0),
+        host_bytes=raw.host_peak,
+        parameters=parameters,
+        trainable_parameters=trainable_parameters,
+        top_modules=top,
+        optimizer_state_bytes=optimizer_state_bytes,
+        spec=spec or {},
+        notes=notes or [],
+        seconds=seconds,
+        version=version,
+    )

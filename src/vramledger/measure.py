@@ -1,0 +1,217 @@
+"""``measure``: run the same training step for real and report the same ledger.
+
+The run is recorded twice, independently:
+
+- the storage tracker (the one tracing uses) gives the Timeline, so the measured ledger has the
+  same categories, phases and modules as a prediction;
+- the allocator's own count gives the measured total: on CPU, ``torch.profiler`` memory events
+  (``profile_memory=True``; the profiler starts before the model is built, so nothing is
+  missed on this thread); on CUDA, ``torch.cuda.max_memory_allocated()`` after
+  ``reset_peak_memory_stats()`` at the start of each step.
+
+The difference between the two totals is memory that operators allocate inside their kernels,
+which no dispatch-level tracker sees.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile, record_function
+
+from .categories import Phase
+from .errors import InputError
+from .ledger import Ledger, build_ledger
+from .optimizers import resolve_optimizer
+from .precision import precision_policy
+from .predict import as_spec, policy_for
+from .sources import BatchShape, resolve_inputs, resolve_loss, resolve_model
+from .spec import TrainingSpec
+from .trace.fake import _state_bytes, build_model, count_parameters
+from .trace.tracker import StorageTracker, TrackerObserver
+from .training import assemble
+from .version import __version__
+
+_STEP_LABEL = "vramledger.step{}"
+
+
+@dataclass(frozen=True, kw_only=True)
+class Measurement:
+    """A measured run: its ledger (from the tracker) and the allocator's own peaks."""
+
+    ledger: Ledger
+    device: str
+    measured_peak_bytes: int
+    """Steady-state step peak as the allocator counts it (profiler events on CPU,
+    ``max_memory_allocated`` on CUDA)."""
+    measured_first_step_peak_bytes: int
+    method: str
+    measured_step_peaks: dict[int, int] = field(default_factory=dict)
+    estimate: Ledger | None = None
+    """The prediction for the same spec, when asked to compare."""
+
+    @property
+    def untracked_bytes(self) -> int:
+        """Allocator peak minus tracker peak: allocations inside kernels."""
+        return self.measured_peak_bytes - self._tracked_peak
+
+    @property
+    def _tracked_peak(self) -> int:
+        return self.ledger.allocated_peak_bytes if self.device == "cuda" else self.ledger.peak_bytes
+
+    def error(self) -> float | None:
+        """Relative error of the estimate against the measured peak."""
+        if self.estimate is None:
+            return None
+        predicted = (
+            self.estimate.allocated_peak_bytes if self.device == "cuda" else self.estimate.peak_bytes
+        )
+        return (predicted - self.measured_peak_bytes) / self.measured_peak_bytes
+
+    def to_dict(self) -> dict[str, Any]:
+        out = self.ledger.to_dict()
+        out.update(
+            device=self.device,
+            measured_peak_bytes=self.measured_peak_bytes,
+            measured_first_step_peak_bytes=self.measured_first_step_peak_bytes,
+            measured_step_peaks={str(k): v for k, v in self.measured_step_peaks.items()},
+            measurement_method=self.method,
+            untracked_bytes=self.untracked_bytes,
+        )
+        if self.estimate is not None:
+            out["estimate"] = self.estimate.to_dict()
+            out["estimate_error"] = self.error()
+        return out
+
+
+def measure(
+    spec: TrainingSpec | None = None, /, *, device: str = "cpu", compare: bool = False, **fields: Any
+) -> Measurement:
+    """Run ``spec`` for real on ``device`` ('cpu' or 'cuda') and measure it."""
+    spec = as_spec(spec, fields)
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {device!r}", hint="measure on cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("no CUDA GPU here", hint="measure on cpu, or run on a machine with a GPU")
+    start = time.perf_counter()
+    if device == "cpu":
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            ledger, steps = _run(spec, device)
+        peaks = _profiler_step_peaks(prof, steps)
+        method = "torch.profiler memory events (profile_memory=True)"
+    else:
+        ledger, steps, peaks = _run_cuda(spec)
+        method = "torch.cuda.max_memory_allocated() per step"
+    estimate = None
+    if compare:
+        from .predict import estimate as predict
+
+        estimate = predict(spec, target=device)
+    ledger = _with_seconds(ledger, time.perf_counter() - start)
+    return Measurement(
+        ledger=ledger,
+        device=device,
+        measured_peak_bytes=max(v for k, v in peaks.items() if k >= 2),
+        measured_first_step_peak_bytes=peaks[1],
+        measured_step_peaks=peaks,
+        method=method,
+        estimate=estimate,
+    )
+
+
+def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
+    from dataclasses import replace
+
+    return replace(ledger, seconds=seconds)
+
+
+def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger, int]:
+    torch.manual_seed(spec.seed)
+    source = resolve_model(spec.model, spec.task)
+    make_inputs = resolve_inputs(spec.inputs, source)
+    loss_fn = resolve_loss(spec.loss)
+    precision = precision_policy(spec.precision)
+    choice = resolve_optimizer(spec.optimizer, spec.optimizer_kwargs)
+    policy = policy_for(device)
+    torch_device = torch.device(device)
+    with record_function("vramledger.setup"):
+        model = build_model(source, spec, torch_device)
+        parameters, trainable = count_parameters(model)
+        names = {id(m): (n or type(model).__name__) for n, m in model.named_modules()}
+        tracker = StorageTracker(module_names=names)
+        observer = TrackerObserver(tracker)
+        shape = BatchShape(batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size)
+        with tracker:
+            batch = make_inputs(torch_device, shape)
+            run = assemble(
+                model=model, batch=batch, loss_fn=loss_fn, optimizer=choice, precision=precision,
+                device=torch_device, grad_accum=spec.grad_accum, observer=observer,
+            )
+    with tracker:
+        for step in range(1, spec.steps + 1):
+            if per_step is not None:
+                per_step(step, "start")
+            with record_function(_STEP_LABEL.format(step)):
+                run.step(step, observer)
+            if per_step is not None:
+                per_step(step, "end")
+    state_bytes = _state_bytes(run.optimizer)
+    timeline = tracker.close()
+    ledger = build_ledger(
+        timeline,
+        target=device,
+        allocator=policy.allocator,
+        parameters=parameters,
+        trainable_parameters=trainable,
+        optimizer_state_bytes=state_bytes,
+        spec=spec.summary(),
+        notes=["measured"],
+        version=__version__,
+    )
+    return ledger, spec.steps
+
+
+def _profiler_step_peaks(prof: profile, steps: int) -> dict[int, int]:
+    """Peak of the cumulative allocated bytes inside each step's time window."""
+    windows: dict[int, tuple[int, int]] = {}
+    memory: list[tuple[int, int]] = []
+    for ev in prof.profiler.kineto_results.events():
+        name = ev.name()
+        if name == "[memory]" and ev.device_type() == torch.autograd.DeviceType.CPU:
+            memory.append((ev.start_ns(), ev.nbytes()))
+        elif name.startswith("vramledger.step"):
+            step = int(name[len("vramledger.step") :])
+            windows[step] = (ev.start_ns(), ev.end_ns())
+    memory.sort(key=lambda e: e[0])
+    peaks: dict[int, int] = {}
+    live = 0
+    for ts, delta in memory:
+        for step, (lo, hi) in windows.items():
+            if lo <= ts <= hi:
+                peaks[step] = max(peaks.get(step, live), live + delta)
+        live += delta
+    for step, (lo, _) in windows.items():
+        if step not in peaks:
+            peaks[step] = sum(d for ts, d in memory if ts < lo)
+    assert set(peaks) == set(range(1, steps + 1)), peaks
+    return peaks
+
+
+def _run_cuda(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:
+    peaks: dict[int, int] = {}
+
+    def per_step(step: int, when: str) -> None:
+        torch.cuda.synchronize()
+        if when == "start":
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            peaks[step] = torch.cuda.max_memory_allocated()
+
+    ledger, steps = _run(spec, "cuda", per_step)
+    return ledger, steps, peaks
+
+
+__all__ = ["Measurement", "Phase", "measure"]

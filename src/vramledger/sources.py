@@ -1,0 +1,435 @@
+"""Where the model, its inputs and its loss come from.
+
+A model is a Hugging Face config (a ``config.json`` file or a folder holding one; the task is
+read from ``architectures`` unless given), Python code (``FILE.py:FUNCTION`` or
+``package.module:FUNCTION`` returning an ``nn.Module``), or — from Python — an ``nn.Module``
+instance or a zero-argument callable. Inputs and loss are code references of the same form.
+Nothing here touches a model hub: configs are read from local files only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import importlib.util
+import inspect
+import json
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .errors import InputError
+
+Task = Literal[
+    "causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "sequence-classification"
+]
+TASKS: tuple[str, ...] = Task.__args__  # type: ignore[attr-defined]
+
+# Suffixes of Hugging Face ``architectures`` entries and the task each implies.
+_ARCHITECTURE_TASKS: tuple[tuple[str, str], ...] = (
+    ("ForCausalLM", "causal-lm"),
+    ("LMHeadModel", "causal-lm"),
+    ("ForMaskedLM", "masked-lm"),
+    ("ForSeq2SeqLM", "seq2seq-lm"),
+    ("ForImageClassification", "image-classification"),
+    ("ForSequenceClassification", "sequence-classification"),
+)
+_AUTO_CLASSES = {
+    "causal-lm": "AutoModelForCausalLM",
+    "masked-lm": "AutoModelForMaskedLM",
+    "seq2seq-lm": "AutoModelForSeq2SeqLM",
+    "image-classification": "AutoModelForImageClassification",
+    "sequence-classification": "AutoModelForSequenceClassification",
+}
+
+InputsFn = Callable[..., Any]
+LossFn = Callable[[nn.Module, Any], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSource:
+    """A way to build the model and, where known, its default inputs."""
+
+    name: str
+    """What to call the model in reports."""
+    build: Callable[[], nn.Module]
+    """Builds the model on the current default device (meta for tracing, cpu for measuring)."""
+    task: str | None = None
+    config: Any = None
+    """The Hugging Face config, when the model comes from one."""
+    skip_init: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+    """A context that skips weight initialisation (memory does not depend on the values)."""
+    supports_hf_checkpointing: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchShape:
+    batch_size: int
+    seq_len: int
+    image_size: int | None = None
+
+
+# -- code references --------------------------------------------------------------------------
+def load_callable(ref: str, what: str) -> Callable[..., Any]:
+    """Load ``FILE.py:NAME`` or ``package.module:NAME``."""
+    if ":" not in ref:
+        raise InputError(
+            f"{what} {ref!r} is not a code reference",
+            hint="write it as FILE.py:FUNCTION or package.module:FUNCTION",
+        )
+    target, _, attr = ref.rpartition(":")
+    if target.endswith(".py") or Path(target).exists():
+        path = Path(target)
+        if not path.is_file():
+            raise InputError(f"{what} file {target} not found", hint="check the path")
+        module_name = f"_vramledger_user_{abs(hash(str(path.resolve())))}"
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        if spec is None or spec.loader is None:
+            raise InputError(f"cannot import {target} as Python code")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:  # the user's file raised while importing
+            raise InputError(
+                f"importing {target} failed: {type(exc).__name__}: {exc}",
+                hint="run the file with python to see the full error (or pass --debug)",
+            ) from exc
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ImportError as exc:
+            raise InputError(
+                f"cannot import module {target!r} for the {what}: {exc}",
+                hint="check the module path, or give a file as FILE.py:FUNCTION",
+            ) from exc
+    fn = getattr(module, attr, None)
+    if fn is None or not callable(fn):
+        names = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise InputError(
+            f"{target} has no function {attr!r} for the {what}",
+            hint=f"it defines: {', '.join(names[:12]) or 'nothing callable'}",
+        )
+    return fn
+
+
+def _call_user(fn: Callable[..., Any], what: str, /, *args: Any, **kwargs: Any) -> Any:
+    try:
+        return fn(*args, **kwargs)
+    except InputError:
+        raise
+    except Exception as exc:
+        name = getattr(fn, "__qualname__", repr(fn))
+        raise InputError(
+            f"the {what} {name} raised {type(exc).__name__}: {exc}",
+            hint="fix the function (pass --debug for the traceback)",
+        ) from exc
+
+
+# -- Hugging Face configs ---------------------------------------------------------------------
+def _require_transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # pragma: no cover - depends on the environment
+        raise InputError(
+            "reading a Hugging Face config needs transformers",
+            hint="pip install 'vramledger[hf]'",
+        ) from exc
+    return transformers
+
+
+def load_hf_config(path: str | Path) -> Any:
+    """Read a local ``config.json`` (or a folder with one) into a transformers config object."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / "config.json"
+    if not path.is_file():
+        raise InputError(f"config file {path} not found", hint="give a config.json or its folder")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
+            hint="fix the file",
+        ) from exc
+    if not isinstance(data, dict) or "model_type" not in data:
+        raise InputError(
+            f"{path} has no 'model_type'",
+            hint="a Hugging Face config.json names its model_type (e.g. \"llama\")",
+        )
+    return hf_config_from_dict(data, origin=str(path))
+
+
+def hf_config_from_dict(data: dict[str, Any], *, origin: str = "config") -> Any:
+    transformers = _require_transformers()
+    data = dict(data)
+    model_type = data.pop("model_type")
+    try:
+        config_cls = transformers.CONFIG_MAPPING[model_type]
+    except KeyError as exc:
+        raise InputError(
+            f"{origin}: model_type {model_type!r} is not known to transformers "
+            f"{transformers.__version__}",
+            hint="upgrade transformers, or give the model as Python code (FILE.py:FUNCTION)",
+        ) from exc
+    try:
+        return config_cls(**data)
+    except Exception as exc:
+        raise InputError(f"{origin}: transformers rejected the config: {exc}") from exc
+
+
+def infer_task(config: Any) -> str:
+    for arch in getattr(config, "architectures", None) or ():
+        if arch.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False):
+            return "seq2seq-lm"
+        for suffix, task in _ARCHITECTURE_TASKS:
+            if arch.endswith(suffix):
+                return task
+    raise InputError(
+        f"cannot tell the task of this {config.model_type} config from its architectures "
+        f"{getattr(config, 'architectures', None)}",
+        hint=f"pass --task (one of {', '.join(TASKS)})",
+    )
+
+
+def _hf_skip_init() -> contextlib.AbstractContextManager:
+    _require_transformers()
+    for where in ("transformers.initialization", "transformers.modeling_utils"):
+        try:
+            module = importlib.import_module(where)
+        except ImportError:
+            continue
+        ctx = getattr(module, "no_init_weights", None)
+        if ctx is not None:
+            return ctx()
+    return contextlib.nullcontext()
+
+
+def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
+    transformers = _require_transformers()
+    task = task or infer_task(config)
+    if task not in _AUTO_CLASSES:
+        raise InputError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
+    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
+        # Decoder models find the last token through pad_token_id; a batch > 1 needs one.
+        config.pad_token_id = 0
+    auto_cls = getattr(transformers, _AUTO_CLASSES[task])
+
+    def build() -> nn.Module:
+        try:
+            model = auto_cls.from_config(copy.deepcopy(config))
+        except ValueError as exc:
+            raise InputError(
+                f"transformers has no {task} model for model_type {config.model_type!r}: "
+                f"{str(exc).splitlines()[0]}",
+                hint="choose another --task",
+            ) from exc
+        # Skipping initialisation also skips tying (tie_weights runs in init_weights).
+        model.tie_weights()
+        return model
+
+    return ModelSource(
+        name=name,
+        build=build,
+        task=task,
+        config=config,
+        skip_init=_hf_skip_init,
+        supports_hf_checkpointing=True,
+    )
+
+
+# -- resolution -------------------------------------------------------------------------------
+def resolve_model(model: Any, task: str | None = None) -> ModelSource:
+    """Turn what the user gave (path, code reference, module, callable, config) into a source."""
+    if task is not None and task not in TASKS:
+        raise InputError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
+    if isinstance(model, nn.Module):
+        return _module_instance_source(model)
+    if isinstance(model, (str, Path)):
+        text = str(model)
+        path = Path(text)
+        if path.suffix == ".json" or path.is_dir():
+            return hf_source(load_hf_config(path), task, name=path.stem if path.is_file() else path.name)
+        if ":" in text:
+            factory = load_callable(text, "model factory")
+            return ModelSource(name=text.rpartition(":")[2], build=_checked_factory(factory, text))
+        if not path.exists():
+            raise InputError(
+                f"model {text!r} not found",
+                hint="give a config.json, a folder holding one, or FILE.py:FUNCTION",
+            )
+        raise InputError(f"cannot read a model from {text!r}", hint="give a config.json or FILE.py:FUNCTION")
+    if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
+        return hf_source(model, task, name=model.model_type)
+    if isinstance(model, dict) and "model_type" in model:
+        return hf_source(hf_config_from_dict(model), task, name=model["model_type"])
+    if callable(model):
+        name = getattr(model, "__name__", type(model).__name__)
+        return ModelSource(name=name, build=_checked_factory(model, name))
+    raise InputError(f"cannot use {type(model).__name__} as a model")
+
+
+def _checked_factory(factory: Callable[[], Any], ref: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        module = _call_user(factory, "model factory")
+        if not isinstance(module, nn.Module):
+            raise InputError(
+                f"the model factory {ref} returned {type(module).__name__}, not an nn.Module"
+            )
+        return module
+
+    return build
+
+
+def _module_instance_source(module: nn.Module) -> ModelSource:
+    """A built module: tracing copies its structure onto the meta device (no real memory)."""
+
+    def build() -> nn.Module:
+        device = torch.get_default_device()
+        if device.type != "meta":
+            return copy.deepcopy(module)
+        memo: dict[int, Any] = {}
+        for t in (*module.parameters(), *module.buffers()):
+            meta = torch.empty_like(t, device="meta")
+            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+        return copy.deepcopy(module, memo)
+
+    return ModelSource(name=type(module).__name__, build=build)
+
+
+# -- inputs -----------------------------------------------------------------------------------
+def resolve_inputs(inputs: Any, source: ModelSource) -> Callable[[torch.device, BatchShape], Any]:
+    """A function ``(device, shape) -> batch``."""
+    if inputs is None:
+        if source.config is None:
+            raise InputError(
+                f"no inputs for {source.name}: only Hugging Face configs have default inputs",
+                hint="pass --inputs FILE.py:FUNCTION (called with device=, batch_size=, seq_len=)",
+            )
+        return partial_hf_inputs(source)
+    fn = load_callable(inputs, "inputs function") if isinstance(inputs, str) else inputs
+    params = inspect.signature(fn).parameters
+    accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def make(device: torch.device, shape: BatchShape) -> Any:
+        kwargs: dict[str, Any] = {"device": device}
+        for key in ("batch_size", "seq_len", "image_size"):
+            if (key in params or accepts_any) and getattr(shape, key) is not None:
+                kwargs[key] = getattr(shape, key)
+        batch = _call_user(fn, "inputs function", **kwargs)
+        if not _has_tensor(batch):
+            raise InputError(
+                f"the inputs function returned {type(batch).__name__} with no tensors",
+                hint="return a dict, tuple or tensor",
+            )
+        return batch
+
+    return make
+
+
+def _has_tensor(obj: Any) -> bool:
+    if isinstance(obj, torch.Tensor):
+        return True
+    if isinstance(obj, dict):
+        return any(_has_tensor(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return any(_has_tensor(v) for v in obj)
+    return False
+
+
+def partial_hf_inputs(source: ModelSource) -> Callable[[torch.device, BatchShape], Any]:
+    config, task = source.config, source.task
+
+    def make(device: torch.device, shape: BatchShape) -> dict[str, torch.Tensor]:
+        b, s = shape.batch_size, shape.seq_len
+        if task == "image-classification":
+            size = shape.image_size or getattr(config, "image_size", None) or 224
+            channels = getattr(config, "num_channels", 3)
+            return {
+                "pixel_values": torch.randn(b, channels, size, size, device=device),
+                "labels": torch.randint(0, config.num_labels, (b,), device=device),
+            }
+        vocab = _vocab_size(config)
+        ids = torch.randint(0, vocab, (b, s), device=device)
+        if task in ("causal-lm", "masked-lm"):
+            return {"input_ids": ids, "labels": torch.randint(0, vocab, (b, s), device=device)}
+        if task == "seq2seq-lm":
+            return {"input_ids": ids, "labels": torch.randint(0, vocab, (b, s), device=device)}
+        if task == "sequence-classification":
+            return {
+                "input_ids": ids,
+                "labels": torch.randint(0, config.num_labels, (b,), device=device),
+            }
+        raise InputError(f"no default inputs for task {task!r}", hint="pass --inputs FILE.py:FUNCTION")
+
+    return make
+
+
+def _vocab_size(config: Any) -> int:
+    vocab = getattr(config, "vocab_size", None)
+    if vocab is None and hasattr(config, "get_text_config"):
+        vocab = getattr(config.get_text_config(), "vocab_size", None)
+    if not vocab:
+        raise InputError(
+            f"the {config.model_type} config has no vocab_size for default token inputs",
+            hint="pass --inputs FILE.py:FUNCTION",
+        )
+    return int(vocab)
+
+
+# -- loss -------------------------------------------------------------------------------------
+def resolve_loss(loss: Any) -> LossFn:
+    if loss is None:
+        return default_loss
+    fn = load_callable(loss, "loss function") if isinstance(loss, str) else loss
+
+    def call(model: nn.Module, batch: Any) -> torch.Tensor:
+        value = fn(model, batch)
+        if not isinstance(value, torch.Tensor) or value.numel() != 1:
+            raise InputError(
+                f"the loss function returned {type(value).__name__}"
+                + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+                + ", not a scalar tensor"
+            )
+        return value
+
+    return call
+
+
+def call_model(model: nn.Module, batch: Any) -> Any:
+    if isinstance(batch, dict):
+        return model(**batch)
+    if isinstance(batch, (tuple, list)):
+        return model(*batch)
+    return model(batch)
+
+
+def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    """``output.loss`` of models that compute their own loss (Hugging Face models with labels)."""
+    out = call_model(model, batch)
+    loss = getattr(out, "loss", None)
+    if loss is None and isinstance(out, dict):
+        loss = out.get("loss")
+    if not isinstance(loss, torch.Tensor):
+        raise InputError(
+            f"the model's output ({type(out).__name__}) has no loss",
+            hint="pass --loss FILE.py:FUNCTION, called as loss(model, batch) and returning the scalar loss",
+        )
+    return loss
+
+
+def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from iter_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from iter_tensors(v)

@@ -1,0 +1,101 @@
+"""TrainingSpec: everything that decides the memory of a training step, as one typed value.
+
+The Python API (``estimate(spec)``, ``measure(spec)``) and the CLI take the same fields; each CLI
+option is named after the field it sets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Any, Literal
+
+from .errors import InputError
+from .precision import PRECISIONS, Precision
+from .sources import TASKS
+
+Target = Literal["cuda", "cpu"]
+TARGETS: tuple[str, ...] = ("cuda", "cpu")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainingSpec:
+    model: Any
+    """A config.json or its folder, ``FILE.py:FUNCTION``, ``package.module:FUNCTION``, or from
+    Python an ``nn.Module``, a zero-argument callable returning one, or a transformers config."""
+    task: str | None = None
+    """Hugging Face task: causal-lm, masked-lm, seq2seq-lm, image-classification,
+    sequence-classification. Read from the config's ``architectures`` when not given."""
+    batch_size: int = 1
+    """Micro-batch size (examples per forward)."""
+    seq_len: int = 512
+    """Tokens per example for text models."""
+    image_size: int | None = None
+    """Image side in pixels for vision models (default: the config's image_size)."""
+    inputs: Any = None
+    """``FILE.py:FUNCTION`` making a batch, called with ``device=`` and, where its signature takes
+    them, ``batch_size=``, ``seq_len=``, ``image_size=``; returns a dict, tuple or tensor."""
+    loss: Any = None
+    """``FILE.py:FUNCTION`` called as ``loss(model, batch)`` returning the scalar loss (runs the
+    forward itself). Default: the model's ``output.loss``."""
+    optimizer: Any = "adamw"
+    """A torch.optim name (adamw, sgd, sgd-momentum, adam, adagrad, rmsprop, ...) or a class
+    (import path or, from Python, the class itself)."""
+    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments for the optimizer (momentum, foreach, fused, amsgrad, ...)."""
+    precision: Precision = "fp32"
+    """fp32, bf16-autocast, fp16-autocast, bf16-mixed, fp16-mixed or bf16-pure."""
+    grad_checkpointing: bool = False
+    """Activation checkpointing through the Hugging Face model's own switch."""
+    checkpoint_modules: tuple[str, ...] = ()
+    """Checkpoint every submodule of these class names (any model)."""
+    grad_accum: int = 1
+    """Micro-steps (forward + backward) per optimizer step."""
+    steps: int = 2
+    """Training steps to run; the first creates optimizer state, later ones are steady state."""
+    target: Target = "cuda"
+    """Device whose behaviour to predict: cuda (the default, even on a CPU-only machine) or cpu."""
+    seed: int = 0
+    """Seed for real runs (weights and synthetic batches)."""
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "seq_len", "grad_accum"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise InputError(f"{name.replace('_', '-')} must be a positive integer, not {value!r}")
+        if self.image_size is not None and (not isinstance(self.image_size, int) or self.image_size <= 0):
+            raise InputError(f"image-size must be a positive integer, not {self.image_size!r}")
+        if not isinstance(self.steps, int) or self.steps < 2:
+            raise InputError(
+                f"steps must be at least 2, not {self.steps!r}",
+                hint="step 1 creates the optimizer state; the steady state starts at step 2",
+            )
+        if self.precision not in PRECISIONS:
+            raise InputError(
+                f"unknown precision {self.precision!r}", hint=f"use one of {', '.join(PRECISIONS)}"
+            )
+        if self.target not in TARGETS:
+            raise InputError(f"unknown target {self.target!r}", hint="use cuda or cpu")
+        if self.task is not None and self.task not in TASKS:
+            raise InputError(f"unknown task {self.task!r}", hint=f"use one of {', '.join(TASKS)}")
+        if not isinstance(self.optimizer_kwargs, dict):
+            raise InputError(
+                f"optimizer kwargs must be a JSON object, not {type(self.optimizer_kwargs).__name__}",
+                hint='write it like \'{"momentum": 0.9}\'',
+            )
+        object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
+
+    def summary(self) -> dict[str, Any]:
+        """The spec as plain JSON-ready values (code objects by name)."""
+        out = {}
+        for f in fields(self):
+            key, value = f.name, getattr(self, f.name)
+            if key == "model" and not isinstance(value, (str, int, float, type(None))):
+                value = getattr(value, "__name__", type(value).__name__)
+            elif key in ("inputs", "loss", "optimizer") and callable(value):
+                value = getattr(value, "__name__", repr(value))
+            elif isinstance(value, tuple):
+                value = list(value)
+            elif isinstance(value, dict):
+                value = dict(value)
+            out[key] = value
+        return out

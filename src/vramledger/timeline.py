@@ -1,0 +1,71 @@
+"""The Timeline: every storage a training step allocates and frees, in order.
+
+A tracer (fake tensors) or a measurement (real tensors) produces one; the Ledger is computed
+from it by replay. Storages are numbered (``sid``) in order of first sight; ``events`` holds
+``sid`` for an allocation and ``~sid`` for a free, so the live set at any point is a prefix
+replay. ``marks`` say where each (step, phase) begins.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .categories import CATEGORY_RANK, Category, Phase
+
+
+@dataclass(kw_only=True)
+class Timeline:
+    """Allocation history of one traced or measured run (mutable while recording)."""
+
+    nbytes: list[int] = field(default_factory=list)
+    """Bytes of each storage (``UntypedStorage.nbytes()``), indexed by sid."""
+    tags: list[Category | None] = field(default_factory=list)
+    """Category each storage was tagged with; ``None`` means temporary."""
+    on_host: list[bool] = field(default_factory=list)
+    """True for storages that the target keeps in host memory (e.g. Adam's ``step`` counters
+    on CUDA); they are reported apart from device memory."""
+    module: list[str | None] = field(default_factory=list)
+    """Innermost module (fully qualified name) running when the storage was allocated."""
+    origin: list[tuple[int, Phase]] = field(default_factory=list)
+    """(step, phase) in which the storage was allocated."""
+    labels: dict[int, str] = field(default_factory=dict)
+    """Names for synthetic storages a device policy adds (e.g. 'cuBLAS workspace')."""
+    events: list[int] = field(default_factory=list)
+    """``sid`` = allocation, ``~sid`` = free, in program order."""
+    marks: list[tuple[int, int, Phase]] = field(default_factory=list)
+    """(index into events, step, phase): from that event on, the run is in that step and phase."""
+
+    # -- recording -------------------------------------------------------------------------------
+    def new_storage(self, nbytes: int, step: int, phase: Phase, module: str | None) -> int:
+        sid = len(self.nbytes)
+        self.nbytes.append(nbytes)
+        self.tags.append(None)
+        self.on_host.append(False)
+        self.module.append(module)
+        self.origin.append((step, phase))
+        self.events.append(sid)
+        return sid
+
+    def free(self, sid: int) -> None:
+        self.events.append(~sid)
+
+    def mark(self, step: int, phase: Phase) -> None:
+        self.marks.append((len(self.events), step, phase))
+
+    def tag(self, sid: int, category: Category) -> None:
+        """Give ``sid`` a category unless it already has one of higher priority."""
+        current = self.tags[sid]
+        if current is None or CATEGORY_RANK[category] < CATEGORY_RANK[current]:
+            self.tags[sid] = category
+
+    # -- reading ---------------------------------------------------------------------------------
+    def category(self, sid: int) -> Category:
+        return self.tags[sid] or Category.TEMPORARIES
+
+    @property
+    def num_storages(self) -> int:
+        return len(self.nbytes)
+
+    @property
+    def steps(self) -> int:
+        return max((step for _, step, _ in self.marks), default=0)

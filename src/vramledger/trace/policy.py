@@ -1,0 +1,49 @@
+"""Device policies: the decisions a target device makes that a trace must reproduce.
+
+Tracing always runs on fake *CPU* tensors (a CPU-only PyTorch cannot run autograd on fake CUDA
+tensors). Where CUDA decides differently from the CPU — the optimizer's default
+implementation, autocast's operator lists, the attention kernel, allocator rounding, library
+workspaces — a policy applies CUDA's decision during the trace (``cuda_policy.py``). The CPU
+policy changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+from ..allocator import CPU_ALLOCATOR, AllocatorModel
+from ..optimizers import OptimizerChoice
+from .tracker import OpObserver
+
+
+class DevicePolicy:
+    """The CPU: run exactly what PyTorch runs on CPU tensors."""
+
+    name = "cpu"
+    allocator: AllocatorModel = CPU_ALLOCATOR
+
+    def optimizer(self, choice: OptimizerChoice) -> OptimizerChoice:
+        """The optimizer as the target would build it from the user's arguments."""
+        return choice
+
+    @contextlib.contextmanager
+    def context(self) -> Iterator[None]:
+        """Active around the whole traced step."""
+        yield
+
+    def op_observer(self) -> OpObserver | None:
+        return None
+
+    def host_resident(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """Tensors the target keeps in host memory rather than on the device."""
+        return []
+
+    def notes(self) -> list[str]:
+        """What this policy changed, for the report."""
+        return []
+
+
+CPU_POLICY = DevicePolicy()

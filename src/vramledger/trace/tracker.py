@@ -1,0 +1,237 @@
+"""A dispatch-level storage tracker: sees every tensor storage an operator creates and frees.
+
+It is a ``TorchDispatchMode`` (as PyTorch's ``torch/distributed/_tools/mem_tracker.py``), kept
+lean: one dict lookup per operator output, a weakref callback per storage for its free, no
+per-operator snapshots. The same tracker records fake-tensor traces and real runs, so a
+prediction and a measurement come out as the same ``Timeline``.
+
+Categories are decided by what a storage turns out to be, not when it was made:
+parameters, buffers, inputs and master weights are tagged at registration; ``param.grad`` after
+each backward; ``optimizer.state`` after each step; storages made during forward (or during its
+recomputation under activation checkpointing) that are still alive when it ends are
+activations; everything else is a temporary.
+"""
+
+from __future__ import annotations
+
+import sys
+import weakref
+from collections.abc import Callable, Iterable
+from functools import partial
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+
+from ..categories import Category, Phase
+from ..timeline import Timeline
+from ..training import optimizer_state_tensors
+
+OpObserver = Callable[[Any, "StorageTracker"], None]
+
+
+def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages behind ``t``, looking inside wrapper subclasses (torchao's quantized
+    optimizer states, DTensor) as ``torch.distributed._tools.common_utils`` does."""
+    if is_traceable_wrapper_subclass(t):
+        attrs, _ = t.__tensor_flatten__()
+        out: list[torch.UntypedStorage] = []
+        for attr in attrs:
+            inner = getattr(t, attr)
+            if isinstance(inner, torch.Tensor):
+                out.extend(storages_of(inner))
+        return out
+    return [t.untyped_storage()]
+
+
+class StorageTracker(TorchDispatchMode):
+    """Record every storage allocation and free into a ``Timeline``.
+
+    Use as a context manager *inside* a ``FakeTensorMode`` (or with real tensors), then call
+    :meth:`close` to get the Timeline.
+    """
+
+    def __init__(
+        self,
+        *,
+        module_names: dict[int, str] | None = None,
+        op_observer: OpObserver | None = None,
+    ) -> None:
+        super().__init__()
+        self.timeline = Timeline()
+        self.step = 0
+        self.phase = Phase.SETUP
+        self._live: dict[int, int] = {}  # StorageImpl address -> sid
+        self._refs: dict[int, weakref.ref] = {}
+        self._alive: set[int] = set()
+        self._closed = False
+        self._op_observer = op_observer
+        self._module_names = module_names or {}
+        self._module_stack: list[str | None] = []
+        self._region: list[int] | None = None  # sids allocated in the current forward/recompute
+        self._recompute_depth: int | None = None
+        self._hook_handles: list[Any] = []
+        self.error_module: str | None = None
+        """Innermost module that was running when an exception escaped (for error messages)."""
+
+    # -- the dispatch hook -----------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        try:
+            out = func(*args, **(kwargs or {}))
+        except Exception:
+            if self.error_module is None:
+                self.error_module = self.current_module or ""
+            raise
+        if self._op_observer is not None:
+            self._op_observer(func, self)
+        if isinstance(out, torch.Tensor):
+            self._see(out)
+        elif isinstance(out, (tuple, list)):
+            self._see_all(out)
+        return out
+
+    def _see_all(self, outs: Iterable[Any]) -> None:
+        for o in outs:
+            if isinstance(o, torch.Tensor):
+                self._see(o)
+            elif isinstance(o, (tuple, list)):
+                self._see_all(o)
+
+    def _see(self, t: torch.Tensor) -> list[int]:
+        sids = []
+        for st in storages_of(t):
+            key = st._cdata
+            sid = self._live.get(key)
+            if sid is None:
+                nbytes = st.nbytes()
+                if nbytes == 0:
+                    continue
+                sid = self._new(nbytes)
+                self._live[key] = sid
+                self._refs[key] = weakref.ref(st, partial(self._on_free, key, sid))
+            sids.append(sid)
+        return sids
+
+    def _new(self, nbytes: int) -> int:
+        module = self._module_stack[-1] if self._module_stack else None
+        sid = self.timeline.new_storage(nbytes, self.step, self.phase, module)
+        self._alive.add(sid)
+        if self._region is not None:
+            self._region.append(sid)
+        return sid
+
+    def _on_free(self, key: int, sid: int, _ref: weakref.ref) -> None:
+        if self._live.get(key) == sid:
+            del self._live[key]
+            del self._refs[key]
+        if self._closed:
+            return
+        self._alive.discard(sid)
+        self.timeline.free(sid)
+
+    # -- what the training loop tells the tracker -----------------------------------------------
+    def track(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
+        """Register (if new) and tag the storages of ``tensors``."""
+        for t in tensors:
+            if t is None:
+                continue
+            for sid in self._see(t):
+                self.timeline.tag(sid, category)
+
+    def add_synthetic(self, nbytes: int, label: str, category: Category) -> int:
+        """Record an allocation that no tensor shows (a library workspace); never freed."""
+        sid = self._new(nbytes)
+        self.timeline.labels[sid] = label
+        self.timeline.tag(sid, category)
+        return sid
+
+    def mark_host(self, tensors: Iterable[torch.Tensor]) -> None:
+        """The target keeps these storages in host memory, not on the device."""
+        for t in tensors:
+            for sid in self._see(t):
+                self.timeline.on_host[sid] = True
+
+    def set_phase(self, step: int, phase: Phase) -> None:
+        if self.phase is Phase.FORWARD:
+            self._end_region()
+        self.step, self.phase = step, phase
+        self.timeline.mark(step, phase)
+        if phase is Phase.FORWARD:
+            self._region = []
+
+    def _end_region(self) -> None:
+        region, self._region = self._region, None
+        for sid in region or ():
+            if sid in self._alive:
+                self.timeline.tag(sid, Category.ACTIVATIONS)
+
+    # -- module attribution and recomputation ------------------------------------------------------
+    def _pre_forward(self, module: torch.nn.Module, _args: Any) -> None:
+        name = self._module_names.get(id(module))
+        if name is None and self._module_stack:
+            name = self._module_stack[-1]
+        if self.phase is Phase.BACKWARD and self._recompute_depth is None:
+            # A module runs forward inside backward: activation checkpointing recomputes it.
+            self._recompute_depth = len(self._module_stack)
+            self._region = []
+        self._module_stack.append(name)
+
+    @property
+    def current_module(self) -> str | None:
+        return self.error_module or (self._module_stack[-1] if self._module_stack else None)
+
+    def _post_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
+        if self._module_stack:
+            name = self._module_stack.pop()
+            if self.error_module is None and sys.exc_info()[0] is not None:
+                self.error_module = name or ""
+
+        if self._recompute_depth is not None and len(self._module_stack) == self._recompute_depth:
+            self._recompute_depth = None
+            self._end_region()
+
+    # -- context management ----------------------------------------------------------------------
+    def __enter__(self) -> StorageTracker:
+        self._hook_handles = [
+            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
+            torch.nn.modules.module.register_module_forward_hook(
+                self._post_forward, always_call=True
+            ),
+        ]
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        return super().__exit__(*exc)
+
+    def close(self) -> Timeline:
+        """Stop recording (later frees are ignored) and return the Timeline."""
+        if self.phase is Phase.FORWARD:
+            self._end_region()
+        self._closed = True
+        return self.timeline
+
+
+class TrackerObserver:
+    """Feeds what the training loop knows (phases, gradients, optimizer state) to a tracker."""
+
+    def __init__(
+        self,
+        tracker: StorageTracker,
+        host_resident: Callable[[torch.optim.Optimizer], list[torch.Tensor]] | None = None,
+    ) -> None:
+        self.tracker = tracker
+        self.host_resident = host_resident
+
+    def phase(self, step: int, phase: Phase) -> None:
+        self.tracker.set_phase(step, phase)
+
+    def tensors(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
+        self.tracker.track(tensors, category)
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        self.tracker.track(optimizer_state_tensors(optimizer), Category.OPTIMIZER_STATE)
+        if self.host_resident is not None:
+            self.tracker.mark_host(self.host_resident(optimizer))

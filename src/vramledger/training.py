@@ -1,0 +1,166 @@
+"""The training step both the tracer and the measurer execute, unchanged.
+
+Per step: ``optimizer.zero_grad(set_to_none=True)``; for each of ``grad_accum`` micro-steps,
+forward and loss (under autocast if the precision asks), ``backward()``; then the precision's
+step (unscale, cast gradients to the master weights, ``optimizer.step()``, copy back). An
+observer is told where each phase begins, which tensors are gradients and which are optimizer
+state, so the same code serves fake-tensor tracing and real measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from .categories import Category, Phase
+from .optimizers import OptimizerChoice
+from .precision import DynamicLossScaler, MasterWeights, PrecisionPolicy, autocast, is_fake
+from .sources import LossFn, iter_tensors
+
+
+class StepObserver(Protocol):
+    def phase(self, step: int, phase: Phase) -> None: ...
+
+    def tensors(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None: ...
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None: ...
+
+
+class NullObserver:
+    def phase(self, step: int, phase: Phase) -> None:
+        pass
+
+    def tensors(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
+        pass
+
+    def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    for state in optimizer.state.values():
+        out.extend(iter_tensors(list(state.values()) if isinstance(state, dict) else state))
+    return out
+
+
+@dataclass(kw_only=True)
+class TrainingRun:
+    """A model with its batch, loss, optimizer and precision, ready to step."""
+
+    model: nn.Module
+    batch: Any
+    loss_fn: LossFn
+    optimizer: torch.optim.Optimizer
+    precision: PrecisionPolicy
+    device_type: str
+    grad_accum: int = 1
+    masters: MasterWeights | None = None
+    grad_scaler: Any = None
+    loss_scaler: DynamicLossScaler | None = None
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def run(self, steps: int, observer: StepObserver) -> None:
+        for step in range(1, steps + 1):
+            self.step(step, observer)
+
+    def step(self, step: int, observer: StepObserver) -> None:
+        observer.phase(step, Phase.OPTIMIZER)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.model.zero_grad(set_to_none=True)
+        for _ in range(self.grad_accum):
+            self._forward_backward(step, observer)
+            observer.tensors((p.grad for p in self.params), Category.GRADIENTS)
+        observer.phase(step, Phase.OPTIMIZER)
+        self._optimizer_step(observer)
+        observer.optimizer_stepped(self.optimizer)
+
+    def _forward_backward(self, step: int, observer: StepObserver) -> None:
+        observer.phase(step, Phase.FORWARD)
+        with autocast(self.precision, self.device_type):
+            loss = self.loss_fn(self.model, self.batch)
+        if self.grad_accum > 1:
+            loss = loss / self.grad_accum
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        elif self.loss_scaler is not None:
+            loss = self.loss_scaler.scale_loss(loss)
+        observer.phase(step, Phase.BACKWARD)
+        loss.backward()
+
+    def _optimizer_step(self, observer: StepObserver) -> None:
+        if self.masters is not None:
+            self.masters.grads_to_masters()
+            grads = self.masters.master_grads()
+            observer.tensors(grads, Category.GRADIENTS)
+            take_step = True
+            if self.loss_scaler is not None:
+                take_step = self.loss_scaler.unscale_(grads)
+            if take_step:
+                self.optimizer.step()
+            self.masters.masters_to_model()
+        elif self.grad_scaler is not None:
+            scaler = self.grad_scaler
+            if is_fake(scaler._scale):
+                # GradScaler.step() reads found_inf with .item(), which fake tensors cannot
+                # answer; unscale_ + step allocates exactly what step() would.
+                scaler.unscale_(self.optimizer)
+                self.optimizer.step()
+            else:
+                scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            self.optimizer.step()
+
+
+def assemble(
+    *,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    optimizer: OptimizerChoice,
+    precision: PrecisionPolicy,
+    device: torch.device,
+    grad_accum: int,
+    observer: StepObserver,
+    build_hook: Callable[[torch.optim.Optimizer], None] | None = None,
+) -> TrainingRun:
+    """Put a model (already on its device, in its dtype) together with everything a step needs,
+    telling the observer which tensors are parameters, buffers, inputs and master weights."""
+    observer.tensors(model.parameters(), Category.PARAMETERS)
+    observer.tensors(model.buffers(), Category.BUFFERS)
+    observer.tensors(iter_tensors(batch), Category.INPUTS)
+    params = [p for p in model.parameters() if p.requires_grad]
+    masters = None
+    if precision.master_weights:
+        masters = MasterWeights(params)
+        observer.tensors(masters.masters, Category.MASTER_WEIGHTS)
+        opt = optimizer.build(masters.masters)
+    else:
+        opt = optimizer.build(params)
+    if build_hook is not None:
+        build_hook(opt)
+    grad_scaler = loss_scaler = None
+    if precision.loss_scaling and precision.autocast_dtype is not None:
+        grad_scaler = torch.amp.GradScaler(device.type)
+    elif precision.loss_scaling:
+        loss_scaler = DynamicLossScaler(device)
+    return TrainingRun(
+        model=model,
+        batch=batch,
+        loss_fn=loss_fn,
+        optimizer=opt,
+        precision=precision,
+        device_type=device.type,
+        grad_accum=grad_accum,
+        masters=masters,
+        grad_scaler=grad_scaler,
+        loss_scaler=loss_scaler,
+    )
