@@ -26,6 +26,8 @@ class Timeline:
     on CUDA); they are reported apart from device memory."""
     module: list[str | None] = field(default_factory=list)
     """Innermost module (fully qualified name) running when the storage was allocated."""
+    op: list[str | None] = field(default_factory=list)
+    """Operator whose output the storage is (``aten.mm.default``), None for registered tensors."""
     origin: list[tuple[int, Phase]] = field(default_factory=list)
     """(step, phase) in which the storage was allocated."""
     labels: dict[int, str] = field(default_factory=dict)
@@ -36,12 +38,15 @@ class Timeline:
     """(index into events, step, phase): from that event on, the run is in that step and phase."""
 
     # -- recording -------------------------------------------------------------------------------
-    def new_storage(self, nbytes: int, step: int, phase: Phase, module: str | None) -> int:
+    def new_storage(
+        self, nbytes: int, step: int, phase: Phase, module: str | None, op: str | None = None
+    ) -> int:
         sid = len(self.nbytes)
         self.nbytes.append(nbytes)
         self.tags.append(None)
         self.on_host.append(False)
         self.module.append(module)
+        self.op.append(op)
         self.origin.append((step, phase))
         self.events.append(sid)
         return sid

@@ -41,6 +41,16 @@ class NullObserver:
         pass
 
 
+def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, dict):
+        return {k: cast_floating(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(cast_floating(v, dtype) for v in batch)
+    return batch
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for state in optimizer.state.values():
@@ -133,7 +143,11 @@ def assemble(
     build_hook: Callable[[torch.optim.Optimizer], None] | None = None,
 ) -> TrainingRun:
     """Put a model (already on its device, in its dtype) together with everything a step needs,
-    telling the observer which tensors are parameters, buffers, inputs and master weights."""
+    telling the observer which tensors are parameters, buffers, inputs and master weights.
+    Floating-point inputs are cast to the model's dtype when the model is stored in half
+    precision (``*-mixed``, ``bf16-pure``), as a training script for such a model does."""
+    if precision.param_dtype is not torch.float32:
+        batch = cast_floating(batch, precision.param_dtype)
     observer.tensors(model.parameters(), Category.PARAMETERS)
     observer.tensors(model.buffers(), Category.BUFFERS)
     observer.tensors(iter_tensors(batch), Category.INPUTS)

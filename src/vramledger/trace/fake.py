@@ -27,6 +27,7 @@ from ..sources import BatchShape, ModelSource, resolve_inputs, resolve_loss, res
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..training import assemble, optimizer_state_tensors
+from .fake_corrections import CORRECTIONS
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 
@@ -136,7 +137,9 @@ def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakeify(model, mode, TRACE_DEVICE)
-    tracker = StorageTracker(module_names=names, op_observer=policy.op_observer())
+    tracker = StorageTracker(
+        module_names=names, op_observer=policy.op_observer(), corrections=CORRECTIONS
+    )
     observer = TrackerObserver(tracker, policy.host_resident)
     shape = BatchShape(batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size)
     with mode, policy.context(), tracker:

@@ -27,7 +27,9 @@ from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
 
-OpObserver = Callable[[Any, "StorageTracker"], None]
+OpObserver = Callable[[Any, tuple[Any, ...], Any, "StorageTracker"], None]
+"""Called after each operator, before its outputs are recorded: (func, args, outputs, tracker).
+It may add transient allocations (kernel scratch) or synthetic ones (library workspaces)."""
 
 
 def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
@@ -56,6 +58,7 @@ class StorageTracker(TorchDispatchMode):
         *,
         module_names: dict[int, str] | None = None,
         op_observer: OpObserver | None = None,
+        corrections: dict[Any, Callable[[Any, Any], dict[int, int]]] | None = None,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -71,6 +74,10 @@ class StorageTracker(TorchDispatchMode):
         self._region: list[int] | None = None  # sids allocated in the current forward/recompute
         self._recompute_depth: int | None = None
         self._hook_handles: list[Any] = []
+        self._op: Any = None
+        self._corrections = corrections or {}
+        self._sizes: dict[int, int] = {}  # id(output tensor) -> corrected nbytes, for one op
+        self._transients: list[int] = []  # kernel scratch of the current op, freed after it
         self.error_module: str | None = None
         """Innermost module that was running when an exception escaped (for error messages)."""
 
@@ -82,12 +89,23 @@ class StorageTracker(TorchDispatchMode):
             if self.error_module is None:
                 self.error_module = self.current_module or ""
             raise
+        self._op = func
         if self._op_observer is not None:
-            self._op_observer(func, self)
+            self._op_observer(func, args, out, self)
+        correct = self._corrections.get(func)
+        if correct is not None:
+            self._sizes = correct(args, out)
         if isinstance(out, torch.Tensor):
             self._see(out)
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
+        self._op = None
+        self._sizes = {}
+        if self._transients:
+            for sid in self._transients:
+                self._alive.discard(sid)
+                self.timeline.free(sid)
+            self._transients = []
         return out
 
     def _see_all(self, outs: Iterable[Any]) -> None:
@@ -103,7 +121,7 @@ class StorageTracker(TorchDispatchMode):
             key = st._cdata
             sid = self._live.get(key)
             if sid is None:
-                nbytes = st.nbytes()
+                nbytes = self._sizes.get(id(t)) or st.nbytes()
                 if nbytes == 0:
                     continue
                 sid = self._new(nbytes)
@@ -114,7 +132,8 @@ class StorageTracker(TorchDispatchMode):
 
     def _new(self, nbytes: int) -> int:
         module = self._module_stack[-1] if self._module_stack else None
-        sid = self.timeline.new_storage(nbytes, self.step, self.phase, module)
+        op = str(self._op) if self._op is not None else None
+        sid = self.timeline.new_storage(nbytes, self.step, self.phase, module, op)
         self._alive.add(sid)
         if self._region is not None:
             self._region.append(sid)
@@ -139,11 +158,19 @@ class StorageTracker(TorchDispatchMode):
                 self.timeline.tag(sid, category)
 
     def add_synthetic(self, nbytes: int, label: str, category: Category) -> int:
-        """Record an allocation that no tensor shows (a library workspace); never freed."""
+        """Record an allocation that no tensor shows (a library workspace); kept to the end."""
         sid = self._new(nbytes)
         self.timeline.labels[sid] = label
         self.timeline.tag(sid, category)
         return sid
+
+    def add_transient(self, nbytes: int, label: str, category: Category = Category.WORKSPACE) -> None:
+        """Scratch memory the current operator's kernel holds while it runs (alongside its
+        outputs) and frees before returning."""
+        if nbytes <= 0:
+            return
+        sid = self.add_synthetic(nbytes, label, category)
+        self._transients.append(sid)
 
     def mark_host(self, tensors: Iterable[torch.Tensor]) -> None:
         """The target keeps these storages in host memory, not on the device."""

@@ -1,0 +1,108 @@
+"""Terminal tables (rich) for ledgers and measurements."""
+
+from __future__ import annotations
+
+from rich.console import Console, Group
+from rich.table import Table
+from rich.text import Text
+
+from ..categories import STEP_PHASES, Category
+from ..ledger import Ledger
+from ..measure import Measurement
+from ..units import format_bytes
+
+
+def _pct(part: int, whole: int) -> str:
+    return f"{100 * part / whole:5.1f} %" if whole else "   — "
+
+
+def _title(ledger: Ledger) -> str:
+    spec = ledger.spec
+    parts = [str(spec.get("model", "model"))]
+    for key in ("task",):
+        if spec.get(key):
+            parts.append(str(spec[key]))
+    parts.append(f"batch {spec.get('batch_size')}×{spec.get('seq_len')}")
+    parts.append(str(spec.get("precision")))
+    parts.append(f"optimizer {spec.get('optimizer')}")
+    if spec.get("grad_checkpointing") or spec.get("checkpoint_modules"):
+        parts.append("checkpointing")
+    if spec.get("grad_accum", 1) > 1:
+        parts.append(f"grad-accum {spec['grad_accum']}")
+    return " · ".join(parts)
+
+
+def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
+    breakdown = Table(title=f"{label}: peak of a steady-state step on {ledger.target}", title_justify="left")
+    breakdown.add_column("category")
+    breakdown.add_column("at peak", justify="right")
+    breakdown.add_column("share", justify="right")
+    breakdown.add_column(f"allocated ({ledger.allocator})", justify="right")
+    breakdown.add_column("first step", justify="right")
+    for cat in Category:
+        raw = ledger.at_peak.get(cat, 0)
+        alloc = ledger.allocated_at_peak.get(cat, 0)
+        first = ledger.first_step_at_peak.get(cat, 0)
+        if raw == alloc == first == 0:
+            continue
+        breakdown.add_row(cat.value, format_bytes(raw), _pct(raw, ledger.peak_bytes),
+                          format_bytes(alloc), format_bytes(first))
+    breakdown.add_row(
+        Text("total", style="bold"),
+        Text(format_bytes(ledger.peak_bytes), style="bold"),
+        "",
+        Text(format_bytes(ledger.allocated_peak_bytes), style="bold"),
+        Text(format_bytes(ledger.first_step_peak_bytes), style="bold"),
+    )
+    phases = Table(title="peak by phase (steady state)", title_justify="left")
+    phases.add_column("phase")
+    phases.add_column("peak", justify="right")
+    phases.add_column("allocated", justify="right")
+    for phase in STEP_PHASES:
+        if phase in ledger.phases:
+            marker = " ◀ peak" if phase is ledger.peak_phase else ""
+            phases.add_row(phase.value + marker, format_bytes(ledger.phases[phase]),
+                           format_bytes(ledger.allocated_phases.get(phase, 0)))
+    parts: list = [Text(_title(ledger), style="bold"), breakdown, phases]
+    if ledger.top_modules:
+        modules = Table(title="activations held at the end of forward, by module", title_justify="left")
+        modules.add_column("module")
+        modules.add_column("activations", justify="right")
+        for name, nbytes in ledger.top_modules:
+            modules.add_row(name, format_bytes(nbytes))
+        parts.append(modules)
+    facts = [
+        f"parameters: {ledger.parameters:,} ({ledger.trainable_parameters:,} trainable)",
+        f"optimizer state: {format_bytes(ledger.optimizer_state_bytes)} "
+        f"({ledger.optimizer_state_bytes_per_param:.2f} bytes/parameter)",
+        f"held at step start: {format_bytes(ledger.step_start_bytes)}",
+    ]
+    if ledger.host_bytes:
+        facts.append(f"host memory (not on the device): {format_bytes(ledger.host_bytes)}")
+    facts.extend(f"note: {n}" for n in ledger.notes)
+    facts.append(f"took {ledger.seconds:.2f} s")
+    parts.append(Text("\n".join(facts), style="dim"))
+    return Group(*parts)
+
+
+def measurement_table(m: Measurement) -> Group:
+    parts = [ledger_table(m.ledger, label=f"measured on {m.device}")]
+    summary = Table(title="measured totals", title_justify="left")
+    summary.add_column("")
+    summary.add_column("steady-state peak", justify="right")
+    summary.add_column("first step", justify="right")
+    summary.add_row(f"allocator ({m.method})", format_bytes(m.measured_peak_bytes),
+                    format_bytes(m.measured_first_step_peak_bytes))
+    tracked = m.ledger.allocated_peak_bytes
+    summary.add_row("tracked tensors", format_bytes(tracked), format_bytes(m.ledger.first_step_allocated_peak_bytes))
+    if m.estimate is not None:
+        est = m.estimate.allocated_peak_bytes
+        summary.add_row("estimate (fake tensors)", format_bytes(est), format_bytes(m.estimate.first_step_allocated_peak_bytes))
+        err = m.error()
+        summary.add_row("estimate error", f"{100 * err:+.3f} %" if err is not None else "—", "")
+    parts.append(summary)
+    return Group(*parts)
+
+
+def print_renderable(renderable: object, console: Console | None = None) -> None:
+    (console or Console()).print(renderable)
