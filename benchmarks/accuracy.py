@@ -69,7 +69,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     cases = CASES[:4] if args.quick else CASES
-    console = Console()
+    console = Console(width=130)
     table = Table(title="estimate (fake tensors, --target cpu) vs real CPU run: steady-state step peak")
     for col in ("case", "precision", "estimate", "measured", "error", "tracked real", "untracked"):
         table.add_column(col, justify="left" if col in ("case", "precision") else "right")

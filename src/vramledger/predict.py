@@ -8,12 +8,12 @@ from .ledger import Ledger, build_ledger
 from .spec import TrainingSpec
 from .trace.cuda_policy import CudaPolicy
 from .trace.fake import trace
-from .trace.policy import CPU_POLICY, DevicePolicy
+from .trace.policy import CpuPolicy, DevicePolicy
 from .version import __version__
 
 
 def policy_for(target: str) -> DevicePolicy:
-    return CudaPolicy() if target == "cuda" else CPU_POLICY
+    return CudaPolicy() if target == "cuda" else CpuPolicy()
 
 
 def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:

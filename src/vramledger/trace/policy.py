@@ -4,7 +4,8 @@ Tracing always runs on fake *CPU* tensors (a CPU-only PyTorch cannot run autogra
 tensors). Where CUDA decides differently from the CPU — the optimizer's default
 implementation, autocast's operator lists, the attention kernel, allocator rounding, library
 workspaces — a policy applies CUDA's decision during the trace (``cuda_policy.py``). The CPU
-policy changes nothing.
+policy runs what PyTorch runs on CPU tensors and adds the scratch CPU kernels allocate inside
+themselves (``cpu_scratch.py``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,14 @@ import torch
 
 from ..allocator import CPU_ALLOCATOR, AllocatorModel
 from ..optimizers import OptimizerChoice
+from .cpu_scratch import CpuScratchProbe
 from .tracker import OpObserver
 
 
 class DevicePolicy:
-    """The CPU: run exactly what PyTorch runs on CPU tensors."""
+    """The interface, with neutral defaults: change nothing."""
 
-    name = "cpu"
+    name = "none"
     allocator: AllocatorModel = CPU_ALLOCATOR
 
     def optimizer(self, choice: OptimizerChoice) -> OptimizerChoice:
@@ -35,6 +37,7 @@ class DevicePolicy:
         yield
 
     def op_observer(self) -> OpObserver | None:
+        """Called after each traced operator (see ``tracker.OpObserver``)."""
         return None
 
     def host_resident(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -46,4 +49,14 @@ class DevicePolicy:
         return []
 
 
-CPU_POLICY = DevicePolicy()
+class CpuPolicy(DevicePolicy):
+    name = "cpu"
+
+    def __init__(self) -> None:
+        self._probe = CpuScratchProbe()
+
+    def op_observer(self) -> OpObserver | None:
+        return self._probe
+
+    def notes(self) -> list[str]:
+        return self._probe.notes()

@@ -58,7 +58,7 @@ class StorageTracker(TorchDispatchMode):
         *,
         module_names: dict[int, str] | None = None,
         op_observer: OpObserver | None = None,
-        corrections: dict[Any, Callable[[Any, Any], dict[int, int]]] | None = None,
+        corrections: dict[Any, Callable[[Any, Any], Any]] | None = None,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -76,7 +76,6 @@ class StorageTracker(TorchDispatchMode):
         self._hook_handles: list[Any] = []
         self._op: Any = None
         self._corrections = corrections or {}
-        self._sizes: dict[int, int] = {}  # id(output tensor) -> corrected nbytes, for one op
         self._transients: list[int] = []  # kernel scratch of the current op, freed after it
         self.error_module: str | None = None
         """Innermost module that was running when an exception escaped (for error messages)."""
@@ -89,18 +88,17 @@ class StorageTracker(TorchDispatchMode):
             if self.error_module is None:
                 self.error_module = self.current_module or ""
             raise
+        correct = self._corrections.get(func)
+        if correct is not None:
+            out = correct(args, out)
         self._op = func
         if self._op_observer is not None:
             self._op_observer(func, args, out, self)
-        correct = self._corrections.get(func)
-        if correct is not None:
-            self._sizes = correct(args, out)
         if isinstance(out, torch.Tensor):
             self._see(out)
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
         self._op = None
-        self._sizes = {}
         if self._transients:
             for sid in self._transients:
                 self._alive.discard(sid)
@@ -121,7 +119,7 @@ class StorageTracker(TorchDispatchMode):
             key = st._cdata
             sid = self._live.get(key)
             if sid is None:
-                nbytes = self._sizes.get(id(t)) or st.nbytes()
+                nbytes = st.nbytes()
                 if nbytes == 0:
                     continue
                 sid = self._new(nbytes)
