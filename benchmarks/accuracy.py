@@ -35,32 +35,120 @@ C = HERE / "configs"
 M = f"{HERE / 'models.py'}"
 
 CASES: list[tuple[str, dict]] = [
-    ("gpt2 adamw foreach", dict(model=C / "gpt2-2l.json", batch_size=2, seq_len=256, optimizer="adamw",
-                                optimizer_kwargs={"foreach": True})),
-    ("gpt2 adamw for-loop ckpt", dict(model=C / "gpt2-2l.json", batch_size=2, seq_len=256, optimizer="adamw",
-                                      optimizer_kwargs={"foreach": False}, grad_checkpointing=True)),
-    ("llama bf16-mixed adamw", dict(model=C / "tinyllama-2l.json", batch_size=1, seq_len=256,
-                                    optimizer="adamw", precision="bf16-mixed")),
-    ("llama bf16-autocast sgd-mom ckpt", dict(model=C / "tinyllama-2l.json", batch_size=1, seq_len=256,
-                                              optimizer="sgd-momentum", precision="bf16-autocast",
-                                              grad_checkpointing=True)),
+    (
+        "gpt2 adamw foreach",
+        dict(
+            model=C / "gpt2-2l.json",
+            batch_size=2,
+            seq_len=256,
+            optimizer="adamw",
+            optimizer_kwargs={"foreach": True},
+        ),
+    ),
+    (
+        "gpt2 adamw for-loop ckpt",
+        dict(
+            model=C / "gpt2-2l.json",
+            batch_size=2,
+            seq_len=256,
+            optimizer="adamw",
+            optimizer_kwargs={"foreach": False},
+            grad_checkpointing=True,
+        ),
+    ),
+    (
+        "llama bf16-mixed adamw",
+        dict(
+            model=C / "tinyllama-2l.json",
+            batch_size=1,
+            seq_len=256,
+            optimizer="adamw",
+            precision="bf16-mixed",
+        ),
+    ),
+    (
+        "llama bf16-autocast sgd-mom ckpt",
+        dict(
+            model=C / "tinyllama-2l.json",
+            batch_size=1,
+            seq_len=256,
+            optimizer="sgd-momentum",
+            precision="bf16-autocast",
+            grad_checkpointing=True,
+        ),
+    ),
     ("bert adam", dict(model=C / "bert-base-2l.json", batch_size=4, seq_len=128, optimizer="adam")),
-    ("bert sgd bf16-autocast", dict(model=C / "bert-base-2l.json", batch_size=4, seq_len=128, optimizer="sgd",
-                                    precision="bf16-autocast")),
+    (
+        "bert sgd bf16-autocast",
+        dict(
+            model=C / "bert-base-2l.json",
+            batch_size=4,
+            seq_len=128,
+            optimizer="sgd",
+            precision="bf16-autocast",
+        ),
+    ),
     ("t5 adamw", dict(model=C / "t5-small-2l.json", batch_size=2, seq_len=128, optimizer="adamw")),
-    ("t5 adagrad bf16-mixed ckpt", dict(model=C / "t5-small-2l.json", batch_size=2, seq_len=128,
-                                        optimizer="adagrad", precision="bf16-mixed", grad_checkpointing=True)),
+    (
+        "t5 adagrad bf16-mixed ckpt",
+        dict(
+            model=C / "t5-small-2l.json",
+            batch_size=2,
+            seq_len=128,
+            optimizer="adagrad",
+            precision="bf16-mixed",
+            grad_checkpointing=True,
+        ),
+    ),
     ("vit adamw", dict(model=C / "vit-base-2l.json", batch_size=4, optimizer="adamw")),
-    ("vit sgd-mom bf16-autocast", dict(model=C / "vit-base-2l.json", batch_size=4, optimizer="sgd-momentum",
-                                       precision="bf16-autocast")),
-    ("mlp rmsprop", dict(model=f"{M}:mlp", inputs=f"{M}:mlp_inputs", loss=f"{M}:classify_loss",
-                         optimizer="rmsprop")),
-    ("mlp adamw bf16-mixed ckpt", dict(model=f"{M}:mlp", inputs=f"{M}:mlp_inputs", loss=f"{M}:classify_loss",
-                                       optimizer="adamw", precision="bf16-mixed", checkpoint_modules=("MLPBlock",))),
-    ("cnn sgd-mom", dict(model=f"{M}:cnn", inputs=f"{M}:cnn_inputs", loss=f"{M}:classify_loss",
-                         optimizer="sgd-momentum")),
-    ("cnn adamw ckpt", dict(model=f"{M}:cnn", inputs=f"{M}:cnn_inputs", loss=f"{M}:classify_loss",
-                            optimizer="adamw", checkpoint_modules=("ResBlock",))),
+    (
+        "vit sgd-mom bf16-autocast",
+        dict(
+            model=C / "vit-base-2l.json",
+            batch_size=4,
+            optimizer="sgd-momentum",
+            precision="bf16-autocast",
+        ),
+    ),
+    (
+        "mlp rmsprop",
+        dict(
+            model=f"{M}:mlp",
+            inputs=f"{M}:mlp_inputs",
+            loss=f"{M}:classify_loss",
+            optimizer="rmsprop",
+        ),
+    ),
+    (
+        "mlp adamw bf16-mixed ckpt",
+        dict(
+            model=f"{M}:mlp",
+            inputs=f"{M}:mlp_inputs",
+            loss=f"{M}:classify_loss",
+            optimizer="adamw",
+            precision="bf16-mixed",
+            checkpoint_modules=("MLPBlock",),
+        ),
+    ),
+    (
+        "cnn sgd-mom",
+        dict(
+            model=f"{M}:cnn",
+            inputs=f"{M}:cnn_inputs",
+            loss=f"{M}:classify_loss",
+            optimizer="sgd-momentum",
+        ),
+    ),
+    (
+        "cnn adamw ckpt",
+        dict(
+            model=f"{M}:cnn",
+            inputs=f"{M}:cnn_inputs",
+            loss=f"{M}:classify_loss",
+            optimizer="adamw",
+            checkpoint_modules=("ResBlock",),
+        ),
+    ),
 ]
 
 
@@ -70,7 +158,9 @@ def main() -> int:
     args = parser.parse_args()
     cases = CASES[:4] if args.quick else CASES
     console = Console(width=130)
-    table = Table(title="estimate (fake tensors, --target cpu) vs real CPU run: steady-state step peak")
+    table = Table(
+        title="estimate (fake tensors, --target cpu) vs real CPU run: steady-state step peak"
+    )
     for col in ("case", "precision", "estimate", "measured", "error", "tracked real", "untracked"):
         table.add_column(col, justify="left" if col in ("case", "precision") else "right")
     rows = []
@@ -78,17 +168,25 @@ def main() -> int:
         kwargs = {**kwargs, "model": str(kwargs["model"])}
         m = measure(target="cpu", compare=True, **kwargs)
         err = m.error()
-        rows.append({
-            "case": name,
-            "precision": kwargs.get("precision", "fp32"),
-            "estimate_bytes": m.estimate.peak_bytes,
-            "measured_bytes": m.measured_peak_bytes,
-            "tracked_real_bytes": m.ledger.peak_bytes,
-            "error": err,
-        })
-        table.add_row(name, kwargs.get("precision", "fp32"), format_bytes(m.estimate.peak_bytes),
-                      format_bytes(m.measured_peak_bytes), f"{100 * err:+.4f} %",
-                      format_bytes(m.ledger.peak_bytes), format_bytes(m.untracked_bytes))
+        rows.append(
+            {
+                "case": name,
+                "precision": kwargs.get("precision", "fp32"),
+                "estimate_bytes": m.estimate.peak_bytes,
+                "measured_bytes": m.measured_peak_bytes,
+                "tracked_real_bytes": m.ledger.peak_bytes,
+                "error": err,
+            }
+        )
+        table.add_row(
+            name,
+            kwargs.get("precision", "fp32"),
+            format_bytes(m.estimate.peak_bytes),
+            format_bytes(m.measured_peak_bytes),
+            f"{100 * err:+.4f} %",
+            format_bytes(m.ledger.peak_bytes),
+            format_bytes(m.untracked_bytes),
+        )
         console.print(f"[dim]{name}: error {100 * err:+.4f} %[/dim]")
     console.print(table)
     errors = [abs(r["error"]) for r in rows]
@@ -99,8 +197,17 @@ def main() -> int:
         + ("[green]targets met[/green]" if ok else "[red]TARGET MISSED[/red]")
     )
     out = HERE / "results" / f"accuracy-{datetime.date.today()}-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps({"cases": rows, "median_abs_error": median, "worst_abs_error": worst,
-                               "targets_met": ok}, indent=2))
+    out.write_text(
+        json.dumps(
+            {
+                "cases": rows,
+                "median_abs_error": median,
+                "worst_abs_error": worst,
+                "targets_met": ok,
+            },
+            indent=2,
+        )
+    )
     console.print(f"[dim]wrote {out}[/dim]")
     return 0 if ok else 1
 

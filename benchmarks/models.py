@@ -17,7 +17,9 @@ class MLPBlock(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, inputs: int = 784, width: int = 1024, depth: int = 4, classes: int = 10) -> None:
+    def __init__(
+        self, inputs: int = 784, width: int = 1024, depth: int = 4, classes: int = 10
+    ) -> None:
         super().__init__()
         self.inp = nn.Linear(inputs, width)
         self.blocks = nn.Sequential(*(MLPBlock(width) for _ in range(depth)))
@@ -32,7 +34,9 @@ def mlp():
 
 
 def mlp_inputs(device, batch_size=256):
-    return torch.randn(batch_size, 784, device=device), torch.randint(0, 10, (batch_size,), device=device)
+    return torch.randn(batch_size, 784, device=device), torch.randint(
+        0, 10, (batch_size,), device=device
+    )
 
 
 def classify_loss(model, batch):
@@ -56,7 +60,9 @@ class ResBlock(nn.Module):
 class CNN(nn.Module):
     def __init__(self, channels: int = 64, classes: int = 100) -> None:
         super().__init__()
-        self.stem = nn.Sequential(nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU())
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1, bias=False), nn.BatchNorm2d(channels), nn.ReLU()
+        )
         self.blocks = nn.Sequential(ResBlock(channels), ResBlock(channels))
         self.pool = nn.AdaptiveAvgPool2d(1)
         self.head = nn.Linear(channels, classes)
@@ -70,5 +76,7 @@ def cnn():
 
 
 def cnn_inputs(device, batch_size=16, image_size=64):
-    return (torch.randn(batch_size, 3, image_size, image_size, device=device),
-            torch.randint(0, 100, (batch_size,), device=device))
+    return (
+        torch.randn(batch_size, 3, image_size, image_size, device=device),
+        torch.randint(0, 100, (batch_size,), device=device),
+    )

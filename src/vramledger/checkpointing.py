@@ -33,7 +33,7 @@ def _checkpointed_class(cls: type[nn.Module]) -> type[nn.Module]:
     if cls not in _CHECKPOINTED:
         base_call = cls.__call__
 
-        def __call__(self, *args, **kwargs):  # noqa: ANN001, ANN202, N807
+        def __call__(self, *args, **kwargs):
             return checkpoint(base_call, self, *args, use_reentrant=False, **kwargs)
 
         _CHECKPOINTED[cls] = type(f"Checkpointed{cls.__name__}", (cls,), {"__call__": __call__})

@@ -19,18 +19,41 @@ from .version import __version__
 
 # Options that set TrainingSpec fields, shared by every command that runs a training step.
 SPEC_OPTIONS: dict[str, dict[str, Any]] = {
-    "task": {"choices": TASKS, "help": "Hugging Face task (default: from the config's architectures)"},
+    "task": {
+        "choices": TASKS,
+        "help": "Hugging Face task (default: from the config's architectures)",
+    },
     "batch_size": {"type": int, "default": 1, "help": "micro-batch size (default 1)"},
     "seq_len": {"type": int, "default": 512, "help": "tokens per example (default 512)"},
     "image_size": {"type": int, "help": "image side in pixels (default: the config's)"},
-    "inputs": {"metavar": "FILE.py:FUNCTION", "help": "function making a batch (device=, batch_size=, seq_len=)"},
-    "loss": {"metavar": "FILE.py:FUNCTION", "help": "loss(model, batch) -> scalar (default: output.loss)"},
-    "optimizer": {"default": "adamw", "help": "torch.optim name (adamw, sgd, sgd-momentum, ...) or import path"},
+    "inputs": {
+        "metavar": "FILE.py:FUNCTION",
+        "help": "function making a batch (device=, batch_size=, seq_len=)",
+    },
+    "loss": {
+        "metavar": "FILE.py:FUNCTION",
+        "help": "loss(model, batch) -> scalar (default: output.loss)",
+    },
+    "optimizer": {
+        "default": "adamw",
+        "help": "torch.optim name (adamw, sgd, sgd-momentum, ...) or import path",
+    },
     "optimizer_kwargs": {"metavar": "JSON", "help": "optimizer keyword arguments as a JSON object"},
-    "precision": {"choices": tuple(PRECISIONS), "default": "fp32", "help": "precision mode (default fp32)"},
-    "grad_checkpointing": {"action": "store_true", "help": "activation checkpointing (Hugging Face switch)"},
-    "checkpoint_modules": {"metavar": "CLASSNAME", "action": "append", "default": [],
-                           "help": "checkpoint every submodule of this class (repeatable)"},
+    "precision": {
+        "choices": tuple(PRECISIONS),
+        "default": "fp32",
+        "help": "precision mode (default fp32)",
+    },
+    "grad_checkpointing": {
+        "action": "store_true",
+        "help": "activation checkpointing (Hugging Face switch)",
+    },
+    "checkpoint_modules": {
+        "metavar": "CLASSNAME",
+        "action": "append",
+        "default": [],
+        "help": "checkpoint every submodule of this class (repeatable)",
+    },
     "grad_accum": {"type": int, "default": 1, "help": "micro-steps per optimizer step (default 1)"},
     "steps": {"type": int, "default": 2, "help": "steps to run, >= 2 (default 2)"},
     "target": {"choices": TARGETS, "default": "cuda", "help": "device to predict (default cuda)"},
@@ -39,7 +62,9 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
 
 
 def _add_spec_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", help="config.json (or its folder), FILE.py:FUNCTION or package.module:FUNCTION")
+    parser.add_argument(
+        "model", help="config.json (or its folder), FILE.py:FUNCTION or package.module:FUNCTION"
+    )
     for name, kwargs in SPEC_OPTIONS.items():
         parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
 
@@ -53,7 +78,10 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     values = {name: getattr(args, name) for name in SPEC_OPTIONS}
     values["optimizer_kwargs"] = parse_json_object(values["optimizer_kwargs"], "--optimizer-kwargs")
     values["checkpoint_modules"] = tuple(
-        part.strip() for item in values["checkpoint_modules"] for part in item.split(",") if part.strip()
+        part.strip()
+        for item in values["checkpoint_modules"]
+        for part in item.split(",")
+        if part.strip()
     )
     values = {k: v for k, v in values.items() if v is not None}
     return TrainingSpec(model=args.model, **values)
@@ -65,11 +93,15 @@ def parse_json_object(text: str | None, option: str) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as exc:
-        raise InputError(f"{option} is not valid JSON: {exc.msg} at column {exc.colno}",
-                         hint='write it like \'{"momentum": 0.9}\'') from exc
+        raise InputError(
+            f"{option} is not valid JSON: {exc.msg} at column {exc.colno}",
+            hint="write it like '{\"momentum\": 0.9}'",
+        ) from exc
     if not isinstance(value, dict):
-        raise InputError(f"{option} must be a JSON object, not {type(value).__name__}",
-                         hint='write it like \'{"momentum": 0.9}\'')
+        raise InputError(
+            f"{option} must be a JSON object, not {type(value).__name__}",
+            hint="write it like '{\"momentum\": 0.9}'",
+        )
     return value
 
 
@@ -108,14 +140,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"vramledger {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("estimate", help="predict the peak memory of a training step (fake tensors, no GPU)")
+    p = sub.add_parser(
+        "estimate", help="predict the peak memory of a training step (fake tensors, no GPU)"
+    )
     _add_spec_options(p)
     _add_output_options(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("measure", help="run the training step for real and measure it")
     _add_spec_options(p)
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)")
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
+    )
     p.add_argument("--compare", action="store_true", help="also estimate, and report the error")
     _add_output_options(p)
     p.set_defaults(func=cmd_measure)
@@ -154,8 +190,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if debug:
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        print(f"vramledger: error: {type(exc).__name__}: {first} (pass --debug for the traceback)",
-              file=sys.stderr)
+        print(
+            f"vramledger: error: {type(exc).__name__}: {first} (pass --debug for the traceback)",
+            file=sys.stderr,
+        )
         return 1
 
 

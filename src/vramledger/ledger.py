@@ -178,6 +178,8 @@ class Ledger:
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
     version: str = ""
+    timeline: Timeline | None = field(default=None, repr=False, compare=False)
+    """The Timeline the ledger was replayed from (not part of the JSON)."""
 
     def __post_init__(self) -> None:
         assert sum(self.at_peak.values()) == self.peak_bytes
@@ -190,7 +192,11 @@ class Ledger:
 
     @property
     def optimizer_state_bytes_per_param(self) -> float:
-        return self.optimizer_state_bytes / self.trainable_parameters if self.trainable_parameters else 0.0
+        return (
+            self.optimizer_state_bytes / self.trainable_parameters
+            if self.trainable_parameters
+            else 0.0
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (fields are added, never renamed or removed)."""
@@ -268,4 +274,5 @@ def build_ledger(
         notes=notes or [],
         seconds=seconds,
         version=version,
+        timeline=timeline,
     )

@@ -20,8 +20,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import profile, record_function
 
+from .allocator_events import memory_events, ranges, recording
 from .categories import Phase
 from .errors import InputError
 from .ledger import Ledger, build_ledger
@@ -67,7 +68,9 @@ class Measurement:
         if self.estimate is None:
             return None
         predicted = (
-            self.estimate.allocated_peak_bytes if self.device == "cuda" else self.estimate.peak_bytes
+            self.estimate.allocated_peak_bytes
+            if self.device == "cuda"
+            else self.estimate.peak_bytes
         )
         return (predicted - self.measured_peak_bytes) / self.measured_peak_bytes
 
@@ -88,7 +91,12 @@ class Measurement:
 
 
 def measure(
-    spec: TrainingSpec | None = None, /, *, device: str = "cpu", compare: bool = False, **fields: Any
+    spec: TrainingSpec | None = None,
+    /,
+    *,
+    device: str = "cpu",
+    compare: bool = False,
+    **fields: Any,
 ) -> Measurement:
     """Run ``spec`` for real on ``device`` ('cpu' or 'cuda') and measure it."""
     spec = as_spec(spec, fields)
@@ -98,7 +106,7 @@ def measure(
         raise InputError("no CUDA GPU here", hint="measure on cpu, or run on a machine with a GPU")
     start = time.perf_counter()
     if device == "cpu":
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with recording() as prof:
             ledger, steps = _run(spec, device)
         peaks = _profiler_step_peaks(prof, steps)
         method = "torch.profiler memory events (profile_memory=True)"
@@ -143,12 +151,20 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
         names = {id(m): (n or type(model).__name__) for n, m in model.named_modules()}
         tracker = StorageTracker(module_names=names)
         observer = TrackerObserver(tracker)
-        shape = BatchShape(batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size)
+        shape = BatchShape(
+            batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size
+        )
         with tracker:
             batch = make_inputs(torch_device, shape)
             run = assemble(
-                model=model, batch=batch, loss_fn=loss_fn, optimizer=choice, precision=precision,
-                device=torch_device, grad_accum=spec.grad_accum, observer=observer,
+                model=model,
+                batch=batch,
+                loss_fn=loss_fn,
+                optimizer=choice,
+                precision=precision,
+                device=torch_device,
+                grad_accum=spec.grad_accum,
+                observer=observer,
             )
     with tracker:
         for step in range(1, spec.steps + 1):
@@ -176,16 +192,9 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
 
 def _profiler_step_peaks(prof: profile, steps: int) -> dict[int, int]:
     """Peak of the cumulative allocated bytes inside each step's time window."""
-    windows: dict[int, tuple[int, int]] = {}
-    memory: list[tuple[int, int]] = []
-    for ev in prof.profiler.kineto_results.events():
-        name = ev.name()
-        if name == "[memory]" and ev.device_type() == torch.autograd.DeviceType.CPU:
-            memory.append((ev.start_ns(), ev.nbytes()))
-        elif name.startswith("vramledger.step"):
-            step = int(name[len("vramledger.step") :])
-            windows[step] = (ev.start_ns(), ev.end_ns())
-    memory.sort(key=lambda e: e[0])
+    prefix = _STEP_LABEL.format("")
+    windows = {int(name[len(prefix) :]): span for name, span in ranges(prof, prefix).items()}
+    memory = memory_events(prof)
     peaks: dict[int, int] = {}
     live = 0
     for ts, delta in memory:

@@ -79,11 +79,15 @@ def known_names() -> list[str]:
     return sorted(set(torch_optimizers()) - set(_UNSUPPORTED) | set(ALIASES))
 
 
-def resolve_optimizer(optimizer: str | type, kwargs: dict[str, Any] | None = None) -> OptimizerChoice:
+def resolve_optimizer(
+    optimizer: str | type, kwargs: dict[str, Any] | None = None
+) -> OptimizerChoice:
     """Find the optimizer class and check ``kwargs`` against its signature."""
     kwargs = dict(kwargs or {})
     if inspect.isclass(optimizer):
-        choice = OptimizerChoice(name=optimizer.__name__, cls=optimizer, library=optimizer.__module__)
+        choice = OptimizerChoice(
+            name=optimizer.__name__, cls=optimizer, library=optimizer.__module__
+        )
     else:
         choice = _resolve_name(str(optimizer))
     merged = {**choice.kwargs, **kwargs}
@@ -109,7 +113,9 @@ def _resolve_name(text: str) -> OptimizerChoice:
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise InputError(f"cannot import {module_name!r} for optimizer {text!r}: {exc}") from exc
+            raise InputError(
+                f"cannot import {module_name!r} for optimizer {text!r}: {exc}"
+            ) from exc
         cls = getattr(module, attr, None)
         if cls is None:
             raise InputError(f"{module_name} has no optimizer class {attr!r}")

@@ -30,7 +30,9 @@ from torch import nn
 
 from .errors import InputError
 
-Precision = Literal["fp32", "bf16-autocast", "fp16-autocast", "bf16-mixed", "fp16-mixed", "bf16-pure"]
+Precision = Literal[
+    "fp32", "bf16-autocast", "fp16-autocast", "bf16-mixed", "fp16-mixed", "bf16-pure"
+]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -47,20 +49,48 @@ class PrecisionPolicy:
 
 
 PRECISIONS: dict[str, PrecisionPolicy] = {
-    "fp32": PrecisionPolicy(name="fp32", param_dtype=torch.float32, autocast_dtype=None,
-                            master_weights=False, loss_scaling=False),
-    "bf16-autocast": PrecisionPolicy(name="bf16-autocast", param_dtype=torch.float32,
-                                     autocast_dtype=torch.bfloat16, master_weights=False,
-                                     loss_scaling=False),
-    "fp16-autocast": PrecisionPolicy(name="fp16-autocast", param_dtype=torch.float32,
-                                     autocast_dtype=torch.float16, master_weights=False,
-                                     loss_scaling=True),
-    "bf16-mixed": PrecisionPolicy(name="bf16-mixed", param_dtype=torch.bfloat16, autocast_dtype=None,
-                                  master_weights=True, loss_scaling=False),
-    "fp16-mixed": PrecisionPolicy(name="fp16-mixed", param_dtype=torch.float16, autocast_dtype=None,
-                                  master_weights=True, loss_scaling=True),
-    "bf16-pure": PrecisionPolicy(name="bf16-pure", param_dtype=torch.bfloat16, autocast_dtype=None,
-                                 master_weights=False, loss_scaling=False),
+    "fp32": PrecisionPolicy(
+        name="fp32",
+        param_dtype=torch.float32,
+        autocast_dtype=None,
+        master_weights=False,
+        loss_scaling=False,
+    ),
+    "bf16-autocast": PrecisionPolicy(
+        name="bf16-autocast",
+        param_dtype=torch.float32,
+        autocast_dtype=torch.bfloat16,
+        master_weights=False,
+        loss_scaling=False,
+    ),
+    "fp16-autocast": PrecisionPolicy(
+        name="fp16-autocast",
+        param_dtype=torch.float32,
+        autocast_dtype=torch.float16,
+        master_weights=False,
+        loss_scaling=True,
+    ),
+    "bf16-mixed": PrecisionPolicy(
+        name="bf16-mixed",
+        param_dtype=torch.bfloat16,
+        autocast_dtype=None,
+        master_weights=True,
+        loss_scaling=False,
+    ),
+    "fp16-mixed": PrecisionPolicy(
+        name="fp16-mixed",
+        param_dtype=torch.float16,
+        autocast_dtype=None,
+        master_weights=True,
+        loss_scaling=True,
+    ),
+    "bf16-pure": PrecisionPolicy(
+        name="bf16-pure",
+        param_dtype=torch.bfloat16,
+        autocast_dtype=None,
+        master_weights=False,
+        loss_scaling=False,
+    ),
 }
 
 
@@ -102,7 +132,7 @@ class MasterWeights:
             self.masters = [p.detach().to(torch.float32) for p in params]
 
     def grads_to_masters(self) -> None:
-        for p, master in zip(self.params, self.masters):
+        for p, master in zip(self.params, self.masters, strict=True):
             if p.grad is None:
                 master.grad = None
                 continue
@@ -114,7 +144,7 @@ class MasterWeights:
 
     def masters_to_model(self) -> None:
         with torch.no_grad():
-            for p, master in zip(self.params, self.masters):
+            for p, master in zip(self.params, self.masters, strict=True):
                 p.copy_(master)
                 master.grad = None
 

@@ -161,7 +161,7 @@ def load_hf_config(path: str | Path) -> Any:
     if not isinstance(data, dict) or "model_type" not in data:
         raise InputError(
             f"{path} has no 'model_type'",
-            hint="a Hugging Face config.json names its model_type (e.g. \"llama\")",
+            hint='a Hugging Face config.json names its model_type (e.g. "llama")',
         )
     return hf_config_from_dict(data, origin=str(path))
 
@@ -186,7 +186,9 @@ def hf_config_from_dict(data: dict[str, Any], *, origin: str = "config") -> Any:
 
 def infer_task(config: Any) -> str:
     for arch in getattr(config, "architectures", None) or ():
-        if arch.endswith("ForConditionalGeneration") and getattr(config, "is_encoder_decoder", False):
+        if arch.endswith("ForConditionalGeneration") and getattr(
+            config, "is_encoder_decoder", False
+        ):
             return "seq2seq-lm"
         for suffix, task in _ARCHITECTURE_TASKS:
             if arch.endswith(suffix):
@@ -255,7 +257,9 @@ def resolve_model(model: Any, task: str | None = None) -> ModelSource:
         text = str(model)
         path = Path(text)
         if path.suffix == ".json" or path.is_dir():
-            return hf_source(load_hf_config(path), task, name=path.stem if path.is_file() else path.name)
+            return hf_source(
+                load_hf_config(path), task, name=path.stem if path.is_file() else path.name
+            )
         if ":" in text:
             factory = load_callable(text, "model factory")
             return ModelSource(name=text.rpartition(":")[2], build=_checked_factory(factory, text))
@@ -264,7 +268,9 @@ def resolve_model(model: Any, task: str | None = None) -> ModelSource:
                 f"model {text!r} not found",
                 hint="give a config.json, a folder holding one, or FILE.py:FUNCTION",
             )
-        raise InputError(f"cannot read a model from {text!r}", hint="give a config.json or FILE.py:FUNCTION")
+        raise InputError(
+            f"cannot read a model from {text!r}", hint="give a config.json or FILE.py:FUNCTION"
+        )
     if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
         return hf_source(model, task, name=model.model_type)
     if isinstance(model, dict) and "model_type" in model:
@@ -297,7 +303,9 @@ def _module_instance_source(module: nn.Module) -> ModelSource:
         memo: dict[int, Any] = {}
         for t in (*module.parameters(), *module.buffers()):
             meta = torch.empty_like(t, device="meta")
-            memo[id(t)] = nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            memo[id(t)] = (
+                nn.Parameter(meta, t.requires_grad) if isinstance(t, nn.Parameter) else meta
+            )
         return copy.deepcopy(module, memo)
 
     return ModelSource(name=type(module).__name__, build=build)
@@ -366,7 +374,9 @@ def partial_hf_inputs(source: ModelSource) -> Callable[[torch.device, BatchShape
                 "input_ids": ids,
                 "labels": torch.randint(0, config.num_labels, (b,), device=device),
             }
-        raise InputError(f"no default inputs for task {task!r}", hint="pass --inputs FILE.py:FUNCTION")
+        raise InputError(
+            f"no default inputs for task {task!r}", hint="pass --inputs FILE.py:FUNCTION"
+        )
 
     return make
 

@@ -61,8 +61,12 @@ class TrainingSpec:
         for name in ("batch_size", "seq_len", "grad_accum"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise InputError(f"{name.replace('_', '-')} must be a positive integer, not {value!r}")
-        if self.image_size is not None and (not isinstance(self.image_size, int) or self.image_size <= 0):
+                raise InputError(
+                    f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
+                )
+        if self.image_size is not None and (
+            not isinstance(self.image_size, int) or self.image_size <= 0
+        ):
             raise InputError(f"image-size must be a positive integer, not {self.image_size!r}")
         if not isinstance(self.steps, int) or self.steps < 2:
             raise InputError(
@@ -80,7 +84,7 @@ class TrainingSpec:
         if not isinstance(self.optimizer_kwargs, dict):
             raise InputError(
                 f"optimizer kwargs must be a JSON object, not {type(self.optimizer_kwargs).__name__}",
-                hint='write it like \'{"momentum": 0.9}\'',
+                hint="write it like '{\"momentum\": 0.9}'",
             )
         object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
 

@@ -33,14 +33,16 @@ def parse_bytes(text: str) -> int:
     """Parse '24GiB', '80 GB', '512MiB' or a plain integer of bytes."""
     match = _PATTERN.match(text)
     if not match:
-        raise InputError(f"cannot read {text!r} as a memory size", hint="write it like 24GiB or 80GB")
+        raise InputError(
+            f"cannot read {text!r} as a memory size", hint="write it like 24GiB or 80GB"
+        )
     number, unit = float(match.group(1)), match.group(2).lower() or "b"
     if unit not in _UNITS:
         raise InputError(
             f"unknown memory unit {match.group(2)!r} in {text!r}",
             hint="use B, KiB, MiB, GiB, TiB (1024-based) or kB, MB, GB, TB (1000-based)",
         )
-    value = int(round(number * _UNITS[unit]))
+    value = round(number * _UNITS[unit])
     if value <= 0:
         raise InputError(f"memory size {text!r} must be positive")
     return value

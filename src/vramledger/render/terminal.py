@@ -33,7 +33,9 @@ def _title(ledger: Ledger) -> str:
 
 
 def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
-    breakdown = Table(title=f"{label}: peak of a steady-state step on {ledger.target}", title_justify="left")
+    breakdown = Table(
+        title=f"{label}: peak of a steady-state step on {ledger.target}", title_justify="left"
+    )
     breakdown.add_column("category")
     breakdown.add_column("at peak", justify="right")
     breakdown.add_column("share", justify="right")
@@ -45,8 +47,13 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
         first = ledger.first_step_at_peak.get(cat, 0)
         if raw == alloc == first == 0:
             continue
-        breakdown.add_row(cat.value, format_bytes(raw), _pct(raw, ledger.peak_bytes),
-                          format_bytes(alloc), format_bytes(first))
+        breakdown.add_row(
+            cat.value,
+            format_bytes(raw),
+            _pct(raw, ledger.peak_bytes),
+            format_bytes(alloc),
+            format_bytes(first),
+        )
     breakdown.add_row(
         Text("total", style="bold"),
         Text(format_bytes(ledger.peak_bytes), style="bold"),
@@ -61,11 +68,16 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     for phase in STEP_PHASES:
         if phase in ledger.phases:
             marker = " ◀ peak" if phase is ledger.peak_phase else ""
-            phases.add_row(phase.value + marker, format_bytes(ledger.phases[phase]),
-                           format_bytes(ledger.allocated_phases.get(phase, 0)))
+            phases.add_row(
+                phase.value + marker,
+                format_bytes(ledger.phases[phase]),
+                format_bytes(ledger.allocated_phases.get(phase, 0)),
+            )
     parts: list = [Text(_title(ledger), style="bold"), breakdown, phases]
     if ledger.top_modules:
-        modules = Table(title="activations held at the end of forward, by module", title_justify="left")
+        modules = Table(
+            title="activations held at the end of forward, by module", title_justify="left"
+        )
         modules.add_column("module")
         modules.add_column("activations", justify="right")
         for name, nbytes in ledger.top_modules:
@@ -91,13 +103,24 @@ def measurement_table(m: Measurement) -> Group:
     summary.add_column("")
     summary.add_column("steady-state peak", justify="right")
     summary.add_column("first step", justify="right")
-    summary.add_row(f"allocator ({m.method})", format_bytes(m.measured_peak_bytes),
-                    format_bytes(m.measured_first_step_peak_bytes))
+    summary.add_row(
+        f"allocator ({m.method})",
+        format_bytes(m.measured_peak_bytes),
+        format_bytes(m.measured_first_step_peak_bytes),
+    )
     tracked = m.ledger.allocated_peak_bytes
-    summary.add_row("tracked tensors", format_bytes(tracked), format_bytes(m.ledger.first_step_allocated_peak_bytes))
+    summary.add_row(
+        "tracked tensors",
+        format_bytes(tracked),
+        format_bytes(m.ledger.first_step_allocated_peak_bytes),
+    )
     if m.estimate is not None:
         est = m.estimate.allocated_peak_bytes
-        summary.add_row("estimate (fake tensors)", format_bytes(est), format_bytes(m.estimate.first_step_allocated_peak_bytes))
+        summary.add_row(
+            "estimate (fake tensors)",
+            format_bytes(est),
+            format_bytes(m.estimate.first_step_allocated_peak_bytes),
+        )
         err = m.error()
         summary.add_row("estimate error", f"{100 * err:+.3f} %" if err is not None else "—", "")
     parts.append(summary)

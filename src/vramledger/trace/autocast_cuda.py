@@ -24,38 +24,120 @@ fake CUDA tensors.
 
 from __future__ import annotations
 
-import warnings
 import functools
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 LOWER_PRECISION_FP: tuple[str, ...] = (
-    "_convolution.deprecated", "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc",
-    "conv_transpose1d", "conv_transpose2d.input", "conv_transpose3d.input", "convolution",
-    "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm", "mv", "linalg_vecdot",
-    "linear", "addbmm", "baddbmm", "bmm", "chain_matmul", "linalg_multi_dot",
-    "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell", "gru_cell", "rnn_tanh_cell",
-    "rnn_relu_cell", "_scaled_dot_product_flash_attention", "scaled_dot_product_attention",
+    "_convolution.deprecated",
+    "_convolution",
+    "conv1d",
+    "conv2d",
+    "conv3d",
+    "conv_tbc",
+    "conv_transpose1d",
+    "conv_transpose2d.input",
+    "conv_transpose3d.input",
+    "convolution",
+    "prelu",
+    "addmm",
+    "addmv",
+    "addr",
+    "matmul",
+    "einsum",
+    "mm",
+    "mv",
+    "linalg_vecdot",
+    "linear",
+    "addbmm",
+    "baddbmm",
+    "bmm",
+    "chain_matmul",
+    "linalg_multi_dot",
+    "_thnn_fused_lstm_cell",
+    "_thnn_fused_gru_cell",
+    "lstm_cell",
+    "gru_cell",
+    "rnn_tanh_cell",
+    "rnn_relu_cell",
+    "_scaled_dot_product_flash_attention",
+    "scaled_dot_product_attention",
 )
 FP32: tuple[str, ...] = (
-    "acos", "asin", "cosh", "erfinv", "exp", "expm1", "log", "log10", "log2", "log1p",
-    "reciprocal", "rsqrt", "sinh", "tan", "pow.Tensor_Scalar", "pow.Tensor_Tensor",
-    "pow.Scalar", "softplus", "layer_norm", "native_layer_norm", "rms_norm", "group_norm",
-    "frobenius_norm.dim", "nuclear_norm", "nuclear_norm.dim", "cosine_similarity",
-    "poisson_nll_loss", "cosine_embedding_loss", "nll_loss", "nll_loss2d",
-    "hinge_embedding_loss", "kl_div", "l1_loss", "smooth_l1_loss", "huber_loss", "mse_loss",
-    "margin_ranking_loss", "multilabel_margin_loss", "soft_margin_loss", "triplet_margin_loss",
-    "multi_margin_loss", "binary_cross_entropy_with_logits", "dist", "pdist", "cdist", "renorm",
-    "logsumexp", "upsample_nearest1d", "_upsample_nearest_exact1d", "upsample_nearest2d",
-    "_upsample_nearest_exact2d", "upsample_nearest3d", "_upsample_nearest_exact3d",
-    "upsample_linear1d", "upsample_bilinear2d", "_upsample_bilinear2d_aa",
-    "upsample_trilinear3d", "upsample_bicubic2d", "_upsample_bicubic2d_aa",
+    "acos",
+    "asin",
+    "cosh",
+    "erfinv",
+    "exp",
+    "expm1",
+    "log",
+    "log10",
+    "log2",
+    "log1p",
+    "reciprocal",
+    "rsqrt",
+    "sinh",
+    "tan",
+    "pow.Tensor_Scalar",
+    "pow.Tensor_Tensor",
+    "pow.Scalar",
+    "softplus",
+    "layer_norm",
+    "native_layer_norm",
+    "rms_norm",
+    "group_norm",
+    "frobenius_norm.dim",
+    "nuclear_norm",
+    "nuclear_norm.dim",
+    "cosine_similarity",
+    "poisson_nll_loss",
+    "cosine_embedding_loss",
+    "nll_loss",
+    "nll_loss2d",
+    "hinge_embedding_loss",
+    "kl_div",
+    "l1_loss",
+    "smooth_l1_loss",
+    "huber_loss",
+    "mse_loss",
+    "margin_ranking_loss",
+    "multilabel_margin_loss",
+    "soft_margin_loss",
+    "triplet_margin_loss",
+    "multi_margin_loss",
+    "binary_cross_entropy_with_logits",
+    "dist",
+    "pdist",
+    "cdist",
+    "renorm",
+    "logsumexp",
+    "upsample_nearest1d",
+    "_upsample_nearest_exact1d",
+    "upsample_nearest2d",
+    "_upsample_nearest_exact2d",
+    "upsample_nearest3d",
+    "_upsample_nearest_exact3d",
+    "upsample_linear1d",
+    "upsample_bilinear2d",
+    "_upsample_bilinear2d_aa",
+    "upsample_trilinear3d",
+    "upsample_bicubic2d",
+    "_upsample_bicubic2d_aa",
 )
 FP32_SET_OPT_DTYPE: tuple[str, ...] = (
-    "prod", "prod.dim_int", "softmax.int", "log_softmax.int", "cumprod", "cumsum",
-    "linalg_vector_norm", "linalg_matrix_norm", "linalg_matrix_norm.str_ord", "sum",
+    "prod",
+    "prod.dim_int",
+    "softmax.int",
+    "log_softmax.int",
+    "cumprod",
+    "cumsum",
+    "linalg_vector_norm",
+    "linalg_matrix_norm",
+    "linalg_matrix_norm.str_ord",
+    "sum",
     "sum.dim_IntList",
 )
 FP32_APPEND_DTYPE: dict[str, str] = {
@@ -63,8 +145,17 @@ FP32_APPEND_DTYPE: dict[str, str] = {
     "norm.ScalarOpt_dim": "norm.ScalarOpt_dim_dtype",
 }
 PROMOTE: tuple[str, ...] = (
-    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "vdot", "grid_sampler",
-    "index_put", "tensordot", "scatter_add",
+    "addcdiv",
+    "addcmul",
+    "atan2",
+    "bilinear",
+    "cross",
+    "dot",
+    "vdot",
+    "grid_sampler",
+    "index_put",
+    "tensordot",
+    "scatter_add",
 )
 BANNED: dict[str, str] = {
     "binary_cross_entropy": (
@@ -82,8 +173,13 @@ _COMPOSITE = "CompositeImplicitAutograd"
 def cuda_autocast_op_names() -> set[str]:
     """Every operator name (with overload) this module treats as AutocastCUDA does."""
     return {
-        *LOWER_PRECISION_FP, *FP32, *FP32_SET_OPT_DTYPE, *FP32_APPEND_DTYPE, *PROMOTE,
-        *BANNED, *CUDA_ONLY,
+        *LOWER_PRECISION_FP,
+        *FP32,
+        *FP32_SET_OPT_DTYPE,
+        *FP32_APPEND_DTYPE,
+        *PROMOTE,
+        *BANNED,
+        *CUDA_ONLY,
     }
 
 
@@ -169,7 +265,9 @@ class CudaAutocast:
 
             return banned
         if name in LOWER_PRECISION_FP or name in FP32 or name in PROMOTE:
-            policy = "lower" if name in LOWER_PRECISION_FP else "fp32" if name in FP32 else "promote"
+            policy = (
+                "lower" if name in LOWER_PRECISION_FP else "fp32" if name in FP32 else "promote"
+            )
 
             def cast_kernel(*args: Any, **kwargs: Any) -> Any:
                 lower = torch.get_autocast_dtype("cpu")

@@ -18,9 +18,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import _disable_current_modes
 
+from ..allocator_events import memory_events, peak_of, recording
 from .tracker import StorageTracker
 
 aten = torch.ops.aten
@@ -87,7 +87,11 @@ class CpuScratchProbe:
             tracker.add_transient(self.cache[key], f"{func} CPU kernel scratch")
 
     def _probe(self, func: Any, args: tuple[Any, ...], out: Any) -> int:
-        outs = [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
+        outs = [
+            o
+            for o in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(o, torch.Tensor)
+        ]
         needed = sum(_tensor_bytes(a) for a in _flat_tensors(args))
         needed += sum(_tensor_bytes(o) for o in outs)
         if needed > PROBE_LIMIT_BYTES:
@@ -97,22 +101,22 @@ class CpuScratchProbe:
             real_args = [_real(a) for a in args]
             inputs = {t.untyped_storage()._cdata for t in _flat_tensors(real_args)}
             try:
-                with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                with recording() as prof:
                     result = func(*real_args)
             except Exception:  # e.g. values that zeros make invalid; the trace itself ran
                 return 0
-            results = [r for r in (result if isinstance(result, (tuple, list)) else (result,))
-                       if isinstance(r, torch.Tensor)]
+            results = [
+                r
+                for r in (result if isinstance(result, (tuple, list)) else (result,))
+                if isinstance(r, torch.Tensor)
+            ]
             new = {r.untyped_storage()._cdata: _tensor_bytes(r) for r in results}
             kept = sum(b for k, b in new.items() if k not in inputs)
             del result, results, real_args
-        live = peak = 0
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        for e in sorted(events, key=lambda e: e.start_ns()):
-            live += e.nbytes()
-            peak = max(peak, live)
-        return max(0, peak - kept)
+        return max(0, peak_of(memory_events(prof)) - kept)
 
     def notes(self) -> list[str]:
-        return [f"{op}: CPU kernel scratch not probed (over {PROBE_LIMIT_BYTES // 1024**3} GiB)"
-                for op in sorted(self.skipped)]
+        return [
+            f"{op}: CPU kernel scratch not probed (over {PROBE_LIMIT_BYTES // 1024**3} GiB)"
+            for op in sorted(self.skipped)
+        ]

@@ -43,11 +43,20 @@ CUBLAS_WORKSPACE_HOPPER = 4096 * 1024 * 8
 """``:4096:8`` — the default for compute capability 9.x and newer (32 MiB)."""
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
 """``:4096:2:16:8`` — the default before Hopper (8 MiB + 128 KiB)."""
-CUBLAS_OPS = frozenset({
-    aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default,
-    aten.addbmm.default, aten.mv.default, aten.addmv.default, aten.dot.default,
-    aten.vdot.default, aten._addmm_activation.default,
-})
+CUBLAS_OPS = frozenset(
+    {
+        aten.mm.default,
+        aten.addmm.default,
+        aten.bmm.default,
+        aten.baddbmm.default,
+        aten.addbmm.default,
+        aten.mv.default,
+        aten.addmv.default,
+        aten.dot.default,
+        aten.vdot.default,
+        aten._addmm_activation.default,
+    }
+)
 """Operators whose CUDA kernels call cuBLAS/cuBLASLt (``at::cuda::blas``)."""
 
 
@@ -63,7 +72,9 @@ class CudaPolicy(DevicePolicy):
 
     @property
     def cublas_workspace_bytes(self) -> int:
-        return CUBLAS_WORKSPACE_HOPPER if self.compute_capability[0] >= 9 else CUBLAS_WORKSPACE_DEFAULT
+        return (
+            CUBLAS_WORKSPACE_HOPPER if self.compute_capability[0] >= 9 else CUBLAS_WORKSPACE_DEFAULT
+        )
 
     def optimizer(self, choice: OptimizerChoice) -> OptimizerChoice:
         user_chose = "foreach" in choice.kwargs or choice.kwargs.get("fused")
@@ -86,7 +97,9 @@ class CudaPolicy(DevicePolicy):
                 thread = "autograd" if tracker.phase is Phase.BACKWARD else "main"
                 if thread not in threads_with_workspace:
                     threads_with_workspace.add(thread)
-                    tracker.add_synthetic(workspace, f"cuBLAS workspace ({thread} thread)", Category.WORKSPACE)
+                    tracker.add_synthetic(
+                        workspace, f"cuBLAS workspace ({thread} thread)", Category.WORKSPACE
+                    )
             scratch = BACKWARD_WORKSPACE.get(func)
             if scratch is not None:
                 for label, nbytes in scratch(args):

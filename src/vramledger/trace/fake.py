@@ -8,7 +8,6 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import (
@@ -18,7 +17,6 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..categories import Category
 from ..checkpointing import checkpoint_modules, enable_hf_checkpointing
 from ..errors import InputError, TraceError, VramledgerError
 from ..optimizers import resolve_optimizer
@@ -28,6 +26,7 @@ from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..training import assemble, optimizer_state_tensors
 from .fake_corrections import CORRECTIONS
+from .hf_compat import ordinary_batches
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 
@@ -142,7 +141,8 @@ def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
     )
     observer = TrackerObserver(tracker, policy.host_resident)
     shape = BatchShape(batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size)
-    with mode, policy.context(), tracker:
+    notes: list[str] = []
+    with mode, policy.context(), ordinary_batches(notes), tracker:
         try:
             batch = make_inputs(TRACE_DEVICE, shape)
             run = assemble(
@@ -169,7 +169,7 @@ def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
         trainable_parameters=trainable,
         optimizer_state_bytes=state_bytes,
         seconds=time.perf_counter() - start,
-        notes=policy.notes(),
+        notes=policy.notes() + notes,
     )
 
 
@@ -183,12 +183,16 @@ def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
     return sum(seen.values())
 
 
-_FAKE_LIMITS = (UnsupportedOperatorException, DataDependentOutputException, DynamicOutputShapeException)
+_FAKE_LIMITS = (
+    UnsupportedOperatorException,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
 
 
 def trace_error(exc: Exception, tracker: StorageTracker) -> TraceError:
     """Say which operator failed in which module, and what to do instead."""
-    where = tracker.current_module or "the training step"
+    where = tracker.module_of(exc) or "the training step"
     hint = "use --target cpu with real tensors via `vramledger measure`, or pass --debug for the traceback"
     if isinstance(exc, _FAKE_LIMITS):
         op = getattr(exc, "func", None)
@@ -199,8 +203,10 @@ def trace_error(exc: Exception, tracker: StorageTracker) -> TraceError:
         }[type(exc)]
         return TraceError(f"operator {op} {why} (in module {where})", hint=hint)
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if "data-dependent" in text or "Data dependent" in text or "GuardOnDataDependent" in type(exc).__name__:
+    if (
+        "data-dependent" in text
+        or "Data dependent" in text
+        or "GuardOnDataDependent" in type(exc).__name__
+    ):
         return TraceError(f"data-dependent control flow in module {where}: {text}", hint=hint)
     return TraceError(f"{type(exc).__name__} in module {where}: {text}", hint=hint)
-
-

@@ -64,7 +64,7 @@ def _heads_ok(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> b
     return hq == hk == hv
 
 
-def can_use_flash(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:  # noqa: ANN001
+def can_use_flash(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
     d = q.size(-1)
     return (
         torch.backends.cuda.flash_sdp_enabled()
@@ -80,7 +80,7 @@ def can_use_flash(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
     )
 
 
-def can_use_efficient(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:  # noqa: ANN001
+def can_use_efficient(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> bool:
     align = EFFICIENT_ALIGNMENT.get(q.dtype)
     return (
         torch.backends.cuda.mem_efficient_sdp_enabled()
@@ -95,7 +95,9 @@ def can_use_efficient(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa) -> b
     )
 
 
-def select_backend(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False) -> str:  # noqa: ANN001
+def select_backend(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False
+) -> str:
     """'flash', 'efficient' or 'math', as CUDA's ``select_sdp_backend`` would choose."""
     args = (q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
     if can_use_flash(*args):
@@ -109,7 +111,9 @@ def _needs_grad(*tensors: torch.Tensor) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
-def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):  # noqa: ANN001, ANN201
+def cuda_sdpa(
+    q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False
+):
     """``scaled_dot_product_attention`` as CUDA runs it (see module docstring)."""
     backend = select_backend(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa)
     if scale is None:
@@ -119,7 +123,9 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
         if d % FLASH_PAD_MULTIPLE:
             pad = [0, _round(d, FLASH_PAD_MULTIPLE) - d]
             q, k, v = (torch.nn.functional.pad(t, pad) for t in (q, k, v))
-        out = aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal, False, scale=scale)[0]
+        out = aten._scaled_dot_product_flash_attention(
+            q, k, v, dropout_p, is_causal, False, scale=scale
+        )[0]
         return out[..., :d] if out.size(-1) != d else out
     if backend == "efficient":
         bias = attn_mask
@@ -131,7 +137,9 @@ def cuda_sdpa(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=Non
                 padded = _round(bias.size(-1), EFFICIENT_MASK_PAD) - bias.size(-1)
                 bias = torch.nn.functional.pad(bias, [0, padded])[..., : k.size(-2)]
         lse = _needs_grad(q, k, v)
-        return aten._scaled_dot_product_efficient_attention(q, k, v, bias, lse, dropout_p, is_causal, scale=scale)[0]
+        return aten._scaled_dot_product_efficient_attention(
+            q, k, v, bias, lse, dropout_p, is_causal, scale=scale
+        )[0]
     dtype = q.dtype
     if dtype in _HALF:  # CUDA's math path computes in fp32 (allow_fp16_bf16_reduction_math_sdp off)
         q, k, v = q.float(), k.float(), v.float()
@@ -171,9 +179,14 @@ def efficient_backward_workspace(args: tuple[Any, ...]) -> list[tuple[str, int]]
     grad_out, q = args[0], args[1]
     b, h, sq, d = q.shape
     f32 = torch.float32.itemsize
-    items = [("efficient delta", b * h * sq * f32), ("efficient dq workspace", b * h * sq * d * f32)]
+    items = [
+        ("efficient delta", b * h * sq * f32),
+        ("efficient dq workspace", b * h * sq * d * f32),
+    ]
     if not grad_out.transpose(1, 2).is_contiguous():
-        items.append(("efficient grad_out.contiguous()", grad_out.numel() * grad_out.element_size()))
+        items.append(
+            ("efficient grad_out.contiguous()", grad_out.numel() * grad_out.element_size())
+        )
     return items
 
 
@@ -206,4 +219,3 @@ class CudaSdpa:
         if self._lib is not None:
             self._lib._destroy()
             self._lib = None
-

@@ -46,6 +46,10 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
+def _identity(exc: BaseException) -> tuple[int, str]:
+    return id(exc), f"{type(exc).__name__}: {exc}"
+
+
 class StorageTracker(TorchDispatchMode):
     """Record every storage allocation and free into a ``Timeline``.
 
@@ -77,16 +81,16 @@ class StorageTracker(TorchDispatchMode):
         self._op: Any = None
         self._corrections = corrections or {}
         self._transients: list[int] = []  # kernel scratch of the current op, freed after it
-        self.error_module: str | None = None
-        """Innermost module that was running when an exception escaped (for error messages)."""
+        self.failure: tuple[BaseException, str] | None = None
+        self._module_failure: tuple[BaseException, str] | None = None
+        """The last exception an operator raised and the innermost module running then."""
 
     # -- the dispatch hook -----------------------------------------------------------------------
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         try:
             out = func(*args, **(kwargs or {}))
-        except Exception:
-            if self.error_module is None:
-                self.error_module = self.current_module or ""
+        except Exception as exc:
+            self.failure = (_identity(exc), self.current_module or "")
             raise
         correct = self._corrections.get(func)
         if correct is not None:
@@ -162,7 +166,9 @@ class StorageTracker(TorchDispatchMode):
         self.timeline.tag(sid, category)
         return sid
 
-    def add_transient(self, nbytes: int, label: str, category: Category = Category.WORKSPACE) -> None:
+    def add_transient(
+        self, nbytes: int, label: str, category: Category = Category.WORKSPACE
+    ) -> None:
         """Scratch memory the current operator's kernel holds while it runs (alongside its
         outputs) and frees before returning."""
         if nbytes <= 0:
@@ -203,13 +209,25 @@ class StorageTracker(TorchDispatchMode):
 
     @property
     def current_module(self) -> str | None:
-        return self.error_module or (self._module_stack[-1] if self._module_stack else None)
+        return self._module_stack[-1] if self._module_stack else None
+
+    def module_of(self, exc: BaseException) -> str | None:
+        """The module an escaping exception came from, if an operator or module raised it."""
+        chain = {_identity(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None}
+        for known in (self.failure, self._module_failure):
+            if known is not None and known[0] in chain:
+                return known[1]
+        return None
 
     def _post_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
         if self._module_stack:
             name = self._module_stack.pop()
-            if self.error_module is None and sys.exc_info()[0] is not None:
-                self.error_module = name or ""
+            exc = sys.exc_info()[1]
+            if exc is not None:
+                key = _identity(exc)
+                if self._module_failure is None or self._module_failure[0] != key:
+                    self._module_failure = (key, name or "")
+            del exc
 
         if self._recompute_depth is not None and len(self._module_stack) == self._recompute_depth:
             self._recompute_depth = None
