@@ -26,12 +26,10 @@ from .allocator_events import memory_events, ranges, recording
 from .categories import Phase
 from .errors import InputError
 from .ledger import Ledger, build_ledger
-from .optimizers import resolve_optimizer
-from .precision import precision_policy
 from .predict import as_spec, policy_for
-from .sources import BatchShape, resolve_inputs, resolve_loss, resolve_model
+from .recipe import count_parameters, module_names, resolve
 from .spec import TrainingSpec
-from .trace.fake import _state_bytes, build_model, count_parameters
+from .trace.fake import _state_bytes
 from .trace.tracker import StorageTracker, TrackerObserver
 from .training import assemble
 from .version import __version__
@@ -138,30 +136,22 @@ def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
 
 def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger, int]:
     torch.manual_seed(spec.seed)
-    source = resolve_model(spec.model, spec.task)
-    make_inputs = resolve_inputs(spec.inputs, source)
-    loss_fn = resolve_loss(spec.loss)
-    precision = precision_policy(spec.precision)
-    choice = resolve_optimizer(spec.optimizer, spec.optimizer_kwargs)
+    recipe = resolve(spec)
     policy = policy_for(device)
     torch_device = torch.device(device)
     with record_function("vramledger.setup"):
-        model = build_model(source, spec, torch_device)
+        model = recipe.build_model(torch_device)
         parameters, trainable = count_parameters(model)
-        names = {id(m): (n or type(model).__name__) for n, m in model.named_modules()}
-        tracker = StorageTracker(module_names=names)
+        tracker = StorageTracker(module_names=module_names(model))
         observer = TrackerObserver(tracker)
-        shape = BatchShape(
-            batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size
-        )
         with tracker:
-            batch = make_inputs(torch_device, shape)
+            batch = recipe.make_inputs(torch_device, recipe.shape)
             run = assemble(
                 model=model,
                 batch=batch,
-                loss_fn=loss_fn,
-                optimizer=choice,
-                precision=precision,
+                loss_fn=recipe.loss_fn,
+                optimizer=recipe.optimizer,
+                precision=recipe.precision,
                 device=torch_device,
                 grad_accum=spec.grad_accum,
                 observer=observer,

@@ -422,7 +422,13 @@ def call_model(model: nn.Module, batch: Any) -> Any:
 
 def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     """``output.loss`` of models that compute their own loss (Hugging Face models with labels)."""
-    out = call_model(model, batch)
+    try:
+        out = call_model(model, batch)
+    except TypeError as exc:
+        raise InputError(
+            f"calling {type(model).__name__} with the batch failed ({exc})",
+            hint="pass --loss FILE.py:FUNCTION, called as loss(model, batch) and returning the scalar loss",
+        ) from exc
     loss = getattr(out, "loss", None)
     if loss is None and isinstance(out, dict):
         loss = out.get("loss")

@@ -17,11 +17,8 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..checkpointing import checkpoint_modules, enable_hf_checkpointing
-from ..errors import InputError, TraceError, VramledgerError
-from ..optimizers import resolve_optimizer
-from ..precision import cast_model, precision_policy
-from ..sources import BatchShape, ModelSource, resolve_inputs, resolve_loss, resolve_model
+from ..errors import TraceError, VramledgerError
+from ..recipe import count_parameters, module_names, resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..training import assemble, optimizer_state_tensors
@@ -44,62 +41,6 @@ class TraceResult:
     optimizer_state_bytes: int
     seconds: float
     notes: list[str] = field(default_factory=list)
-
-
-def count_parameters(model: nn.Module) -> tuple[int, int]:
-    params = list(model.parameters())  # shared (tied) parameters appear once
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-
-
-def build_model(source: ModelSource, spec: TrainingSpec, device: str | torch.device) -> nn.Module:
-    """Build the model on ``device`` (meta for tracing), in train mode, checkpointed and cast."""
-    with torch.device(device):
-        if str(device) == "meta":
-            with source.skip_init():
-                model = _build(source)
-        else:
-            model = _build(source)
-    model.train()
-    if spec.grad_checkpointing:
-        if source.supports_hf_checkpointing:
-            enable_hf_checkpointing(model)
-        elif not spec.checkpoint_modules:
-            raise InputError(
-                "--grad-checkpointing uses the Hugging Face switch, and this model is Python code",
-                hint="name the blocks to checkpoint with --checkpoint-modules CLASSNAME",
-            )
-    if spec.checkpoint_modules:
-        checkpoint_modules(model, spec.checkpoint_modules)
-    cast_model(model, precision_policy(spec.precision))
-    _check_positions(model, spec)
-    return model
-
-
-def _build(source: ModelSource) -> nn.Module:
-    try:
-        return source.build()
-    except VramledgerError:
-        raise
-    except NotImplementedError as exc:  # e.g. Tensor.item() on meta tensors in __init__
-        raise TraceError(
-            f"building {source.name} on the meta device failed: {str(exc).splitlines()[0]}",
-            hint="its __init__ reads tensor values; use `vramledger measure` to run it for real",
-        ) from exc
-
-
-def _check_positions(model: nn.Module, spec: TrainingSpec) -> None:
-    """Learned position tables index out of range silently on fake tensors; refuse instead."""
-    for name, module in model.named_modules():
-        if (
-            isinstance(module, nn.Embedding)
-            and ("position" in name or name.endswith("wpe"))
-            and module.num_embeddings < spec.seq_len
-        ):
-            raise InputError(
-                f"seq-len {spec.seq_len} exceeds the {module.num_embeddings} learned positions "
-                f"of {name}",
-                hint=f"use --seq-len {module.num_embeddings} or less",
-            )
 
 
 def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
@@ -125,32 +66,30 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> Non
 def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
     """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline."""
     start = time.perf_counter()
-    source = resolve_model(spec.model, spec.task)
-    make_inputs = resolve_inputs(spec.inputs, source)
-    loss_fn = resolve_loss(spec.loss)
-    precision = precision_policy(spec.precision)
-    choice = policy.optimizer(resolve_optimizer(spec.optimizer, spec.optimizer_kwargs))
-    model = build_model(source, spec, "meta")
+    recipe = resolve(spec)
+    model = recipe.build_model("meta")
     parameters, trainable = count_parameters(model)
-    names = {id(m): (n or type(model).__name__) for n, m in model.named_modules()}
+    names = module_names(model)
 
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakeify(model, mode, TRACE_DEVICE)
     tracker = StorageTracker(
-        module_names=names, op_observer=policy.op_observer(), corrections=CORRECTIONS
+        module_names=names,
+        op_observer=policy.op_observer(),
+        corrections=CORRECTIONS,
+        answer_optimizer_scalars=True,
     )
     observer = TrackerObserver(tracker, policy.host_resident)
-    shape = BatchShape(batch_size=spec.batch_size, seq_len=spec.seq_len, image_size=spec.image_size)
     notes: list[str] = []
     with mode, policy.context(), ordinary_batches(notes), tracker:
         try:
-            batch = make_inputs(TRACE_DEVICE, shape)
+            batch = recipe.make_inputs(TRACE_DEVICE, recipe.shape)
             run = assemble(
                 model=model,
                 batch=batch,
-                loss_fn=loss_fn,
-                optimizer=choice,
-                precision=precision,
+                loss_fn=recipe.loss_fn,
+                optimizer=policy.optimizer(recipe.optimizer),
+                precision=recipe.precision,
                 device=TRACE_DEVICE,
                 grad_accum=spec.grad_accum,
                 observer=observer,
@@ -162,9 +101,14 @@ def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
             raise trace_error(exc, tracker) from exc
         state_bytes = _state_bytes(run.optimizer)
     timeline = tracker.close()
+    if tracker.scalars_answered:
+        notes.append(
+            f"optimizer.step() read {tracker.scalars_answered} scalar values with .item(); fake "
+            "tensors have none, so 1 was used (scalars never change memory)"
+        )
     return TraceResult(
         timeline=timeline,
-        model_name=source.name,
+        model_name=recipe.source.name,
         parameters=parameters,
         trainable_parameters=trainable,
         optimizer_state_bytes=state_bytes,

@@ -1,0 +1,106 @@
+"""From a TrainingSpec to the pieces a run needs, shared by tracing and measuring: the model
+built on a device (checkpointed and cast), the input maker, the loss, the precision and the
+optimizer choice."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .checkpointing import checkpoint_modules, enable_hf_checkpointing
+from .errors import InputError, TraceError, VramledgerError
+from .optimizers import OptimizerChoice, resolve_optimizer
+from .precision import PrecisionPolicy, cast_model, precision_policy
+from .sources import BatchShape, LossFn, ModelSource, resolve_inputs, resolve_loss, resolve_model
+from .spec import TrainingSpec
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recipe:
+    spec: TrainingSpec
+    source: ModelSource
+    make_inputs: Callable[[torch.device, BatchShape], Any]
+    loss_fn: LossFn
+    precision: PrecisionPolicy
+    optimizer: OptimizerChoice
+
+    @property
+    def shape(self) -> BatchShape:
+        s = self.spec
+        return BatchShape(batch_size=s.batch_size, seq_len=s.seq_len, image_size=s.image_size)
+
+    def build_model(self, device: str | torch.device) -> nn.Module:
+        """Build on ``device`` (meta for tracing), in train mode, checkpointed and cast."""
+        spec, source = self.spec, self.source
+        with torch.device(device):
+            if str(device) == "meta":
+                with source.skip_init():
+                    model = _build(source)
+            else:
+                model = _build(source)
+        model.train()
+        if spec.grad_checkpointing:
+            if source.supports_hf_checkpointing:
+                enable_hf_checkpointing(model)
+            elif not spec.checkpoint_modules:
+                raise InputError(
+                    "--grad-checkpointing uses the Hugging Face switch, and this model is Python code",
+                    hint="name the blocks to checkpoint with --checkpoint-modules CLASSNAME",
+                )
+        if spec.checkpoint_modules:
+            checkpoint_modules(model, spec.checkpoint_modules)
+        cast_model(model, self.precision)
+        _check_positions(model, spec.seq_len)
+        return model
+
+
+def resolve(spec: TrainingSpec) -> Recipe:
+    """Resolve every name in the spec (model first, so its errors come first)."""
+    source = resolve_model(spec.model, spec.task)
+    return Recipe(
+        spec=spec,
+        source=source,
+        make_inputs=resolve_inputs(spec.inputs, source),
+        loss_fn=resolve_loss(spec.loss),
+        precision=precision_policy(spec.precision),
+        optimizer=resolve_optimizer(spec.optimizer, spec.optimizer_kwargs),
+    )
+
+
+def count_parameters(model: nn.Module) -> tuple[int, int]:
+    params = list(model.parameters())  # shared (tied) parameters appear once
+    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+
+
+def module_names(model: nn.Module) -> dict[int, str]:
+    return {id(m): (n or type(model).__name__) for n, m in model.named_modules()}
+
+
+def _build(source: ModelSource) -> nn.Module:
+    try:
+        return source.build()
+    except VramledgerError:
+        raise
+    except NotImplementedError as exc:  # e.g. Tensor.item() on meta tensors in __init__
+        raise TraceError(
+            f"building {source.name} on the meta device failed: {str(exc).splitlines()[0]}",
+            hint="its __init__ reads tensor values; use `vramledger measure` to run it for real",
+        ) from exc
+
+
+def _check_positions(model: nn.Module, seq_len: int) -> None:
+    """Learned position tables index out of range silently on fake tensors; refuse instead."""
+    for name, module in model.named_modules():
+        if (
+            isinstance(module, nn.Embedding)
+            and ("position" in name or name.endswith("wpe"))
+            and module.num_embeddings < seq_len
+        ):
+            raise InputError(
+                f"seq-len {seq_len} exceeds the {module.num_embeddings} learned positions of {name}",
+                hint=f"use --seq-len {module.num_embeddings} or less",
+            )

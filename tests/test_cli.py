@@ -1,0 +1,194 @@
+"""The command line: the JSON contract, and one-line errors for bad input."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vramledger.cli import SPEC_OPTIONS, main
+from vramledger.spec import TrainingSpec
+
+from .conftest import MODELS_PY, fixture
+
+CORE_FIELDS = {
+    "peak_bytes",
+    "allocated_peak_bytes",
+    "first_step_peak_bytes",
+    "peak_phase",
+    "at_peak",
+    "phases",
+    "parameters",
+    "trainable_parameters",
+    "target",
+    "vramledger_version",
+}
+
+
+def run_cli(capsys, *args):
+    code = main(list(args))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_every_spec_field_is_a_cli_option():
+    from dataclasses import fields
+
+    assert {f.name for f in fields(TrainingSpec)} - {"model"} == set(SPEC_OPTIONS)
+
+
+def test_estimate_json_contract(capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        fixture("tiny-llama.json"),
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "32",
+        "--precision",
+        "bf16-mixed",
+        "--grad-checkpointing",
+        "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) >= CORE_FIELDS
+    assert sum(data["at_peak"].values()) == data["peak_bytes"]
+    assert data["target"] == "cuda"
+    assert data["peak_phase"] in data["phases"]
+    assert data["parameters"] == data["trainable_parameters"] > 0
+
+
+def test_measure_json_contract(capsys):
+    code, out, _ = run_cli(
+        capsys, "measure", fixture("tiny-gpt2.json"), "--seq-len", "16", "--compare", "--json"
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert CORE_FIELDS | {"measured_peak_bytes", "estimate", "estimate_error"} <= set(data)
+    assert abs(data["estimate_error"]) < 0.005
+
+
+def test_terminal_table(capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        fixture("tiny-gpt2.json"),
+        "--seq-len",
+        "16",
+        "--optimizer",
+        "sgd-momentum",
+    )
+    assert code == 0
+    for word in ("parameters", "optimizer_state", "activations", "peak by phase", "backward"):
+        assert word in out
+
+
+PLAIN = ["--inputs", f"{MODELS_PY}:mlp_inputs", "--loss", f"{MODELS_PY}:mlp_loss"]
+BAD = {
+    "missing config": (["estimate", "no/such/config.json"], "not found"),
+    "malformed config": (["estimate", fixture("bad/truncated.json")], "not valid JSON"),
+    "config without model_type": (["estimate", fixture("bad/no-model-type.json")], "model_type"),
+    "unknown model type": (["estimate", fixture("bad/unknown-type.json")], "not-a-model"),
+    "unknown task": (
+        ["estimate", fixture("tiny-llama.json"), "--task", "translation"],
+        "invalid choice",
+    ),
+    "task the model lacks": (
+        ["estimate", fixture("tiny-vit.json"), "--task", "causal-lm"],
+        "causal-lm",
+    ),
+    "unknown optimizer": (
+        ["estimate", fixture("tiny-llama.json"), "--optimizer", "adamm"],
+        "unknown optimizer",
+    ),
+    "bad kwargs json": (
+        ["estimate", fixture("tiny-llama.json"), "--optimizer-kwargs", "{momentum: 1}"],
+        "not valid JSON",
+    ),
+    "kwargs not an object": (
+        ["estimate", fixture("tiny-llama.json"), "--optimizer-kwargs", "[1]"],
+        "JSON object",
+    ),
+    "unknown kwarg": (
+        [
+            "estimate",
+            fixture("tiny-llama.json"),
+            "--optimizer",
+            "sgd",
+            "--optimizer-kwargs",
+            '{"momentom": 0.9}',
+        ],
+        "momentom",
+    ),
+    "zero batch": (
+        ["estimate", fixture("tiny-llama.json"), "--batch-size", "0"],
+        "batch-size must be a positive",
+    ),
+    "negative seq": (
+        ["estimate", fixture("tiny-llama.json"), "--seq-len", "-3"],
+        "seq-len must be a positive",
+    ),
+    "one step": (
+        ["estimate", fixture("tiny-llama.json"), "--steps", "1"],
+        "steps must be at least 2",
+    ),
+    "too long for positions": (
+        ["estimate", fixture("tiny-gpt2.json"), "--seq-len", "4096"],
+        "learned positions",
+    ),
+    "factory raises": (["estimate", f"{MODELS_PY}:broken_factory", *PLAIN], "always fails"),
+    "factory returns junk": (["estimate", f"{MODELS_PY}:not_a_module", *PLAIN], "not an nn.Module"),
+    "missing function": (["estimate", f"{MODELS_PY}:nope"], "no function 'nope'"),
+    "no loss for plain model": (
+        ["estimate", f"{MODELS_PY}:mlp", "--inputs", f"{MODELS_PY}:mlp_inputs"],
+        "--loss",
+    ),
+    "no inputs for plain model": (["estimate", f"{MODELS_PY}:mlp"], "--inputs"),
+    "checkpoint class missing": (
+        ["estimate", fixture("tiny-llama.json"), "--checkpoint-modules", "Nope"],
+        "no submodule of class Nope",
+    ),
+    "data-dependent operator": (
+        [
+            "estimate",
+            f"{MODELS_PY}:data_dependent",
+            "--inputs",
+            f"{MODELS_PY}:mlp_inputs",
+            "--loss",
+            f"{MODELS_PY}:mlp_loss",
+        ],
+        "aten.",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_input_is_one_line_and_nonzero(capsys, case):
+    args, expected = BAD[case]
+    try:
+        code, _out, err = run_cli(capsys, *args)
+    except SystemExit as exc:  # argparse's own errors (invalid choice)
+        code, err = exc.code, capsys.readouterr().err
+    assert code != 0
+    assert expected in err, err
+    assert "Traceback" not in err
+    if case != "unknown task":
+        assert len(err.strip().splitlines()) == 1, err
+
+
+def test_data_dependent_error_names_operator_and_module_and_suggests_measure(capsys):
+    args, _ = BAD["data-dependent operator"]
+    code, _, err = run_cli(capsys, *args)
+    assert code == 2
+    assert "_local_scalar_dense" in err or "is_nonzero" in err
+    assert "module" in err and "measure" in err and "--target cpu" in err
+
+
+def test_process_exit_code_and_debug_traceback():
+    cmd = [sys.executable, "-m", "vramledger.cli", "estimate", fixture("bad/truncated.json")]
+    quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
+    loud = subprocess.run([*cmd, "--debug"], capture_output=True, text=True, timeout=120)
+    assert loud.returncode != 0 and "Traceback" in loud.stderr
