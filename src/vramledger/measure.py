@@ -23,13 +23,12 @@ import torch
 from torch.profiler import profile, record_function
 
 from .allocator_events import memory_events, ranges, recording
-from .categories import Phase
+from .categories import Category, Phase
 from .errors import InputError
 from .ledger import Ledger, build_ledger
 from .predict import as_spec, policy_for
 from .recipe import count_parameters, module_names, resolve
 from .spec import TrainingSpec
-from .trace.fake import _state_bytes
 from .trace.tracker import StorageTracker, TrackerObserver
 from .training import assemble
 from .version import __version__
@@ -164,8 +163,8 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
                 run.step(step, observer)
             if per_step is not None:
                 per_step(step, "end")
-    state_bytes = _state_bytes(run.optimizer)
     timeline = tracker.close()
+    state_bytes = timeline.live_at_end(Category.OPTIMIZER_STATE)
     ledger = build_ledger(
         timeline,
         target=device,

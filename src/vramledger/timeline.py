@@ -36,10 +36,21 @@ class Timeline:
     """``sid`` = allocation, ``~sid`` = free, in program order."""
     marks: list[tuple[int, int, Phase]] = field(default_factory=list)
     """(index into events, step, phase): from that event on, the run is in that step and phase."""
+    block: list[int | None] = field(default_factory=list)
+    """Index of the repeated block (e.g. decoder layer) each storage belongs to, when the trace
+    labels blocks (``trace/blocks.py``); None outside blocks."""
+    event_block: list[int | None] = field(default_factory=list)
+    """Block label of each event, parallel to ``events``."""
 
     # -- recording -------------------------------------------------------------------------------
     def new_storage(
-        self, nbytes: int, step: int, phase: Phase, module: str | None, op: str | None = None
+        self,
+        nbytes: int,
+        step: int,
+        phase: Phase,
+        module: str | None,
+        op: str | None = None,
+        block: int | None = None,
     ) -> int:
         sid = len(self.nbytes)
         self.nbytes.append(nbytes)
@@ -48,11 +59,14 @@ class Timeline:
         self.module.append(module)
         self.op.append(op)
         self.origin.append((step, phase))
+        self.block.append(block)
         self.events.append(sid)
+        self.event_block.append(block)
         return sid
 
-    def free(self, sid: int) -> None:
+    def free(self, sid: int, block: int | None = None) -> None:
         self.events.append(~sid)
+        self.event_block.append(block)
 
     def mark(self, step: int, phase: Phase) -> None:
         self.marks.append((len(self.events), step, phase))
@@ -66,6 +80,15 @@ class Timeline:
     # -- reading ---------------------------------------------------------------------------------
     def category(self, sid: int) -> Category:
         return self.tags[sid] or Category.TEMPORARIES
+
+    def live_at_end(self, category: Category) -> int:
+        """Bytes of storages of ``category`` still alive when the run ends (device and host)."""
+        freed = {~e for e in self.events if e < 0}
+        return sum(
+            self.nbytes[s]
+            for s in range(self.num_storages)
+            if s not in freed and self.category(s) is category
+        )
 
     @property
     def num_storages(self) -> int:

@@ -6,7 +6,7 @@ initialisation, no memory), its parameters become fake CPU tensors, and the step
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -17,11 +17,25 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from ..categories import Category
 from ..errors import TraceError, VramledgerError
-from ..recipe import count_parameters, module_names, resolve
+from ..recipe import Recipe, count_parameters, module_names, resolve
+from ..sources import hf_source
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from ..training import assemble, optimizer_state_tensors
+from ..training import assemble
+from .blocks import (
+    MIN_BLOCKS,
+    SMALL,
+    BlockStack,
+    NotExtensible,
+    config_depth,
+    extend,
+    find_block_stack,
+    same_timeline,
+    shallow_config,
+    truncate,
+)
 from .fake_corrections import CORRECTIONS
 from .hf_compat import ordinary_batches
 from .policy import DevicePolicy
@@ -63,25 +77,109 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> Non
             module._buffers[name] = memo[id(b)]
 
 
-def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
-    """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline."""
+def trace(spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = True) -> TraceResult:
+    """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline.
+
+    Models made of many identical blocks are traced with a few blocks and extended exactly
+    (``blocks.py``); if the extension cannot be verified, every block is traced.
+    """
     start = time.perf_counter()
     recipe = resolve(spec)
-    model = recipe.build_model("meta")
-    parameters, trainable = count_parameters(model)
-    names = module_names(model)
+    notes: list[str] = []
+    result = _extended(recipe, policy, notes) if extend_blocks else None
+    if result is None:
+        model = recipe.build_model("meta")
+        counts = count_parameters(model)
+        timeline = _run(recipe, model, policy, notes)
+    else:
+        timeline, counts = result
+    return TraceResult(
+        timeline=timeline,
+        model_name=recipe.source.name,
+        parameters=counts[0],
+        trainable_parameters=counts[1],
+        optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
+        seconds=time.perf_counter() - start,
+        notes=list(dict.fromkeys(policy.notes() + notes)),
+    )
 
+
+def _extended(
+    recipe: Recipe, policy: DevicePolicy, notes: list[str]
+) -> tuple[Timeline, tuple[int, int]] | None:
+    """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
+    extend it to the full depth. A Hugging Face config says its depth, so the full model is
+    never built; Python models are built (on meta) to find their blocks."""
+    depth = config_depth(recipe.source.config)
+    if depth is not None:
+        if depth < MIN_BLOCKS:
+            return None
+        models = {d: _shallow_model(recipe, depth, d) for d in (SMALL, SMALL + 1)}
+        stack = find_block_stack(models[SMALL], min_blocks=SMALL)
+        if stack is None or stack.length != SMALL:
+            return None
+        stack = BlockStack(fqn=stack.fqn, length=depth)
+    else:
+        full = recipe.build_model("meta")
+        stack = find_block_stack(full)
+        if stack is None:
+            return None
+        models = {}
+        for d in (SMALL, SMALL + 1):
+            models[d] = recipe.build_model("meta")
+            truncate(models[d], stack, d)
+    counts = {d: count_parameters(m) for d, m in models.items()}
+    traced = {d: _run(recipe, models[d], policy, notes, stack=stack) for d in models}
+    try:
+        check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
+        if not same_timeline(check, traced[SMALL + 1]):
+            raise NotExtensible("the extended trace differs from the traced one")
+        full_timeline = extend(traced[SMALL + 1], SMALL + 1, stack.length, stack.fqn)
+    except NotExtensible as exc:
+        notes.append(f"traced every block of {stack.fqn} ({exc})")
+        return None
+    notes.append(
+        f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in {stack.fqn} and "
+        "extended the timeline to all of them (verified exact on the smaller pair)"
+    )
+    # Identical blocks: each adds the same parameters.
+    extra = stack.length - (SMALL + 1)
+    totals = tuple(
+        counts[SMALL + 1][i] + extra * (counts[SMALL + 1][i] - counts[SMALL][i]) for i in (0, 1)
+    )
+    return full_timeline, totals
+
+
+def _shallow_model(recipe: Recipe, depth: int, blocks: int) -> nn.Module:
+    shallow = shallow_config(recipe.source.config, blocks, depth)
+    source = hf_source(shallow, recipe.source.task, recipe.source.name)
+    return replace(recipe, source=source).build_model("meta")
+
+
+def _run(
+    recipe: Recipe,
+    model: nn.Module,
+    policy: DevicePolicy,
+    notes: list[str],
+    *,
+    stack: BlockStack | None = None,
+) -> Timeline:
+    spec = recipe.spec
+    names = module_names(model)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakeify(model, mode, TRACE_DEVICE)
+    blocks: list[nn.Module] = list(model.get_submodule(stack.fqn)) if stack is not None else []
     tracker = StorageTracker(
         module_names=names,
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
         answer_optimizer_scalars=True,
+        blocks={id(b): k for k, b in enumerate(blocks)},
+        tensor_blocks={id(p): k for k, b in enumerate(blocks) for p in b.parameters()},
     )
     observer = TrackerObserver(tracker, policy.host_resident)
-    notes: list[str] = []
     with mode, policy.context(), ordinary_batches(notes), tracker:
+        tracker.label_blocks(blocks)
         try:
             batch = recipe.make_inputs(TRACE_DEVICE, recipe.shape)
             run = assemble(
@@ -99,32 +197,13 @@ def trace(spec: TrainingSpec, policy: DevicePolicy) -> TraceResult:
             raise
         except Exception as exc:
             raise trace_error(exc, tracker) from exc
-        state_bytes = _state_bytes(run.optimizer)
     timeline = tracker.close()
     if tracker.scalars_answered:
         notes.append(
-            f"optimizer.step() read {tracker.scalars_answered} scalar values with .item(); fake "
-            "tensors have none, so 1 was used (scalars never change memory)"
+            "optimizer.step() read scalar values with .item(); fake tensors have none, so 1 was "
+            "used (scalars never change memory)"
         )
-    return TraceResult(
-        timeline=timeline,
-        model_name=recipe.source.name,
-        parameters=parameters,
-        trainable_parameters=trainable,
-        optimizer_state_bytes=state_bytes,
-        seconds=time.perf_counter() - start,
-        notes=policy.notes() + notes,
-    )
-
-
-def _state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    from .tracker import storages_of
-
-    seen: dict[int, int] = {}
-    for t in optimizer_state_tensors(optimizer):
-        for st in storages_of(t):
-            seen[st._cdata] = st.nbytes()
-    return sum(seen.values())
+    return timeline
 
 
 _FAKE_LIMITS = (
@@ -137,7 +216,7 @@ _FAKE_LIMITS = (
 def trace_error(exc: Exception, tracker: StorageTracker) -> TraceError:
     """Say which operator failed in which module, and what to do instead."""
     where = tracker.module_of(exc) or "the training step"
-    hint = "use --target cpu with real tensors via `vramledger measure`, or pass --debug for the traceback"
+    hint = "try --target cpu, or run it for real with `vramledger measure` (--debug shows the traceback)"
     if isinstance(exc, _FAKE_LIMITS):
         op = getattr(exc, "func", None)
         why = {

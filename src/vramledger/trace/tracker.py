@@ -47,6 +47,19 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 _SCALAR_ANSWER = {True: 1.0, False: 1}
+_TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
+
+
+def _grad_tensors(obj: Any) -> Iterable[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        if obj.requires_grad:
+            yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _grad_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _grad_tensors(v)
 
 
 def _identity(exc: BaseException) -> tuple[int, str]:
@@ -67,6 +80,8 @@ class StorageTracker(TorchDispatchMode):
         op_observer: OpObserver | None = None,
         corrections: dict[Any, Callable[[Any, Any], Any]] | None = None,
         answer_optimizer_scalars: bool = False,
+        blocks: dict[int, int] | None = None,
+        tensor_blocks: dict[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -86,6 +101,12 @@ class StorageTracker(TorchDispatchMode):
         self._corrections = corrections or {}
         self._answer_scalars = answer_optimizer_scalars
         self.scalars_answered = 0
+        # Block labels (see trace/blocks.py): id(block module) -> index; id(param) -> index.
+        self._blocks = blocks or {}
+        self._tensor_blocks = tensor_blocks or {}
+        self._block: int | None = None  # the block running now (forward, backward)
+        self._block_stack: list[int | None] = []
+        self._inherit: Any = None  # block(s) the current op's outputs inherit (other phases)
         self._transients: list[int] = []  # kernel scratch of the current op, freed after it
         self.failure: tuple[BaseException, str] | None = None
         self._module_failure: tuple[BaseException, str] | None = None
@@ -105,6 +126,8 @@ class StorageTracker(TorchDispatchMode):
         if correct is not None:
             out = correct(args, out)
         self._op = func
+        if self._blocks and self.phase not in _TIMED_PHASES:
+            self._inherit = self._inherited_blocks(args, out)
         if self._op_observer is not None:
             self._op_observer(func, args, out, self)
         if isinstance(out, torch.Tensor):
@@ -112,21 +135,21 @@ class StorageTracker(TorchDispatchMode):
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
         self._op = None
+        self._inherit = None
         if self._transients:
             for sid in self._transients:
-                self._alive.discard(sid)
-                self.timeline.free(sid)
+                self._free(sid)
             self._transients = []
         return out
 
     def _see_all(self, outs: Iterable[Any]) -> None:
-        for o in outs:
+        for i, o in enumerate(outs):
             if isinstance(o, torch.Tensor):
-                self._see(o)
+                self._see(o, i)
             elif isinstance(o, (tuple, list)):
                 self._see_all(o)
 
-    def _see(self, t: torch.Tensor) -> list[int]:
+    def _see(self, t: torch.Tensor, index: int = 0) -> list[int]:
         sids = []
         for st in storages_of(t):
             key = st._cdata
@@ -135,16 +158,16 @@ class StorageTracker(TorchDispatchMode):
                 nbytes = st.nbytes()
                 if nbytes == 0:
                     continue
-                sid = self._new(nbytes)
+                sid = self._new(nbytes, self._block_for(t, index))
                 self._live[key] = sid
                 self._refs[key] = weakref.ref(st, partial(self._on_free, key, sid))
             sids.append(sid)
         return sids
 
-    def _new(self, nbytes: int) -> int:
+    def _new(self, nbytes: int, block: int | None = None) -> int:
         module = self._module_stack[-1] if self._module_stack else None
         op = str(self._op) if self._op is not None else None
-        sid = self.timeline.new_storage(nbytes, self.step, self.phase, module, op)
+        sid = self.timeline.new_storage(nbytes, self.step, self.phase, module, op, block)
         self._alive.add(sid)
         if self._region is not None:
             self._region.append(sid)
@@ -156,8 +179,73 @@ class StorageTracker(TorchDispatchMode):
             del self._refs[key]
         if self._closed:
             return
+        self._free(sid)
+
+    def _free(self, sid: int) -> None:
         self._alive.discard(sid)
-        self.timeline.free(sid)
+        if self._blocks and self.phase not in _TIMED_PHASES:
+            self.timeline.free(sid, self.timeline.block[sid])
+        else:
+            self.timeline.free(sid, self._block)
+
+    # -- block labels (trace/blocks.py) ------------------------------------------------------------
+    def _block_for(self, t: torch.Tensor, index: int) -> int | None:
+        """Forward and backward: the block running now. Other phases: the block of the tensor
+        (a parameter's), or of the operator's corresponding input."""
+        if not self._blocks:
+            return None
+        if self.phase in _TIMED_PHASES:
+            return self._block
+        known = self._tensor_blocks.get(id(t))
+        if known is not None:
+            return known
+        inherit = self._inherit
+        if isinstance(inherit, list):
+            return inherit[index] if index < len(inherit) else None
+        return inherit
+
+    def _storage_block(self, t: Any) -> int | None:
+        if not isinstance(t, torch.Tensor):
+            return None
+        sid = (
+            self._live.get(t.untyped_storage()._cdata)
+            if not is_traceable_wrapper_subclass(t)
+            else None
+        )
+        return self.timeline.block[sid] if sid is not None else self._tensor_blocks.get(id(t))
+
+    def _inherited_blocks(self, args: tuple[Any, ...], out: Any) -> Any:
+        first = args[0] if args else None
+        if (
+            isinstance(out, (list, tuple))
+            and isinstance(first, (list, tuple))
+            and len(first) == len(out)
+        ):
+            return [self._storage_block(t) for t in first]  # foreach: output i from input i
+        for a in args:
+            for t in a if isinstance(a, (list, tuple)) else (a,):
+                block = self._storage_block(t)
+                if block is not None:
+                    return block
+        return None
+
+    def _block_pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        k = self._blocks[id(module)]
+        self._block_stack.append(self._block)
+        self._block = k
+        if self.phase is Phase.FORWARD:
+            for t in _grad_tensors((args, kwargs)):
+                t.register_hook(partial(self._block_backward, k - 1 if k > 0 else None))
+
+    def _block_post_forward(self, module: torch.nn.Module, _args: Any, out: Any) -> None:
+        k = self._blocks[id(module)]
+        self._block = self._block_stack.pop() if self._block_stack else None
+        if self.phase is Phase.FORWARD:
+            for t in _grad_tensors(out):
+                t.register_hook(partial(self._block_backward, k))
+
+    def _block_backward(self, k: int | None, _grad: torch.Tensor) -> None:
+        self._block = k
 
     # -- what the training loop tells the tracker -----------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
@@ -170,7 +258,8 @@ class StorageTracker(TorchDispatchMode):
 
     def add_synthetic(self, nbytes: int, label: str, category: Category) -> int:
         """Record an allocation that no tensor shows (a library workspace); kept to the end."""
-        sid = self._new(nbytes)
+        block = self._block if self.phase in _TIMED_PHASES else None
+        sid = self._new(nbytes, block if self._blocks else None)
         self.timeline.labels[sid] = label
         self.timeline.tag(sid, category)
         return sid
@@ -263,6 +352,16 @@ class StorageTracker(TorchDispatchMode):
             ),
         ]
         return super().__enter__()
+
+    def label_blocks(self, modules: Iterable[torch.nn.Module]) -> None:
+        """Hook the repeated blocks so every event is labelled with its block index."""
+        for module in modules:
+            self._hook_handles.append(
+                module.register_forward_pre_hook(self._block_pre_forward, with_kwargs=True)
+            )
+            self._hook_handles.append(
+                module.register_forward_hook(self._block_post_forward, always_call=True)
+            )
 
     def __exit__(self, *exc: Any) -> None:
         for handle in self._hook_handles:

@@ -1,0 +1,350 @@
+"""Identical repeated blocks: trace a few, extend to all, exactly.
+
+A 70B model is 80 identical decoder layers. Tracing every one costs time and tells nothing new:
+the events of layer 40 are those of layer 39 with the names shifted. So the trace runs the
+model with ``SMALL`` and ``SMALL + 1`` blocks, every event labelled with the block it belongs
+to (module hooks in forward, gradient hooks on block boundaries in backward, the owning
+parameter in the optimizer step). In each stretch of the timeline that walks the blocks in order
+(a *region*: the forward, the backward, each multi-tensor optimizer operator ...), the events of
+a middle block are the template for every middle block; storages it references in other blocks
+or regions are kept at the same relative block offset. ``extend`` rebuilds the timeline for any
+depth from the small one.
+
+Exactness is checked, not assumed: the timeline extended from ``SMALL`` to ``SMALL + 1`` blocks
+must equal the traced ``SMALL + 1`` timeline event for event — storages, sizes, categories,
+modules, operators, frees — or the trace falls back to running every block. Models whose blocks
+differ (alternating layer types, a bias computed in the first layer and shared, encoder and
+decoder stacks) fail that check and are traced in full.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from ..timeline import Timeline
+
+SMALL = 3
+"""Blocks in the smaller trace; one middle block (index 1) is the template."""
+MIN_BLOCKS = SMALL + 3
+"""Extend only models with at least this many blocks (otherwise a full trace is as cheap)."""
+_DEPTH_ATTRS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+class NotExtensible(Exception):
+    """The timeline does not have the repeated-block structure ``extend`` needs."""
+
+
+@dataclass(frozen=True)
+class BlockStack:
+    fqn: str
+    """Name of the ModuleList holding the blocks (e.g. 'model.layers')."""
+    length: int
+
+
+def find_block_stack(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> BlockStack | None:
+    """The ModuleList of identical blocks (same class, same parameter shapes), if exactly one
+    such list has at least ``min_blocks`` entries."""
+    found = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.ModuleList) or len(module) < min_blocks:
+            continue
+        first = module[0]
+        shape = _signature(first)
+        if all(type(b) is type(first) and _signature(b) == shape for b in module):
+            found.append(BlockStack(fqn=name, length=len(module)))
+    return found[0] if len(found) == 1 else None
+
+
+def _signature(module: nn.Module) -> tuple[Any, ...]:
+    return tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+
+
+def config_depth(config: Any) -> int | None:
+    """The number of layers a Hugging Face config declares, if it has one stack of them
+    (encoder-decoder configs, with two, return None)."""
+    if config is None or getattr(config, "is_encoder_decoder", False):
+        return None
+    for attr in _DEPTH_ATTRS:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def shallow_config(config: Any, depth: int, length: int) -> Any:
+    """A copy of a Hugging Face config with ``depth`` layers instead of ``length``."""
+    out = copy.deepcopy(config)
+    for attr in _DEPTH_ATTRS:
+        if getattr(out, attr, None) == length:
+            setattr(out, attr, depth)
+    for attr in ("layer_types",):  # per-layer lists must shrink with the depth
+        value = getattr(out, attr, None)
+        if isinstance(value, list) and len(value) == length:
+            setattr(out, attr, value[:depth])
+    return out
+
+
+def truncate(model: nn.Module, stack: BlockStack, depth: int) -> None:
+    """Keep the first ``depth`` blocks (Python models, whose config we cannot rewrite)."""
+    parent_name, _, attr = stack.fqn.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    blocks = getattr(parent, attr)
+    setattr(parent, attr, nn.ModuleList(list(blocks)[:depth]))
+
+
+# -- the timeline surgery ---------------------------------------------------------------------
+@dataclass
+class _Region:
+    start: int  # first event index
+    stop: int  # one past the last event index
+    ascending: bool
+    chunks: list[tuple[int, int]]  # (start, stop) event span of each block, in region order
+
+
+def _regions(tl: Timeline, blocks: int) -> list[_Region]:
+    """Split the event stream into regions that walk all blocks in order.
+
+    In forward and backward a block's events are everything while it runs, so a region runs
+    to its last labelled event. Elsewhere (setup, optimizer) labels come from the storages, and
+    two regions can meet on the same block (a multi-tensor operator's outputs allocated in block
+    order, then freed in reverse as the list is released); there the last block's events stop,
+    at an unlabelled event, once it has as many labelled events as the first block had.
+
+    Two kinds of events are taken for what they are rather than by their label: a free of the
+    previous block's storage inside a block (a for-loop over parameters frees one parameter's
+    temporary when the next one is computed) belongs to the block where it happens; and a run
+    of frees outside any block that releases storages of several blocks (autocast's weight
+    cache when the autocast region ends) is a region of its own, by the storages' blocks.
+    """
+    timed = _timed_events(tl)
+    labels, sweep = _with_free_sweeps(tl)
+    phase_starts = {index for index, _, _ in tl.marks}
+    regions: list[_Region] = []
+    i, n = 0, len(labels)
+    while i < n:
+        if labels[i] is None:
+            i += 1
+            continue
+        first = labels[i]
+        if first not in (0, blocks - 1):
+            if tl.events[i] < 0:  # a late free of a block's storage after its region ended
+                i += 1
+                continue
+            raise NotExtensible(f"a region starts at block {first}")
+        ascending = first == 0
+        order = list(range(blocks)) if ascending else list(range(blocks - 1, -1, -1))
+        chunks: list[tuple[int, int]] = []
+        start = chunk_start = last_labelled = i
+        pos = counted = 0
+        first_count = None
+        j = i
+        while j < n:
+            if j in phase_starts and j > start:
+                break  # a region never spans two phases
+            if sweep[j] != sweep[start]:
+                break  # a sweep of frees is a region of its own
+            lab = labels[j]
+            if lab is None:
+                if (
+                    pos == len(order) - 1
+                    and not timed[j]
+                    and first_count is not None
+                    and counted >= first_count
+                ):
+                    break
+            elif lab == order[pos]:
+                counted += 1
+                last_labelled = j
+            elif pos > 0 and lab == order[pos - 1] and tl.events[j] < 0:
+                pass  # a late free of the previous block's storage, inside this block
+            elif pos + 1 < len(order) and lab == order[pos + 1]:
+                chunks.append((chunk_start, j))
+                if first_count is None:
+                    first_count = counted
+                pos, counted, chunk_start, last_labelled = pos + 1, 1, j, j
+            else:
+                break
+            j += 1
+        if pos != len(order) - 1:
+            if tl.events[i] < 0:  # a late free of a block's storage, not a region
+                i += 1
+                continue
+            raise NotExtensible("a region does not visit every block")
+        stop = last_labelled + 1
+        if timed[start] and len(chunks) >= 2:
+            # The code between one block call and the next (say, releasing the previous
+            # block's output) also runs after the last block: take as many trailing events.
+            a, b = chunks[1]
+            tail = b - 1 - max(e for e in range(a, b) if labels[e] is not None)
+            if all(labels[e] is None and timed[e] for e in range(stop, min(stop + tail, n))):
+                stop = min(stop + tail, n)
+        chunks.append((chunk_start, stop))
+        regions.append(_Region(start=start, stop=stop, ascending=ascending, chunks=chunks))
+        i = stop
+    return regions
+
+
+def _with_free_sweeps(tl: Timeline) -> tuple[list[int | None], list[int | None]]:
+    """Labels with free sweeps relabelled by the storages' blocks, and each event's sweep."""
+    labels = list(tl.event_block)
+    n = len(labels)
+    sweep: list[int | None] = [None] * n
+    i = 0
+    while i < n:
+        if tl.events[i] >= 0 or labels[i] is not None:
+            i += 1
+            continue
+        j = i
+        while j < n and tl.events[j] < 0 and labels[j] is None:
+            j += 1
+        owners = [tl.block[~tl.events[e]] for e in range(i, j)]
+        if len({b for b in owners if b is not None}) >= 2:
+            labels[i:j] = owners
+            sweep[i:j] = [i] * (j - i)
+        i = j
+    return labels, sweep
+
+
+def _timed_events(tl: Timeline) -> list[bool]:
+    """True for events in forward or backward (labelled by the block running, not by storage)."""
+    from ..categories import Phase
+
+    timed = [False] * len(tl.events)
+    bounds = [*tl.marks, (len(tl.events), 0, Phase.SETUP)]
+    for (a, _, phase), (b, _, _) in itertools.pairwise(bounds):
+        if phase in (Phase.FORWARD, Phase.BACKWARD):
+            for e in range(a, b):
+                timed[e] = True
+    return timed
+
+
+def _rename(module: str | None, prefix: str, old: int, new: int) -> str | None:
+    if module is None:
+        return None
+    head = f"{prefix}.{old}"
+    if module == head or module.startswith(head + "."):
+        return f"{prefix}.{new}" + module[len(head) :]
+    return module
+
+
+def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
+    """The timeline of the same run with ``depth`` blocks instead of ``blocks``."""
+    if blocks < 3:
+        raise NotExtensible("need at least three traced blocks")
+    regions = _regions(tl, blocks)
+    # Where each storage was allocated, inside a region: (region, block, identity in the block),
+    # the identity being (operator, module relative to the block, bytes, occurrence) so that a
+    # block with an extra storage (the first one allocates the cuBLAS workspace) does not shift
+    # the identities of the others.
+    where: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
+    for r, region in enumerate(regions):
+        order = range(blocks) if region.ascending else range(blocks - 1, -1, -1)
+        for k, (a, b) in zip(order, region.chunks, strict=True):
+            seen: dict[tuple[Any, ...], int] = {}
+            for e in range(a, b):
+                ev = tl.events[e]
+                if ev >= 0:
+                    base = (
+                        tl.op[ev],
+                        _rename(tl.module[ev], prefix, k, -1),
+                        tl.nbytes[ev],
+                        tl.labels.get(ev),
+                    )
+                    seen[base] = seen.get(base, 0) + 1
+                    where[ev] = (r, k, (*base, seen[base]))
+    out = Timeline()
+    new_sid: dict[Any, int] = {}
+    middle = 1
+    region_starts = {reg.start: r for r, reg in enumerate(regions)}
+    mark_at: dict[int, list[tuple[int, Any]]] = {}
+    for index, step, phase in tl.marks:
+        mark_at.setdefault(index, []).append((step, phase))
+
+    def copy_storage(sid: int, block: int | None, source_block: int | None) -> int:
+        module = tl.module[sid]
+        if block is not None and source_block is not None:
+            module = _rename(module, prefix, source_block, block)
+        step, phase = tl.origin[sid]
+        nsid = out.new_storage(tl.nbytes[sid], step, phase, module, tl.op[sid], block)
+        out.tags[nsid] = tl.tags[sid]
+        out.on_host[nsid] = tl.on_host[sid]
+        if sid in tl.labels:
+            out.labels[nsid] = tl.labels[sid]
+        return nsid
+
+    def target(sid: int, emitted: int | None, source: int | None) -> int:
+        """The new sid of a storage referenced from a chunk (source block -> emitted block)."""
+        if sid in where:
+            r, k, o = where[sid]
+            if emitted is None:  # referenced from outside any region: first or last block only
+                if k == 0:
+                    key = (r, 0, o)
+                elif k == blocks - 1:
+                    key = (r, depth - 1, o)
+                else:
+                    raise NotExtensible("an event outside the blocks refers to a middle block")
+            else:
+                key = (r, emitted + (k - source), o)
+        else:
+            if emitted is not None and source == middle:
+                raise NotExtensible("a middle block frees a storage from outside the blocks")
+            key = ("outside", sid)
+        if key not in new_sid:
+            raise NotExtensible(f"reference to {key} before its allocation")
+        return new_sid[key]
+
+    def emit(e: int, emitted: int | None, source: int | None) -> None:
+        ev = tl.events[e]
+        if ev >= 0:
+            nsid = copy_storage(ev, emitted, source)
+            if ev in where:
+                r, _, o = where[ev]
+                new_sid[(r, emitted, o)] = nsid
+            else:
+                new_sid[("outside", ev)] = nsid
+            out.event_block[-1] = emitted
+        else:
+            out.free(target(~ev, emitted, source), emitted)
+
+    e = 0
+    n = len(tl.events)
+    while e <= n:
+        for step, phase in mark_at.get(e, ()):
+            out.mark(step, phase)
+        if e == n:
+            break
+        if e in region_starts:
+            region = regions[region_starts[e]]
+            order = range(depth) if region.ascending else range(depth - 1, -1, -1)
+            for j in order:
+                source = 0 if j == 0 else blocks - 1 if j == depth - 1 else middle
+                pos = source if region.ascending else blocks - 1 - source
+                a, b = region.chunks[pos]
+                for ee in range(a, b):
+                    if ee != a and ee in mark_at:
+                        raise NotExtensible("a phase changes inside a block")
+                    emit(ee, j, source)
+            e = region.stop
+            continue
+        emit(e, None, None)
+        e += 1
+    return out
+
+
+def same_timeline(a: Timeline, b: Timeline) -> bool:
+    return (
+        a.nbytes == b.nbytes
+        and a.tags == b.tags
+        and a.on_host == b.on_host
+        and a.module == b.module
+        and a.op == b.op
+        and a.origin == b.origin
+        and a.labels == b.labels
+        and a.events == b.events
+        and a.marks == b.marks
+    )

@@ -1,0 +1,65 @@
+"""Tracing a few identical blocks and extending is exactly a full trace, or is not used."""
+
+import pytest
+
+from vramledger import TrainingSpec
+from vramledger.predict import policy_for
+from vramledger.sources import load_hf_config
+from vramledger.trace.blocks import same_timeline
+from vramledger.trace.fake import trace
+
+from .conftest import MODELS_PY, fixture
+
+PLAIN = dict(inputs=f"{MODELS_PY}:mlp_inputs", loss=f"{MODELS_PY}:mlp_loss")
+
+
+def deep(name: str, layers: int = 7) -> dict:
+    config = load_hf_config(fixture(name)).to_dict()
+    for key in ("num_hidden_layers", "n_layer"):
+        if key in config:
+            config[key] = layers
+    return config
+
+
+CASES = {
+    "llama-bf16-mixed-ckpt-cuda": dict(
+        model=deep("tiny-llama.json"), precision="bf16-mixed", grad_checkpointing=True, seq_len=32
+    ),
+    "llama-bf16-autocast-accum-cuda": dict(
+        model=deep("tiny-llama.json"), precision="bf16-autocast", grad_accum=2, seq_len=32
+    ),
+    "llama-fp16-mixed-sgd-cpu": dict(
+        model=deep("tiny-llama.json"),
+        precision="fp16-mixed",
+        optimizer="sgd-momentum",
+        target="cpu",
+        seq_len=32,
+    ),
+    "gpt2-adamw-forloop-cpu": dict(
+        model=deep("tiny-gpt2.json"), optimizer_kwargs={"foreach": False}, target="cpu", seq_len=32
+    ),
+    "vit-adam-cuda": dict(model=deep("tiny-vit.json"), optimizer="adam", batch_size=2),
+    "python-mlp-rmsprop-cuda": dict(model=f"{MODELS_PY}:deep_mlp", optimizer="rmsprop", **PLAIN),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_extended_trace_equals_full_trace(name):
+    spec = TrainingSpec(**CASES[name])
+    extended = trace(spec, policy_for(spec.target))
+    full = trace(spec, policy_for(spec.target), extend_blocks=False)
+    assert any("extended the timeline" in n for n in extended.notes), extended.notes
+    assert same_timeline(extended.timeline, full.timeline)
+    assert (extended.parameters, extended.trainable_parameters) == (
+        full.parameters,
+        full.trainable_parameters,
+    )
+    assert extended.optimizer_state_bytes == full.optimizer_state_bytes
+
+
+def test_blocks_that_differ_are_traced_in_full():
+    spec = TrainingSpec(model=f"{MODELS_PY}:alternating_mlp", **PLAIN)
+    result = trace(spec, policy_for("cuda"))
+    full = trace(spec, policy_for("cuda"), extend_blocks=False)
+    assert any("traced every block" in n for n in result.notes), result.notes
+    assert same_timeline(result.timeline, full.timeline)
