@@ -1,32 +1,172 @@
 """Allocator models: from the bytes tensors ask for to the bytes an allocator hands out.
 
-``torch.cuda.max_memory_allocated()`` counts allocator blocks, and the CUDA caching allocator
-rounds every request up to a multiple of 512 bytes (``kMinBlockSize``). The CPU allocator
-(``c10::DefaultCPUAllocator``) reports the requested size to the profiler unrounded.
-Known limitations: reserved-but-unallocated memory (fragmentation, cached segments) and the
-CUDA context are not allocations and are not modelled here.
+``torch.cuda.max_memory_allocated()`` counts allocator *blocks*, not tensor bytes, and
+``memory_reserved()`` counts the segments the allocator took from the driver. The CUDA
+caching allocator (c10/cuda/CUDACachingAllocator.cpp, default settings, one stream) is
+simulated here event by event over the Timeline:
+
+- every request is rounded up to a multiple of ``CUDA_MIN_BLOCK`` (512 B) (``round_size``);
+- requests up to ``SMALL_SIZE`` (1 MiB) come from the small pool, larger ones from the large
+  pool; pools never share blocks;
+- a request takes the best-fitting cached free block of its pool (smallest large enough,
+  lowest address on ties); if none, a new segment is allocated: ``SMALL_BUFFER`` (2 MiB) for
+  small requests, ``LARGE_BUFFER`` (20 MiB) below ``MIN_LARGE_ALLOC`` (10 MiB), else the
+  request rounded up to ``ROUND_LARGE`` (2 MiB) (``get_allocation_size``);
+- the block is split only if what remains is at least 512 B (small pool) or more than 1 MiB
+  (large pool) (``should_split``); otherwise the whole block is handed out and counted;
+- a freed block merges with free neighbours in its segment; segments are never returned
+  (no ``empty_cache``).
+
+The CPU allocator (``c10::DefaultCPUAllocator``) reports the requested size unrounded.
+Known limitations: several streams, ``expandable_segments``, ``max_split_size_mb``,
+``roundup_power2_divisions`` and out-of-memory retries (which free cached segments) are not
+modelled; nor is the CUDA context, which is not an allocation.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import bisect
+from dataclasses import dataclass, field
 
 CUDA_MIN_BLOCK = 512
-"""``kMinBlockSize`` in c10/cuda/CUDACachingAllocator.cpp: all sizes are rounded to multiples of
-512 bytes (``round_size``)."""
+"""``kMinBlockSize``: all sizes are rounded to multiples of 512 bytes."""
+SMALL_SIZE = 1024**2
+"""``kSmallSize``: largest request served by the small pool (1 MiB)."""
+SMALL_BUFFER = 2 * 1024**2
+"""``kSmallBuffer``: segment size of the small pool (2 MiB)."""
+LARGE_BUFFER = 20 * 1024**2
+"""``kLargeBuffer`` / ``large_segment_size``: segment for large requests under 10 MiB (20 MiB)."""
+MIN_LARGE_ALLOC = 10 * 1024**2
+"""``kMinLargeAlloc``: from this size a request gets a segment of its own (10 MiB)."""
+ROUND_LARGE = 2 * 1024**2
+"""``kRoundLarge``: such segments are rounded up to multiples of 2 MiB."""
+
+
+def round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+@dataclass
+class _Block:
+    addr: int
+    size: int
+    small: bool
+    """Belongs to the small pool (its segment is a small-pool segment)."""
+    free: bool = True
+    prev: _Block | None = None
+    next: _Block | None = None
+
+
+@dataclass
+class _Pool:
+    free: list[tuple[int, int]] = field(default_factory=list)  # sorted (size, addr)
+    by_addr: dict[int, _Block] = field(default_factory=dict)
+
+    def insert(self, block: _Block) -> None:
+        bisect.insort(self.free, (block.size, block.addr))
+        self.by_addr[block.addr] = block
+
+    def remove(self, block: _Block) -> None:
+        i = bisect.bisect_left(self.free, (block.size, block.addr))
+        del self.free[i]
+        del self.by_addr[block.addr]
+
+    def best_fit(self, size: int) -> _Block | None:
+        i = bisect.bisect_left(self.free, (size, -1))
+        if i == len(self.free):
+            return None
+        return self.by_addr[self.free[i][1]]
+
+
+class CudaCachingAllocatorSim:
+    """Allocated and reserved bytes of a sequence of allocations and frees."""
+
+    def __init__(self) -> None:
+        self.small, self.large = _Pool(), _Pool()
+        self.allocated = 0
+        self.reserved = 0
+        self._next_addr = 0
+
+    def malloc(self, nbytes: int) -> _Block:
+        size = max(CUDA_MIN_BLOCK, round_up(nbytes, CUDA_MIN_BLOCK))
+        small = size <= SMALL_SIZE
+        pool = self.small if small else self.large
+        block = pool.best_fit(size)
+        if block is not None:
+            pool.remove(block)
+        else:
+            if small:
+                segment = SMALL_BUFFER
+            elif size < MIN_LARGE_ALLOC:
+                segment = LARGE_BUFFER
+            else:
+                segment = round_up(size, ROUND_LARGE)
+            block = _Block(addr=self._next_addr, size=segment, small=small)
+            self._next_addr += segment
+            self.reserved += segment
+        remaining = block.size - size
+        if (small and remaining >= CUDA_MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
+            rest = _Block(
+                addr=block.addr + size, size=remaining, small=small, prev=block, next=block.next
+            )
+            if block.next is not None:
+                block.next.prev = rest
+            block.next = rest
+            block.size = size
+            pool.insert(rest)
+        block.free = False
+        self.allocated += block.size
+        return block
+
+    def free(self, block: _Block) -> None:
+        pool = self.small if block.small else self.large
+        self.allocated -= block.size
+        block.free = True
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and neighbour.free:
+                pool.remove(neighbour)
+                if neighbour is block.prev:
+                    neighbour.size += block.size
+                    neighbour.next = block.next
+                    if block.next is not None:
+                        block.next.prev = neighbour
+                    block = neighbour
+                else:
+                    block.size += neighbour.size
+                    block.next = neighbour.next
+                    if neighbour.next is not None:
+                        neighbour.next.prev = block
+        pool.insert(block)
 
 
 @dataclass(frozen=True, kw_only=True)
 class AllocatorModel:
     name: str
-    block: int
-    """Requests are rounded up to a multiple of this many bytes (1 = no rounding)."""
+    simulate_cuda: bool = False
 
-    def block_bytes(self, nbytes: int) -> int:
-        if nbytes <= 0:
-            return 0
-        return -(-nbytes // self.block) * self.block
+    def block_sizes(
+        self, nbytes: list[int], events: list[int], on_host: list[bool]
+    ) -> tuple[list[int], list[int]]:
+        """Per storage, the bytes the allocator hands out for it; and the reserved bytes after
+        each event (empty when the allocator reserves nothing beyond what it allocates)."""
+        if not self.simulate_cuda:
+            return list(nbytes), []
+        sim = CudaCachingAllocatorSim()
+        sizes = [0] * len(nbytes)
+        blocks: dict[int, _Block] = {}
+        reserved: list[int] = []
+        for ev in events:
+            sid = ev if ev >= 0 else ~ev
+            if not on_host[sid] and nbytes[sid] > 0:  # zero-byte requests allocate nothing
+                if ev >= 0:
+                    block = sim.malloc(nbytes[sid])
+                    blocks[sid] = block
+                    sizes[sid] = block.size
+                elif sid in blocks:
+                    sim.free(blocks.pop(sid))
+            reserved.append(sim.reserved)
+        return sizes, reserved
 
 
-CPU_ALLOCATOR = AllocatorModel(name="cpu", block=1)
-CUDA_CACHING_ALLOCATOR = AllocatorModel(name="cuda-caching", block=CUDA_MIN_BLOCK)
+CPU_ALLOCATOR = AllocatorModel(name="cpu")
+CUDA_CACHING_ALLOCATOR = AllocatorModel(name="cuda-caching", simulate_cuda=True)

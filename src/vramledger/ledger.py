@@ -46,15 +46,23 @@ class Replay:
     """Live bytes when each step begins (what the step inherits)."""
     host_peak: int
     """Largest live bytes kept in host memory (storages marked on_host)."""
+    reserved_peaks: dict[int, int]
+    """Per step, the largest bytes the allocator had reserved (empty if it reserves nothing
+    beyond what it allocates)."""
     activations_by_module: dict[str, int]
     """Activation bytes live at the end of the last forward, by innermost module."""
 
 
-def replay(timeline: Timeline, allocator: AllocatorModel) -> Replay:
+def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Replay:
+    """Replay with tensor bytes (no allocator) or with the blocks ``allocator`` hands out."""
     rank = {c: i for i, c in enumerate(CATEGORY_PRIORITY)}
     cat = [rank[timeline.category(sid)] for sid in range(timeline.num_storages)]
-    size = [allocator.block_bytes(b) for b in timeline.nbytes]
     host = timeline.on_host
+    if allocator is None:
+        size, reserved = list(timeline.nbytes), []
+    else:
+        size, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, host)
+    reserved_peaks: dict[int, int] = {}
     current = [0] * _NCAT
     total = 0
     host_total = host_peak = 0
@@ -84,6 +92,8 @@ def replay(timeline: Timeline, allocator: AllocatorModel) -> Replay:
 
     events = timeline.events
     for i, ev in enumerate(events):
+        if reserved:
+            reserved_peaks[step] = max(reserved_peaks.get(step, 0), reserved[i])
         while m < len(marks) and marks[m][0] == i:
             _, new_step, new_phase = marks[m]
             if new_step == last_step and phase is Phase.FORWARD and new_phase is Phase.BACKWARD:
@@ -115,6 +125,7 @@ def replay(timeline: Timeline, allocator: AllocatorModel) -> Replay:
         phase_peaks=phase_peaks,
         step_start=step_start,
         host_peak=host_peak,
+        reserved_peaks=reserved_peaks,
         activations_by_module=forward_end_modules,
     )
 
@@ -151,7 +162,12 @@ class Ledger:
     peak_bytes: int
     """Steady-state step peak (steps >= 2) of live tensor bytes, no allocator rounding."""
     allocated_peak_bytes: int
-    """The same with the target allocator's rounding (CUDA: 512-byte blocks)."""
+    """The same counted as the target allocator counts it: CUDA caching-allocator blocks
+    (512-byte rounding, unsplit blocks), as ``torch.cuda.max_memory_allocated()``."""
+    reserved_peak_bytes: int
+    """Steady-state peak of the memory the allocator reserves from the device (segments,
+    cached free blocks included), as ``torch.cuda.max_memory_reserved()``; equals
+    ``allocated_peak_bytes`` where the allocator caches nothing (CPU)."""
     first_step_peak_bytes: int
     first_step_allocated_peak_bytes: int
     peak_phase: Phase
@@ -206,6 +222,7 @@ class Ledger:
             "allocator": self.allocator,
             "peak_bytes": self.peak_bytes,
             "allocated_peak_bytes": self.allocated_peak_bytes,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
             "first_step_peak_bytes": self.first_step_peak_bytes,
             "first_step_allocated_peak_bytes": self.first_step_allocated_peak_bytes,
             "peak_phase": self.peak_phase.value,
@@ -242,9 +259,7 @@ def build_ledger(
     seconds: float = 0.0,
     version: str = "",
 ) -> Ledger:
-    from .allocator import AllocatorModel as _Alloc
-
-    raw = replay(timeline, _Alloc(name="raw", block=1))
+    raw = replay(timeline)
     blocks = replay(timeline, allocator)
     peak, first = steady_peak(raw), raw.step_peaks[1]
     alloc_peak, alloc_first = steady_peak(blocks), blocks.step_peaks[1]
@@ -255,6 +270,9 @@ def build_ledger(
         allocator=allocator.name,
         peak_bytes=peak.total,
         allocated_peak_bytes=alloc_peak.total,
+        reserved_peak_bytes=max(
+            (v for k, v in blocks.reserved_peaks.items() if k >= 2), default=alloc_peak.total
+        ),
         first_step_peak_bytes=first.total,
         first_step_allocated_peak_bytes=alloc_first.total,
         peak_phase=peak.phase,

@@ -83,7 +83,14 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
         for name, nbytes in ledger.top_modules:
             modules.add_row(name, format_bytes(nbytes))
         parts.append(modules)
-    facts = [
+    facts = []
+    if ledger.reserved_peak_bytes != ledger.allocated_peak_bytes:
+        facts.append(
+            f"reserved by the caching allocator at its peak: {format_bytes(ledger.reserved_peak_bytes)} "
+            f"(cached free blocks and segment rounding: "
+            f"{format_bytes(ledger.reserved_peak_bytes - ledger.allocated_peak_bytes, signed=True)})"
+        )
+    facts += [
         f"parameters: {ledger.parameters:,} ({ledger.trainable_parameters:,} trainable)",
         f"optimizer state: {format_bytes(ledger.optimizer_state_bytes)} "
         f"({ledger.optimizer_state_bytes_per_param:.2f} bytes/parameter)",
