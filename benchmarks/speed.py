@@ -37,7 +37,9 @@ from rich.table import Table  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "configs" / "llama-3-70b.json"
-ARGS = dict(batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-mixed", grad_checkpointing=True)
+ARGS = dict(
+    batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-mixed", grad_checkpointing=True
+)
 MEMTRACKER_LAYERS = 8
 TARGET_SPEEDUP = 10.0
 TARGET_RSS = 2 * 1024**3
@@ -55,7 +57,9 @@ print(json.dumps({{"wall": wall, "trace": ledger.seconds, "rss": resource.getrus
 
 
 def run_estimate_in_child() -> dict:
-    out = subprocess.run([sys.executable, "-c", ESTIMATE_IN_CHILD], capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", ESTIMATE_IN_CHILD], capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -80,8 +84,16 @@ def time_memtracker(layers: int) -> float:
     fakeify(model, mode, TRACE_DEVICE)
     with mode, policy.context():
         batch = recipe.make_inputs(TRACE_DEVICE, recipe.shape)
-        run = assemble(model=model, batch=batch, loss_fn=recipe.loss_fn, optimizer=policy.optimizer(recipe.optimizer),
-                       precision=recipe.precision, device=TRACE_DEVICE, grad_accum=1, observer=NullObserver())
+        run = assemble(
+            model=model,
+            batch=batch,
+            loss_fn=recipe.loss_fn,
+            optimizer=policy.optimizer(recipe.optimizer),
+            precision=recipe.precision,
+            device=TRACE_DEVICE,
+            grad_accum=1,
+            observer=NullObserver(),
+        )
         tracker = MemTracker()
         tracker.track_external(model, run.optimizer, *batch.values())
         start = time.perf_counter()
@@ -111,35 +123,70 @@ def full_trace_equals_extended() -> tuple[bool, float, float]:
 
 def main() -> int:
     console = Console(width=120)
-    console.print(f"[bold]{CONFIG.name}[/bold] {ARGS} target cuda — torch {torch.__version__}, {os.cpu_count()} CPUs")
+    console.print(
+        f"[bold]{CONFIG.name}[/bold] {ARGS} target cuda — torch {torch.__version__}, {os.cpu_count()} CPUs"
+    )
     ours = run_estimate_in_child()
-    console.print(f"vramledger estimate: {ours['wall']:.2f} s wall (trace {ours['trace']:.2f} s), "
-                  f"peak RSS {ours['rss'] / 2**30:.2f} GiB")
+    console.print(
+        f"vramledger estimate: {ours['wall']:.2f} s wall (trace {ours['trace']:.2f} s), "
+        f"peak RSS {ours['rss'] / 2**30:.2f} GiB"
+    )
     mt_seconds, mt_peak = time_memtracker(MEMTRACKER_LAYERS)
     mt_scaled = mt_seconds * 80 / MEMTRACKER_LAYERS
-    console.print(f"MemTracker: {mt_seconds:.2f} s for {MEMTRACKER_LAYERS} layers -> {mt_scaled:.1f} s scaled to 80")
+    console.print(
+        f"MemTracker: {mt_seconds:.2f} s for {MEMTRACKER_LAYERS} layers -> {mt_scaled:.1f} s scaled to 80"
+    )
     same, t_ext, t_full = full_trace_equals_extended()
-    console.print(f"full 80-layer trace {t_full:.2f} s vs extended {t_ext:.2f} s: timelines identical = {same}")
+    console.print(
+        f"full 80-layer trace {t_full:.2f} s vs extended {t_ext:.2f} s: timelines identical = {same}"
+    )
 
     speedup = mt_scaled / ours["wall"]
-    table = Table(title="Llama-3-70B shape, bf16-mixed AdamW + checkpointing, batch 1 x 4096, target cuda")
+    table = Table(
+        title="Llama-3-70B shape, bf16-mixed AdamW + checkpointing, batch 1 x 4096, target cuda"
+    )
     for col in ("measure", "value", "target", "met"):
         table.add_column(col)
     table.add_row("vramledger estimate (wall, fresh process)", f"{ours['wall']:.2f} s", "", "")
     table.add_row(f"MemTracker, {MEMTRACKER_LAYERS} layers x 10", f"{mt_scaled:.1f} s", "", "")
-    table.add_row("speed-up", f"{speedup:.1f}x", f">= {TARGET_SPEEDUP:.0f}x", "yes" if speedup >= TARGET_SPEEDUP else "NO")
-    table.add_row("peak RSS of the estimate", f"{ours['rss'] / 2**30:.2f} GiB", "<= 2 GiB",
-                  "yes" if ours["rss"] <= TARGET_RSS else "NO")
+    table.add_row(
+        "speed-up",
+        f"{speedup:.1f}x",
+        f">= {TARGET_SPEEDUP:.0f}x",
+        "yes" if speedup >= TARGET_SPEEDUP else "NO",
+    )
+    table.add_row(
+        "peak RSS of the estimate",
+        f"{ours['rss'] / 2**30:.2f} GiB",
+        "<= 2 GiB",
+        "yes" if ours["rss"] <= TARGET_RSS else "NO",
+    )
     table.add_row("extended == full 80-layer trace", str(same), "True", "yes" if same else "NO")
     table.add_row("predicted steady-state peak", f"{ours['peak'] / 2**30:.2f} GiB", "", "")
     console.print(table)
-    out = ROOT / "benchmarks" / "results" / f"speed-{datetime.date.today()}-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps({
-        "estimate_wall_s": ours["wall"], "estimate_trace_s": ours["trace"], "estimate_peak_rss_bytes": ours["rss"],
-        "memtracker_s_8_layers": mt_seconds, "memtracker_s_scaled_80": mt_scaled, "speedup": speedup,
-        "extended_equals_full": same, "full_trace_s": t_full, "extended_trace_s": t_ext,
-        "predicted_peak_bytes": ours["peak"],
-    }, indent=2))
+    out = (
+        ROOT
+        / "benchmarks"
+        / "results"
+        / f"speed-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    )
+    out.write_text(
+        json.dumps(
+            {
+                "estimate_wall_s": ours["wall"],
+                "estimate_trace_s": ours["trace"],
+                "estimate_peak_rss_bytes": ours["rss"],
+                "memtracker_s_8_layers": mt_seconds,
+                "memtracker_s_scaled_80": mt_scaled,
+                "speedup": speedup,
+                "extended_equals_full": same,
+                "full_trace_s": t_full,
+                "extended_trace_s": t_ext,
+                "predicted_peak_bytes": ours["peak"],
+            },
+            indent=2,
+        )
+    )
     console.print(f"[dim]wrote {out}[/dim]")
     ok = speedup >= TARGET_SPEEDUP and ours["rss"] <= TARGET_RSS and same
     return 0 if ok else 1

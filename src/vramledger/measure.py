@@ -141,7 +141,7 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
     with record_function("vramledger.setup"):
         model = recipe.build_model(torch_device)
         parameters, trainable = count_parameters(model)
-        tracker = StorageTracker(module_names=module_names(model))
+        tracker = StorageTracker(module_names=module_names(model), device_type=torch_device.type)
         observer = TrackerObserver(tracker)
         with tracker:
             batch = recipe.make_inputs(torch_device, recipe.shape)

@@ -82,6 +82,7 @@ class StorageTracker(TorchDispatchMode):
         answer_optimizer_scalars: bool = False,
         blocks: dict[int, int] | None = None,
         tensor_blocks: dict[int, int] | None = None,
+        device_type: str | None = None,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -99,6 +100,8 @@ class StorageTracker(TorchDispatchMode):
         self._hook_handles: list[Any] = []
         self._op: Any = None
         self._corrections = corrections or {}
+        # In a real run on a device, storages elsewhere (CPU step counters) are host memory.
+        self._device_type = device_type
         self._answer_scalars = answer_optimizer_scalars
         self.scalars_answered = 0
         # Block labels (see trace/blocks.py): id(block module) -> index; id(param) -> index.
@@ -159,6 +162,8 @@ class StorageTracker(TorchDispatchMode):
                 if nbytes == 0:
                     continue
                 sid = self._new(nbytes, self._block_for(t, index))
+                if self._device_type is not None and st.device.type != self._device_type:
+                    self.timeline.on_host[sid] = True
                 self._live[key] = sid
                 self._refs[key] = weakref.ref(st, partial(self._on_free, key, sid))
             sids.append(sid)
