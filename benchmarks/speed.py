@@ -131,7 +131,7 @@ def main() -> int:
         f"vramledger estimate: {ours['wall']:.2f} s wall (trace {ours['trace']:.2f} s), "
         f"peak RSS {ours['rss'] / 2**30:.2f} GiB"
     )
-    mt_seconds, mt_peak = time_memtracker(MEMTRACKER_LAYERS)
+    mt_seconds, _ = time_memtracker(MEMTRACKER_LAYERS)
     mt_scaled = mt_seconds * 80 / MEMTRACKER_LAYERS
     console.print(
         f"MemTracker: {mt_seconds:.2f} s for {MEMTRACKER_LAYERS} layers -> {mt_scaled:.1f} s scaled to 80"

@@ -168,6 +168,9 @@ def _quiet_libraries(debug: bool) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
+    # Optional libraries log their missing GPU kernels at import; none of it concerns a user here.
+    for name in ("torchao", "bitsandbytes", "torch._dynamo", "torch._inductor"):
+        logging.getLogger(name).setLevel(logging.ERROR)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -190,6 +190,9 @@ class Ledger:
     """Modules holding the most activation bytes at the end of the forward pass."""
     optimizer_state_bytes: int
     """Optimizer state at the end of the run (device and host)."""
+    optimizer_state_method: str = "traced"
+    """How the optimizer's memory is known: 'traced' (its real code ran), a stand-in's
+    description (bitsandbytes layout, CPU offload), or 'measured'."""
     spec: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
@@ -239,6 +242,7 @@ class Ledger:
             "trainable_parameters": self.trainable_parameters,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "optimizer_state_bytes_per_param": round(self.optimizer_state_bytes_per_param, 4),
+            "optimizer_state_method": self.optimizer_state_method,
             "top_modules": [{"module": m, "activation_bytes": b} for m, b in self.top_modules],
             "spec": self.spec,
             "notes": self.notes,
@@ -254,6 +258,7 @@ def build_ledger(
     parameters: int,
     trainable_parameters: int,
     optimizer_state_bytes: int,
+    optimizer_state_method: str = "traced",
     spec: dict[str, Any] | None = None,
     notes: list[str] | None = None,
     seconds: float = 0.0,
@@ -288,6 +293,7 @@ def build_ledger(
         trainable_parameters=trainable_parameters,
         top_modules=top,
         optimizer_state_bytes=optimizer_state_bytes,
+        optimizer_state_method=optimizer_state_method,
         spec=spec or {},
         notes=notes or [],
         seconds=seconds,

@@ -41,6 +41,7 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
         parameters=result.parameters,
         trainable_parameters=result.trainable_parameters,
         optimizer_state_bytes=result.optimizer_state_bytes,
+        optimizer_state_method=result.optimizer_state_method,
         spec=spec.summary(),
         notes=result.notes,
         seconds=result.seconds,

@@ -93,7 +93,7 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     facts += [
         f"parameters: {ledger.parameters:,} ({ledger.trainable_parameters:,} trainable)",
         f"optimizer state: {format_bytes(ledger.optimizer_state_bytes)} "
-        f"({ledger.optimizer_state_bytes_per_param:.2f} bytes/parameter)",
+        f"({ledger.optimizer_state_bytes_per_param:.2f} bytes/parameter; {ledger.optimizer_state_method})",
         f"held at step start: {format_bytes(ledger.step_start_bytes)}",
     ]
     if ledger.host_bytes:

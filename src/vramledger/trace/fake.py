@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import (
 
 from ..categories import Category
 from ..errors import TraceError, VramledgerError
+from ..optimizers import OptimizerChoice
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import hf_source
 from ..spec import TrainingSpec
@@ -38,6 +39,7 @@ from .blocks import (
 )
 from .fake_corrections import CORRECTIONS
 from .hf_compat import ordinary_batches
+from .optimizer_stand_ins import TORCHAO_NOTE, stand_in
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 
@@ -53,6 +55,7 @@ class TraceResult:
     parameters: int
     trainable_parameters: int
     optimizer_state_bytes: int
+    optimizer_state_method: str
     seconds: float
     notes: list[str] = field(default_factory=list)
 
@@ -86,11 +89,14 @@ def trace(spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = Tru
     start = time.perf_counter()
     recipe = resolve(spec)
     notes: list[str] = []
-    result = _extended(recipe, policy, notes) if extend_blocks else None
+    choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
+    if choice.package == "torchao":
+        notes.append(TORCHAO_NOTE)
+    result = _extended(recipe, choice, policy, notes) if extend_blocks else None
     if result is None:
         model = recipe.build_model("meta")
         counts = count_parameters(model)
-        timeline = _run(recipe, model, policy, notes)
+        timeline = _run(recipe, choice, model, policy, notes)
     else:
         timeline, counts = result
     return TraceResult(
@@ -99,13 +105,14 @@ def trace(spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = Tru
         parameters=counts[0],
         trainable_parameters=counts[1],
         optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
+        optimizer_state_method=choice.method,
         seconds=time.perf_counter() - start,
         notes=list(dict.fromkeys(policy.notes() + notes)),
     )
 
 
 def _extended(
-    recipe: Recipe, policy: DevicePolicy, notes: list[str]
+    recipe: Recipe, choice: OptimizerChoice, policy: DevicePolicy, notes: list[str]
 ) -> tuple[Timeline, tuple[int, int]] | None:
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
@@ -129,7 +136,7 @@ def _extended(
             models[d] = recipe.build_model("meta")
             truncate(models[d], stack, d)
     counts = {d: count_parameters(m) for d, m in models.items()}
-    traced = {d: _run(recipe, models[d], policy, notes, stack=stack) for d in models}
+    traced = {d: _run(recipe, choice, models[d], policy, notes, stack=stack) for d in models}
     try:
         check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
         if not same_timeline(check, traced[SMALL + 1]):
@@ -158,6 +165,7 @@ def _shallow_model(recipe: Recipe, depth: int, blocks: int) -> nn.Module:
 
 def _run(
     recipe: Recipe,
+    choice: OptimizerChoice,
     model: nn.Module,
     policy: DevicePolicy,
     notes: list[str],
@@ -178,7 +186,9 @@ def _run(
         tensor_blocks={id(p): k for k, b in enumerate(blocks) for p in b.parameters()},
     )
     observer = TrackerObserver(tracker, policy.host_resident)
-    with mode, policy.context(), ordinary_batches(notes), tracker:
+    # torch.compile'd optimizer steps (torchao) run eagerly on fake tensors.
+    eager = torch.compiler.set_stance("force_eager")
+    with mode, policy.context(), ordinary_batches(notes), eager, tracker:
         tracker.label_blocks(blocks)
         try:
             batch = recipe.make_inputs(TRACE_DEVICE, recipe.shape)
@@ -186,7 +196,7 @@ def _run(
                 model=model,
                 batch=batch,
                 loss_fn=recipe.loss_fn,
-                optimizer=policy.optimizer(recipe.optimizer),
+                optimizer=choice,
                 precision=recipe.precision,
                 device=TRACE_DEVICE,
                 grad_accum=spec.grad_accum,

@@ -400,6 +400,12 @@ class TrackerObserver:
         self.tracker.track(tensors, category)
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
-        self.tracker.track(optimizer_state_tensors(optimizer), Category.OPTIMIZER_STATE)
-        if self.host_resident is not None:
-            self.tracker.mark_host(self.host_resident(optimizer))
+        roles = getattr(optimizer, "memory_roles", None)
+        if roles is not None:  # a stand-in that knows what its tensors are
+            for category, tensors in roles().items():
+                self.tracker.track(tensors, category)
+        else:
+            self.tracker.track(optimizer_state_tensors(optimizer), Category.OPTIMIZER_STATE)
+        host = list(self.host_resident(optimizer)) if self.host_resident is not None else []
+        host += getattr(optimizer, "host_tensors", list)()
+        self.tracker.mark_host(host)
