@@ -10,8 +10,12 @@ from vramledger.trace.tracker import storages_of
 from .conftest import MODELS_PY
 from .fixtures.models import mlp_inputs, mlp_loss, wide_mlp
 
-torchao = pytest.importorskip("torchao", reason="torchao is not installed (pip install 'vramledger[lowbit]')")
-SPEC = dict(model=f"{MODELS_PY}:wide_mlp", inputs=f"{MODELS_PY}:mlp_inputs", loss=f"{MODELS_PY}:mlp_loss")
+torchao = pytest.importorskip(
+    "torchao", reason="torchao is not installed (pip install 'vramledger[lowbit]')"
+)
+SPEC = dict(
+    model=f"{MODELS_PY}:wide_mlp", inputs=f"{MODELS_PY}:mlp_inputs", loss=f"{MODELS_PY}:mlp_loss"
+)
 
 
 def real_state(name: str, kwargs: dict | None = None) -> tuple[int, int]:
@@ -33,7 +37,9 @@ def real_state(name: str, kwargs: dict | None = None) -> tuple[int, int]:
     return sum(seen.values()), params
 
 
-@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit", "adamwfp8", "adam8bit", "adafactor", "adafactor-hf"])
+@pytest.mark.parametrize(
+    "name", ["adamw8bit", "adamw4bit", "adamwfp8", "adam8bit", "adafactor", "adafactor-hf"]
+)
 def test_traced_state_equals_real_state(name):
     real, _ = real_state(name)
     ledger = estimate(target="cpu", optimizer=name, **SPEC)
@@ -41,9 +47,19 @@ def test_traced_state_equals_real_state(name):
     assert ledger.optimizer_state_method == "traced"
 
 
-BNB = ["bnb-adamw8bit", "bnb-adam8bit", "bnb-paged-adamw8bit", "lion8bit", "lion", "bnb-adamw",
-       ("bnb-sgd8bit", {"lr": 0.01, "momentum": 0.9}), "bnb-rmsprop8bit", "bnb-adagrad8bit",
-       "bnb-lamb8bit", "bnb-ademamix8bit"]
+BNB = [
+    "bnb-adamw8bit",
+    "bnb-adam8bit",
+    "bnb-paged-adamw8bit",
+    "lion8bit",
+    "lion",
+    "bnb-adamw",
+    ("bnb-sgd8bit", {"lr": 0.01, "momentum": 0.9}),
+    "bnb-rmsprop8bit",
+    "bnb-adagrad8bit",
+    "bnb-lamb8bit",
+    "bnb-ademamix8bit",
+]
 
 
 @pytest.mark.parametrize("entry", BNB, ids=lambda e: e if isinstance(e, str) else e[0])
@@ -80,10 +96,18 @@ def test_paged_states_of_large_tensors_are_host_memory_on_cuda():
 
 def test_cpu_offload_moves_large_tensors_state_to_the_host():
     offload = estimate(target="cuda", optimizer="cpu-offload-adamw", precision="bf16-pure", **SPEC)
-    device_only = estimate(target="cuda", optimizer="adamw", optimizer_kwargs={"fused": True},
-                           precision="bf16-pure", **SPEC)
+    device_only = estimate(
+        target="cuda",
+        optimizer="adamw",
+        optimizer_kwargs={"fused": True},
+        precision="bf16-pure",
+        **SPEC,
+    )
     assert offload.host_bytes > offload.at_peak[Category.OPTIMIZER_STATE]
-    assert offload.at_peak[Category.OPTIMIZER_STATE] < device_only.at_peak[Category.OPTIMIZER_STATE] / 10
+    assert (
+        offload.at_peak[Category.OPTIMIZER_STATE]
+        < device_only.at_peak[Category.OPTIMIZER_STATE] / 10
+    )
     assert "CPUOffloadOptimizer" in offload.optimizer_state_method
 
 

@@ -61,12 +61,13 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
-def _add_spec_options(parser: argparse.ArgumentParser) -> None:
+def _add_spec_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     parser.add_argument(
         "model", help="config.json (or its folder), FILE.py:FUNCTION or package.module:FUNCTION"
     )
     for name, kwargs in SPEC_OPTIONS.items():
-        parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
+        if name not in exclude:
+            parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
 
 
 def _add_output_options(parser: argparse.ArgumentParser) -> None:
@@ -75,11 +76,11 @@ def _add_output_options(parser: argparse.ArgumentParser) -> None:
 
 
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
-    values = {name: getattr(args, name) for name in SPEC_OPTIONS}
+    values = {name: getattr(args, name, None) for name in SPEC_OPTIONS}
     values["optimizer_kwargs"] = parse_json_object(values["optimizer_kwargs"], "--optimizer-kwargs")
     values["checkpoint_modules"] = tuple(
         part.strip()
-        for item in values["checkpoint_modules"]
+        for item in values["checkpoint_modules"] or ()
         for part in item.split(",")
         if part.strip()
     )
@@ -132,6 +133,67 @@ def cmd_measure(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_compare(args: argparse.Namespace) -> int:
+    from .compare import compare
+
+    optimizers = [o for o in args.optimizers.split(",") if o.strip()]
+    spec = spec_from_args(args)
+    if args.json:
+        result = compare(
+            spec,
+            optimizers,
+            steps=args.steps_to_train,
+            data=args.data,
+            tolerance=args.tolerance,
+            device=args.device,
+        )
+    else:
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+        )
+
+        columns = (
+            TextColumn("{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+        )
+        with Progress(*columns, transient=True) as bar:
+            tasks: dict[str, int] = {}
+
+            def progress(name: str, step: int, total: int) -> None:
+                if name not in tasks:
+                    tasks[name] = bar.add_task(name, total=total)
+                bar.update(tasks[name], completed=step)
+
+            result = compare(
+                spec,
+                optimizers,
+                steps=args.steps_to_train,
+                data=args.data,
+                tolerance=args.tolerance,
+                device=args.device,
+                progress=progress,
+            )
+    if args.plot:
+        from .render.plots import comparison_plot
+
+        comparison_plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from .render.terminal import comparison_table, print_renderable
+
+        print_renderable(comparison_table(result))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vramledger",
@@ -155,6 +217,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also estimate, and report the error")
     _add_output_options(p)
     p.set_defaults(func=cmd_measure)
+
+    p = sub.add_parser(
+        "compare", help="train with several optimizers and compare loss curves and memory"
+    )
+    _add_spec_options(p, exclude=("optimizer", "steps", "target"))
+    p.add_argument(
+        "--optimizers",
+        required=True,
+        metavar="A,B,...",
+        help="optimizers to compare, the first is the reference; NAME@LR sets a learning rate",
+    )
+    p.add_argument(
+        "--steps", dest="steps_to_train", type=int, default=500, help="training steps (default 500)"
+    )
+    p.add_argument(
+        "--data",
+        metavar="FILE.py:FUNCTION",
+        help="batch of a step: called with step=, device=, batch_size=, seq_len= (default: synthetic)",
+    )
+    p.add_argument(
+        "--tolerance",
+        type=float,
+        default=0.05,
+        help="largest acceptable final-loss gap (default 0.05)",
+    )
+    p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present, else cpu")
+    p.add_argument("--plot", metavar="FILE.png", help="write loss curves and memory bars")
+    _add_output_options(p)
+    p.set_defaults(func=cmd_compare)
     return parser
 
 

@@ -10,7 +10,7 @@ state, so the same code serves fake-tensor tracing and real measurement.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -72,6 +72,9 @@ class TrainingRun:
     masters: MasterWeights | None = None
     grad_scaler: Any = None
     loss_scaler: DynamicLossScaler | None = None
+    record_losses: bool = False
+    """Keep each step's loss (real runs only: it reads the value)."""
+    losses: list[float] = field(default_factory=list)
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -85,25 +88,30 @@ class TrainingRun:
         observer.phase(step, Phase.OPTIMIZER)
         self.optimizer.zero_grad(set_to_none=True)
         self.model.zero_grad(set_to_none=True)
+        total = 0.0
         for _ in range(self.grad_accum):
-            self._forward_backward(step, observer)
+            total += self._forward_backward(step, observer)
             observer.tensors((p.grad for p in self.params), Category.GRADIENTS)
+        if self.record_losses:
+            self.losses.append(total)
         observer.phase(step, Phase.OPTIMIZER)
         self._optimizer_step(observer)
         observer.optimizer_stepped(self.optimizer)
 
-    def _forward_backward(self, step: int, observer: StepObserver) -> None:
+    def _forward_backward(self, step: int, observer: StepObserver) -> float:
         observer.phase(step, Phase.FORWARD)
         with autocast(self.precision, self.device_type):
             loss = self.loss_fn(self.model, self.batch)
         if self.grad_accum > 1:
             loss = loss / self.grad_accum
+        value = float(loss.detach().float().item()) if self.record_losses else 0.0
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         elif self.loss_scaler is not None:
             loss = self.loss_scaler.scale_loss(loss)
         observer.phase(step, Phase.BACKWARD)
         loss.backward()
+        return value
 
     def _optimizer_step(self, observer: StepObserver) -> None:
         if self.masters is not None:

@@ -7,6 +7,7 @@ from rich.table import Table
 from rich.text import Text
 
 from ..categories import STEP_PHASES, Category
+from ..compare import Comparison
 from ..ledger import Ledger
 from ..measure import Measurement
 from ..units import format_bytes
@@ -136,3 +137,36 @@ def measurement_table(m: Measurement) -> Group:
 
 def print_renderable(renderable: object, console: Console | None = None) -> None:
     (console or Console()).print(renderable)
+
+
+def comparison_table(c: Comparison) -> Group:
+    table = Table(
+        title=f"{c.steps} steps on {c.device}, reference {c.reference}, tolerance {100 * c.tolerance:.1f} %",
+        title_justify="left",
+    )
+    for col in (
+        "optimizer",
+        "peak",
+        "optimizer state",
+        "bytes/param",
+        "final loss",
+        "final gap",
+        "max gap",
+        "verdict",
+    ):
+        table.add_column(col, justify="left" if col in ("optimizer", "verdict") else "right")
+    for r in c.runs:
+        gap = "—" if r.final_gap is None else f"{100 * r.final_gap:+.2f} %"
+        largest = "—" if r.max_gap is None else f"{100 * r.max_gap:.2f} %"
+        table.add_row(
+            r.optimizer,
+            format_bytes(r.peak_bytes),
+            format_bytes(r.optimizer_state_bytes),
+            f"{r.optimizer_state_bytes_per_param:.2f}",
+            f"{r.final_loss:.4f}",
+            gap,
+            largest,
+            r.verdict,
+        )
+    notes = [f"memory: {c.memory_method}", *(f"note: {n}" for n in c.notes)]
+    return Group(table, Text("\n".join(notes), style="dim"))
