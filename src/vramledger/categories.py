@@ -34,6 +34,18 @@ class Category(str, Enum):
     WORKSPACE = "workspace"
     """Scratch memory a library takes from the framework's allocator outside any tensor
     (the cuBLAS workspace on CUDA)."""
+    # -- added by data-parallel sharding (parallel/) --
+    SHARDED_PARAMETERS = "sharded_parameters"
+    """This rank's shard of the parameters (FSDP / ZeRO-2/3); with mixed precision, the fp32 shard
+    that the optimizer steps."""
+    SHARDED_GRADIENTS = "sharded_gradients"
+    """This rank's shard of the gradients, after reduce-scatter."""
+    ALL_GATHER_BUFFERS = "all_gather_buffers"
+    """Buffers that gather a layer's parameter shards from every rank."""
+    REDUCE_SCATTER_BUFFERS = "reduce_scatter_buffers"
+    """Buffers that reduce a layer's gradients and scatter the shards."""
+    GRADIENT_BUCKETS = "gradient_buckets"
+    """DDP's flat buffers that gradients are copied into for all-reduce."""
 
     @property
     def description(self) -> str:
@@ -50,17 +62,27 @@ _DESCRIPTIONS = {
     Category.ACTIVATIONS: "activations saved for backward",
     Category.TEMPORARIES: "temporaries (intermediates, grads of activations, step scratch)",
     Category.WORKSPACE: "library workspace (cuBLAS)",
+    Category.SHARDED_PARAMETERS: "this rank's parameter shards",
+    Category.SHARDED_GRADIENTS: "this rank's gradient shards",
+    Category.ALL_GATHER_BUFFERS: "all-gather buffers",
+    Category.REDUCE_SCATTER_BUFFERS: "reduce-scatter buffers",
+    Category.GRADIENT_BUCKETS: "DDP gradient buckets",
 }
 
 # When one storage qualifies for several categories (a parameter is also saved for backward by
 # the matmul that reads it), the earliest in this order wins.
 CATEGORY_PRIORITY: tuple[Category, ...] = (
     Category.PARAMETERS,
+    Category.SHARDED_PARAMETERS,
     Category.BUFFERS,
     Category.INPUTS,
     Category.MASTER_WEIGHTS,
     Category.OPTIMIZER_STATE,
+    Category.SHARDED_GRADIENTS,
     Category.GRADIENTS,
+    Category.GRADIENT_BUCKETS,
+    Category.ALL_GATHER_BUFFERS,
+    Category.REDUCE_SCATTER_BUFFERS,
     Category.WORKSPACE,
     Category.ACTIVATIONS,
     Category.TEMPORARIES,
@@ -70,7 +92,9 @@ CATEGORY_RANK: dict[Category, int] = {c: i for i, c in enumerate(CATEGORY_PRIORI
 # Model states in the ZeRO paper's sense (Rajbhandari et al. 2020, section 3.1).
 MODEL_STATE_CATEGORIES: tuple[Category, ...] = (
     Category.PARAMETERS,
+    Category.SHARDED_PARAMETERS,
     Category.GRADIENTS,
+    Category.SHARDED_GRADIENTS,
     Category.MASTER_WEIGHTS,
     Category.OPTIMIZER_STATE,
 )

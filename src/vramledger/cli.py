@@ -58,6 +58,22 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
     "steps": {"type": int, "default": 2, "help": "steps to run, >= 2 (default 2)"},
     "target": {"choices": TARGETS, "default": "cuda", "help": "device to predict (default cuda)"},
     "seed": {"type": int, "default": 0, "help": "seed for real runs (default 0)"},
+    "world_size": {"type": int, "default": 1, "help": "data-parallel ranks (default 1)"},
+    "strategy": {
+        "choices": ("ddp", "zero1", "zero2", "zero3", "fsdp"),
+        "help": "how the ranks share the work (default ddp on several ranks)",
+    },
+    "offload": {
+        "choices": ("none", "optimizer", "params", "both"),
+        "default": "none",
+        "help": "what to keep in host memory (default none)",
+    },
+    "nodes": {"type": int, "help": "machines (with --gpus-per-node, sets the world size)"},
+    "gpus_per_node": {"type": int, "help": "GPUs per machine"},
+    "deepspeed": {
+        "metavar": "ds_config.json",
+        "help": "read ZeRO stage, offload, precision and batch from a DeepSpeed config",
+    },
 }
 
 

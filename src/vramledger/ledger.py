@@ -49,6 +49,8 @@ class Replay:
     reserved_peaks: dict[int, int]
     """Per step, the largest bytes the allocator had reserved (empty if it reserves nothing
     beyond what it allocates)."""
+    model_state_peaks: dict[int, int]
+    """Per step, the largest sum of the model-state categories held at once."""
     activations_by_module: dict[str, int]
     """Activation bytes live at the end of the last forward, by innermost module."""
 
@@ -63,6 +65,8 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
     else:
         size, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, host)
     reserved_peaks: dict[int, int] = {}
+    model_state_peaks: dict[int, int] = {}
+    state_idx = [rank[c] for c in MODEL_STATE_CATEGORIES]
     current = [0] * _NCAT
     total = 0
     host_total = host_peak = 0
@@ -112,6 +116,9 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
             total += size[ev]
             live.add(ev)
             record(i)
+            held = sum(current[j] for j in state_idx)
+            if held > model_state_peaks.get(step, -1):
+                model_state_peaks[step] = held
         else:
             sid = ~ev
             if host[sid]:
@@ -126,6 +133,7 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
         step_start=step_start,
         host_peak=host_peak,
         reserved_peaks=reserved_peaks,
+        model_state_peaks=model_state_peaks,
         activations_by_module=forward_end_modules,
     )
 
@@ -184,6 +192,9 @@ class Ledger:
     """Live bytes when the last step began (what it inherits: parameters, state, gradients)."""
     host_bytes: int
     """Peak bytes the target keeps in host memory (not in ``peak_bytes``)."""
+    model_state_bytes: int
+    """The most model state (parameters, gradients, master weights, optimizer state — sharded
+    or not) held at once in a steady-state step: the ZeRO paper's per-GPU model states."""
     parameters: int
     trainable_parameters: int
     top_modules: list[tuple[str, int]]
@@ -199,15 +210,17 @@ class Ledger:
     version: str = ""
     timeline: Timeline | None = field(default=None, repr=False, compare=False)
     """The Timeline the ledger was replayed from (not part of the JSON)."""
+    world_size: int = 1
+    strategy: str = "none"
+    worst_rank: int = 0
+    """The rank this ledger describes: the one with the largest allocated peak."""
+    ranks: list[tuple[list[int], Ledger]] = field(default_factory=list, repr=False, compare=False)
+    """One entry per distinct rank ledger: the ranks that share it, and the ledger."""
 
     def __post_init__(self) -> None:
         assert sum(self.at_peak.values()) == self.peak_bytes
         assert sum(self.allocated_at_peak.values()) == self.allocated_peak_bytes
         assert sum(self.first_step_at_peak.values()) == self.first_step_peak_bytes
-
-    @property
-    def model_state_bytes(self) -> int:
-        return sum(self.at_peak.get(c, 0) for c in MODEL_STATE_CATEGORIES)
 
     @property
     def optimizer_state_bytes_per_param(self) -> float:
@@ -219,6 +232,18 @@ class Ledger:
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (fields are added, never renamed or removed)."""
+        out = self._core_dict()
+        out.update(
+            world_size=self.world_size,
+            strategy=self.strategy,
+            worst_rank=self.worst_rank,
+            cpu_bytes=self.host_bytes,
+            ranks=[{"rank_ids": ids, **ledger._core_dict()} for ids, ledger in self.ranks]
+            or [{"rank_ids": [self.worst_rank], **self._core_dict()}],
+        )
+        return out
+
+    def _core_dict(self) -> dict[str, Any]:
         return {
             "vramledger_version": self.version,
             "target": self.target,
@@ -289,6 +314,7 @@ def build_ledger(
         allocated_phases=steady_phase_peaks(blocks),
         step_start_bytes=raw.step_start.get(last_step, 0),
         host_bytes=raw.host_peak,
+        model_state_bytes=max((v for k, v in raw.model_state_peaks.items() if k >= 2), default=0),
         parameters=parameters,
         trainable_parameters=trainable_parameters,
         top_modules=top,

@@ -12,10 +12,12 @@ bf16-pure          bf16          —           —               —
 =================  ============  ==========  ==============  ============
 
 ``*-autocast`` is native ``torch.autocast`` (parameters stay fp32; autocast caches half copies
-of the weights for the duration of the autocast region). ``*-mixed`` is the DeepSpeed /
-Megatron / apex-O2 layout: the model and its gradients are half precision, the optimizer steps
-fp32 master weights; at the step each half gradient is cast to an fp32 gradient of its master
-(and freed at once), and after the step the masters are copied back into the model.
+of the weights for the duration of the autocast region). ``*-mixed`` is the DeepSpeed layout
+(its FP16/BF16 optimizer without ZeRO): the model and its gradients are half precision, the
+optimizer steps fp32 master weights; for the step the half gradients are cast to fp32
+gradients of the masters — temporaries of the step, freed after it — and the masters are copied
+back into the model. Model states are thus 2 + 2 + 4 + optimizer bytes per parameter (16 for
+Adam), the accounting of the ZeRO paper.
 """
 
 from __future__ import annotations
@@ -122,8 +124,9 @@ class MasterWeights:
     """fp32 master copies of a half-precision model's parameters.
 
     The optimizer is built over :attr:`masters`. Before each step, :meth:`grads_to_masters`
-    casts each half gradient to fp32 on its master and frees the half one at once; after the
-    step, :meth:`masters_to_model` copies the masters back and frees their gradients.
+    casts each half gradient to fp32 on its master (the half gradients stay until the next
+    ``zero_grad``); after the step, :meth:`masters_to_model` copies the masters back and frees
+    their gradients.
     """
 
     def __init__(self, params: list[nn.Parameter]) -> None:
@@ -137,7 +140,6 @@ class MasterWeights:
                 master.grad = None
                 continue
             master.grad = p.grad.to(torch.float32)
-            p.grad = None
 
     def master_grads(self) -> list[torch.Tensor]:
         return [m.grad for m in self.masters if m.grad is not None]

@@ -1,10 +1,18 @@
-"""``estimate``: the peak memory of a training step, predicted by tracing it on fake tensors."""
+"""``estimate``: the peak memory of a training step, predicted by tracing it on fake tensors.
+
+On several ranks, each distinct rank is traced once (ranks are symmetric under DDP and FSDP;
+ZeRO-1's partitions differ) and the worst rank's ledger is returned with all of them in ``ranks``.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 from .ledger import Ledger, build_ledger
+from .parallel.deepspeed import apply_deepspeed
+from .parallel.engines import zero1_partition
+from .recipe import resolve
 from .spec import TrainingSpec
 from .trace.cuda_policy import CudaPolicy
 from .trace.fake import trace
@@ -20,8 +28,6 @@ def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:
     if spec is None:
         return TrainingSpec(**fields)
     if fields:
-        from dataclasses import replace
-
         return replace(spec, **fields)
     return spec
 
@@ -29,11 +35,42 @@ def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:
 def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
     """Predict the peak memory of ``spec``'s training step on its target device.
 
-    ``estimate(TrainingSpec(model="config.json", ...))`` or ``estimate(model=..., ...)``.
+    ``estimate(TrainingSpec(model="config.json", ...))`` or ``estimate(model=..., ...)``. With
+    ``world_size`` > 1 the ledger is the worst rank's, and ``ledger.ranks`` holds every distinct
+    rank's.
     """
-    spec = as_spec(spec, fields)
+    spec, notes = apply_deepspeed(as_spec(spec, fields))
+    groups = rank_groups(spec)
+    ledgers = [(ranks, _estimate_rank(spec, ranks[0], notes)) for ranks in groups]
+    ranks, worst = max(ledgers, key=lambda item: item[1].allocated_peak_bytes)
+    return replace(
+        worst,
+        world_size=spec.world_size,
+        strategy=spec.strategy or "none",
+        worst_rank=ranks[0],
+        ranks=ledgers,
+    )
+
+
+def rank_groups(spec: TrainingSpec) -> list[list[int]]:
+    """Ranks that share one ledger. Only ZeRO-1/2's partitions make ranks differ."""
+    everyone = list(range(spec.world_size))
+    if spec.strategy not in ("zero1", "zero2"):
+        return [everyone]
+    model = resolve(spec).build_model("meta")
+    params = [p for p in model.parameters() if p.requires_grad]
+    partition = zero1_partition(params, spec.world_size)
+    groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
+    for rank, owned in enumerate(partition):
+        signature = tuple(sorted(tuple(params[i].shape) for i in owned))
+        groups.setdefault(signature, []).append(rank)
+    return list(groups.values())
+
+
+def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
     policy = policy_for(spec.target)
-    result = trace(spec, policy)
+    # Under ZeRO-1/2 a rank owns different parameters in each block: not identical blocks.
+    result = trace(spec, policy, rank=rank, extend_blocks=spec.strategy not in ("zero1", "zero2"))
     return build_ledger(
         result.timeline,
         target=spec.target,
@@ -43,7 +80,7 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
         optimizer_state_bytes=result.optimizer_state_bytes,
         optimizer_state_method=result.optimizer_state_method,
         spec=spec.summary(),
-        notes=result.notes,
+        notes=notes + result.notes,
         seconds=result.seconds,
         version=__version__,
     )

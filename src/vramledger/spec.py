@@ -56,6 +56,20 @@ class TrainingSpec:
     """Device whose behaviour to predict: cuda (the default, even on a CPU-only machine) or cpu."""
     seed: int = 0
     """Seed for real runs (weights and synthetic batches)."""
+    world_size: int = 1
+    """Data-parallel ranks (GPUs) the step is spread over."""
+    strategy: str | None = None
+    """ddp, zero1, zero2, zero3 or fsdp (default: none on one rank, ddp on several)."""
+    offload: str = "none"
+    """Keep in host memory: optimizer (state, fp32 masters and their gradients), params
+    (sharded parameters), both, or none."""
+    nodes: int | None = None
+    """Machines; with gpus_per_node, sets world_size."""
+    gpus_per_node: int | None = None
+    """GPUs per machine; with nodes, sets world_size."""
+    deepspeed: str | None = None
+    """A DeepSpeed JSON config: ZeRO stage, offload, bf16/fp16, micro-batch and gradient
+    accumulation are read from it."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -87,6 +101,45 @@ class TrainingSpec:
                 hint="write it like '{\"momentum\": 0.9}'",
             )
         object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
+        self._check_parallel()
+
+    def _check_parallel(self) -> None:
+        from .parallel.strategy import OFFLOADS, STRATEGIES
+
+        for name in ("world_size", "nodes", "gpus_per_node"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise InputError(
+                    f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
+                )
+        if (self.nodes is None) != (self.gpus_per_node is None):
+            raise InputError(
+                "give --nodes and --gpus-per-node together", hint="or just --world-size"
+            )
+        if self.nodes is not None and self.gpus_per_node is not None:
+            world = self.nodes * self.gpus_per_node
+            if self.world_size not in (1, world):
+                raise InputError(
+                    f"world-size {self.world_size} is not nodes x gpus-per-node = {world}"
+                )
+            object.__setattr__(self, "world_size", world)
+        strategy = self.strategy or ("ddp" if self.world_size > 1 else "none")
+        if strategy not in STRATEGIES:
+            raise InputError(
+                f"unknown strategy {strategy!r}", hint=f"use one of {', '.join(STRATEGIES[1:])}"
+            )
+        if strategy == "none" and self.world_size > 1:
+            raise InputError(
+                f"world-size {self.world_size} needs a --strategy",
+                hint="ddp, zero1, zero2, zero3 or fsdp",
+            )
+        object.__setattr__(self, "strategy", strategy)
+        if self.offload not in OFFLOADS:
+            raise InputError(
+                f"unknown offload {self.offload!r}", hint=f"use one of {', '.join(OFFLOADS)}"
+            )
 
     def summary(self) -> dict[str, Any]:
         """The spec as plain JSON-ready values (code objects by name)."""

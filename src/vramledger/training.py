@@ -51,6 +51,29 @@ def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
     return batch
 
 
+def _is_sharded(t: torch.Tensor) -> bool:
+    """A DTensor shard (FSDP2): its local tensor is this rank's piece."""
+    return type(t).__name__ == "DTensor"
+
+
+def param_category(t: torch.Tensor) -> Category:
+    return Category.SHARDED_PARAMETERS if _is_sharded(t) else Category.PARAMETERS
+
+
+def grad_category(t: torch.Tensor) -> Category:
+    return Category.SHARDED_GRADIENTS if _is_sharded(t) else Category.GRADIENTS
+
+
+def track_by_kind(
+    observer: StepObserver,
+    tensors: Iterable[torch.Tensor | None],
+    kind: Callable[[torch.Tensor], Category],
+) -> None:
+    present = [t for t in tensors if t is not None]
+    for category in dict.fromkeys(kind(t) for t in present):
+        observer.tensors((t for t in present if kind(t) is category), category)
+
+
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     out: list[torch.Tensor] = []
     for state in optimizer.state.values():
@@ -91,7 +114,7 @@ class TrainingRun:
         total = 0.0
         for _ in range(self.grad_accum):
             total += self._forward_backward(step, observer)
-            observer.tensors((p.grad for p in self.params), Category.GRADIENTS)
+            track_by_kind(observer, (p.grad for p in self.params), grad_category)
         if self.record_losses:
             self.losses.append(total)
         observer.phase(step, Phase.OPTIMIZER)
@@ -116,8 +139,7 @@ class TrainingRun:
     def _optimizer_step(self, observer: StepObserver) -> None:
         if self.masters is not None:
             self.masters.grads_to_masters()
-            grads = self.masters.master_grads()
-            observer.tensors(grads, Category.GRADIENTS)
+            grads = self.masters.master_grads()  # fp32 copies for the step: temporaries
             take_step = True
             if self.loss_scaler is not None:
                 take_step = self.loss_scaler.unscale_(grads)
@@ -148,7 +170,7 @@ def assemble(
     device: torch.device,
     grad_accum: int,
     observer: StepObserver,
-    build_hook: Callable[[torch.optim.Optimizer], None] | None = None,
+    owned: Callable[[list[nn.Parameter]], list[nn.Parameter]] | None = None,
 ) -> TrainingRun:
     """Put a model (already on its device, in its dtype) together with everything a step needs,
     telling the observer which tensors are parameters, buffers, inputs and master weights.
@@ -156,10 +178,12 @@ def assemble(
     precision (``*-mixed``, ``bf16-pure``), as a training script for such a model does."""
     if precision.param_dtype is not torch.float32:
         batch = cast_floating(batch, precision.param_dtype)
-    observer.tensors(model.parameters(), Category.PARAMETERS)
+    track_by_kind(observer, model.parameters(), param_category)
     observer.tensors(model.buffers(), Category.BUFFERS)
     observer.tensors(iter_tensors(batch), Category.INPUTS)
     params = [p for p in model.parameters() if p.requires_grad]
+    if owned is not None:  # ZeRO-1: this rank's optimizer steps only its partition
+        params = owned(params)
     masters = None
     if precision.master_weights:
         masters = MasterWeights(params)
@@ -167,8 +191,6 @@ def assemble(
         opt = optimizer.build(masters.masters)
     else:
         opt = optimizer.build(params)
-    if build_hook is not None:
-        build_hook(opt)
     grad_scaler = loss_scaler = None
     if precision.loss_scaling and precision.autocast_dtype is not None:
         grad_scaler = torch.amp.GradScaler(device.type)

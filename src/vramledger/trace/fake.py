@@ -5,6 +5,7 @@ initialisation, no memory), its parameters become fake CPU tensors, and the step
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field, replace
 
@@ -20,6 +21,8 @@ from torch._subclasses.fake_tensor import (
 from ..categories import Category
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
+from ..parallel.engines import RankEngine, adapt_recipe, fake_world
+from ..parallel.strategy import OFFLOADED
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import hf_source
 from ..spec import TrainingSpec
@@ -80,25 +83,36 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> Non
             module._buffers[name] = memo[id(b)]
 
 
-def trace(spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = True) -> TraceResult:
+def trace(
+    spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = True, rank: int = 0
+) -> TraceResult:
     """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline.
 
     Models made of many identical blocks are traced with a few blocks and extended exactly
     (``blocks.py``); if the extension cannot be verified, every block is traced.
     """
     start = time.perf_counter()
-    recipe = resolve(spec)
+    recipe = adapt_recipe(resolve(spec))
     notes: list[str] = []
     choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
     if choice.package == "torchao":
         notes.append(TORCHAO_NOTE)
-    result = _extended(recipe, choice, policy, notes) if extend_blocks else None
+    result = _extended(recipe, choice, policy, notes, rank) if extend_blocks else None
     if result is None:
         model = recipe.build_model("meta")
         counts = count_parameters(model)
-        timeline = _run(recipe, choice, model, policy, notes)
+        timeline = _run(recipe, choice, model, policy, notes, rank=rank)
     else:
         timeline, counts = result
+    offloaded = OFFLOADED[spec.offload]
+    if offloaded:
+        for sid in range(timeline.num_storages):
+            if timeline.category(sid) in offloaded:
+                timeline.on_host[sid] = True
+        notes.append(
+            f"offload {spec.offload}: {', '.join(sorted(c.value for c in offloaded))} kept in host "
+            "memory (staging buffers of the transfers not modelled)"
+        )
     return TraceResult(
         timeline=timeline,
         model_name=recipe.source.name,
@@ -112,7 +126,7 @@ def trace(spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = Tru
 
 
 def _extended(
-    recipe: Recipe, choice: OptimizerChoice, policy: DevicePolicy, notes: list[str]
+    recipe: Recipe, choice: OptimizerChoice, policy: DevicePolicy, notes: list[str], rank: int = 0
 ) -> tuple[Timeline, tuple[int, int]] | None:
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
@@ -136,7 +150,9 @@ def _extended(
             models[d] = recipe.build_model("meta")
             truncate(models[d], stack, d)
     counts = {d: count_parameters(m) for d, m in models.items()}
-    traced = {d: _run(recipe, choice, models[d], policy, notes, stack=stack) for d in models}
+    traced = {
+        d: _run(recipe, choice, models[d], policy, notes, stack=stack, rank=rank) for d in models
+    }
     try:
         check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
         if not same_timeline(check, traced[SMALL + 1]):
@@ -171,12 +187,35 @@ def _run(
     notes: list[str],
     *,
     stack: BlockStack | None = None,
+    rank: int = 0,
+) -> Timeline:
+    spec = recipe.spec
+    distributed = spec.strategy != "none"
+    world = fake_world(rank, spec.world_size) if distributed else contextlib.nullcontext()
+    with world as mesh:
+        return _run_rank(
+            recipe, choice, model, policy, notes, stack, RankEngine(spec=spec, rank=rank, mesh=mesh)
+        )
+
+
+def _run_rank(
+    recipe: Recipe,
+    choice: OptimizerChoice,
+    model: nn.Module,
+    policy: DevicePolicy,
+    notes: list[str],
+    stack: BlockStack | None,
+    engine: RankEngine,
 ) -> Timeline:
     spec = recipe.spec
     names = module_names(model)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakeify(model, mode, TRACE_DEVICE)
     blocks: list[nn.Module] = list(model.get_submodule(stack.fqn)) if stack is not None else []
+    if spec.strategy != "none":
+        shard_units = blocks or _block_modules(model)
+        with mode:
+            model = engine.wrap(model, shard_units, recipe.precision.name)
     tracker = StorageTracker(
         module_names=names,
         op_observer=policy.op_observer(),
@@ -184,6 +223,8 @@ def _run(
         answer_optimizer_scalars=True,
         blocks={id(b): k for k, b in enumerate(blocks)},
         tensor_blocks={id(p): k for k, b in enumerate(blocks) for p in b.parameters()},
+        op_categories=engine.op_categories,
+        resize_category=engine.resize_category,
     )
     observer = TrackerObserver(tracker, policy.host_resident)
     # torch.compile'd optimizer steps (torchao) run eagerly on fake tensors.
@@ -201,13 +242,16 @@ def _run(
                 device=TRACE_DEVICE,
                 grad_accum=spec.grad_accum,
                 observer=observer,
+                owned=engine.owned,
             )
+            engine.add_buckets(model, tracker.track)
             run.run(spec.steps, observer)
         except VramledgerError:
             raise
         except Exception as exc:
             raise trace_error(exc, tracker) from exc
     timeline = tracker.close()
+    notes.extend(n for n in engine.notes if n not in notes)
     if tracker.scalars_answered:
         notes.append(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so 1 was "
@@ -243,3 +287,10 @@ def trace_error(exc: Exception, tracker: StorageTracker) -> TraceError:
     ):
         return TraceError(f"data-dependent control flow in module {where}: {text}", hint=hint)
     return TraceError(f"{type(exc).__name__} in module {where}: {text}", hint=hint)
+
+
+def _block_modules(model: nn.Module) -> list[nn.Module]:
+    """Units to shard one by one when the model has no long stack of identical blocks: the
+    largest ModuleList of identical blocks, if any."""
+    stack = find_block_stack(model, min_blocks=1)
+    return list(model.get_submodule(stack.fqn)) if stack is not None else []

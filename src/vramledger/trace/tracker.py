@@ -21,7 +21,12 @@ from functools import partial
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._python_dispatch import (
+    TorchDispatchMode,
+    is_traceable_wrapper_subclass,
+    is_traceable_wrapper_subclass_type,
+)
 
 from ..categories import Category, Phase
 from ..timeline import Timeline
@@ -83,6 +88,8 @@ class StorageTracker(TorchDispatchMode):
         blocks: dict[int, int] | None = None,
         tensor_blocks: dict[int, int] | None = None,
         device_type: str | None = None,
+        op_categories: dict[str, Category] | None = None,
+        resize_category: Category | None = None,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -100,6 +107,11 @@ class StorageTracker(TorchDispatchMode):
         self._hook_handles: list[Any] = []
         self._op: Any = None
         self._corrections = corrections or {}
+        # Storages made by these operators, or brought to life by resize_ (FSDP2's unsharded
+        # parameters), get these categories.
+        self._op_categories = op_categories or {}
+        self._resize_category = resize_category
+        self._original_resize: Any = None
         # In a real run on a device, storages elsewhere (CPU step counters) are host memory.
         self._device_type = device_type
         self._answer_scalars = answer_optimizer_scalars
@@ -117,6 +129,10 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the dispatch hook -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is not FakeTensor and is_traceable_wrapper_subclass_type(t) for t in types):
+            # Let tensor subclasses (DTensor, torchao's quantized states) run first: their
+            # inner operators then come back through this mode and are seen.
+            return NotImplemented
         try:
             out = func(*args, **(kwargs or {}))
         except Exception as exc:
@@ -164,8 +180,12 @@ class StorageTracker(TorchDispatchMode):
                 sid = self._new(nbytes, self._block_for(t, index))
                 if self._device_type is not None and st.device.type != self._device_type:
                     self.timeline.on_host[sid] = True
+                if self._op is not None and self._op_categories:
+                    category = self._op_categories.get(str(self._op))
+                    if category is not None:
+                        self.timeline.tag(sid, category)
                 self._live[key] = sid
-                self._refs[key] = weakref.ref(st, partial(self._on_free, key, sid))
+                self._refs[key] = weakref.ref(st, partial(self._on_free, key))
             sids.append(sid)
         return sids
 
@@ -178,13 +198,36 @@ class StorageTracker(TorchDispatchMode):
             self._region.append(sid)
         return sid
 
-    def _on_free(self, key: int, sid: int, _ref: weakref.ref) -> None:
-        if self._live.get(key) == sid:
-            del self._live[key]
-            del self._refs[key]
-        if self._closed:
+    def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        sid = self._live.pop(key, None)
+        self._refs.pop(key, None)
+        if sid is None or self._closed:
             return
         self._free(sid)
+
+    def _resize(self, storage: torch.UntypedStorage, size: int) -> Any:
+        """``UntypedStorage.resize_`` frees or allocates memory without an operator (FSDP2)."""
+        result = self._original_resize(storage, size)
+        if self._closed:
+            return result
+        key = storage._cdata
+        old = self._live.get(key)
+        if old is not None:
+            if self.timeline.nbytes[old] == storage.nbytes():
+                return result
+            self._free(old)
+            del self._live[key]
+        if storage.nbytes() > 0:
+            sid = self._new(storage.nbytes(), self._block if self._blocks else None)
+            if old is not None:
+                self.timeline.tags[sid] = self.timeline.tags[old]
+                self.timeline.on_host[sid] = self.timeline.on_host[old]
+            elif self._resize_category is not None:
+                self.timeline.tag(sid, self._resize_category)
+            self._live[key] = sid
+            if key not in self._refs:
+                self._refs[key] = weakref.ref(storage, partial(self._on_free, key))
+        return result
 
     def _free(self, sid: int) -> None:
         self._alive.discard(sid)
@@ -350,6 +393,14 @@ class StorageTracker(TorchDispatchMode):
 
     # -- context management ----------------------------------------------------------------------
     def __enter__(self) -> StorageTracker:
+        if self._original_resize is None:
+            self._original_resize = torch.UntypedStorage.resize_
+            tracker = self
+
+            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
+                return tracker._resize(storage, size)
+
+            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
         self._hook_handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
             torch.nn.modules.module.register_module_forward_hook(
@@ -369,6 +420,9 @@ class StorageTracker(TorchDispatchMode):
             )
 
     def __exit__(self, *exc: Any) -> None:
+        if self._original_resize is not None:
+            torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
+            self._original_resize = None
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

@@ -1,0 +1,202 @@
+"""Applying a data-parallel strategy to a model traced on fake tensors, as rank ``rank`` of
+``world_size``, with a fake process group standing in for the others (collectives return at
+once; shapes are exact). See ``strategy.py`` for what runs for each strategy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..categories import Category
+from ..errors import InputError
+from ..precision import PrecisionPolicy
+from ..recipe import Recipe
+from ..spec import TrainingSpec
+from .strategy import DDP_STRATEGIES, FSDP_STRATEGIES
+
+DDP_FIRST_BUCKET_BYTES = 1024**2
+"""``dist._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket is capped at 1 MiB."""
+DDP_BUCKET_CAP_BYTES = 25 * 1024**2
+"""``_DEFAULT_BUCKET_CAP_MB = 25`` in torch/nn/parallel/distributed.py."""
+DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
+"""DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
+
+# Outputs of these operators are sharding buffers (FSDP2's copy-in kernels, torch.ops.fsdp).
+FSDP_OP_CATEGORIES: dict[str, Category] = {
+    "fsdp.all_gather_copy_in.default": Category.ALL_GATHER_BUFFERS,
+    "fsdp.chunk_cat.default": Category.REDUCE_SCATTER_BUFFERS,
+    "_c10d_functional.all_gather_into_tensor.default": Category.ALL_GATHER_BUFFERS,
+    "_c10d_functional.reduce_scatter_tensor.default": Category.REDUCE_SCATTER_BUFFERS,
+}
+
+
+@contextlib.contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[Any]:
+    """A fake process group for ``world_size`` ranks in this process (and its device mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise InputError(
+            "a distributed estimate cannot run inside an initialised process group",
+            hint="run vramledger estimate outside torchrun",
+        )
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+def adapt_recipe(recipe: Recipe) -> Recipe:
+    """FSDP keeps fp32 shards and computes in half precision through its own
+    MixedPrecisionPolicy: no separate master weights, the model built in fp32."""
+    spec = recipe.spec
+    if spec.strategy not in FSDP_STRATEGIES or not recipe.precision.master_weights:
+        return recipe
+    if recipe.precision.loss_scaling:
+        raise InputError("fp16-mixed with FSDP is not supported", hint="use bf16-mixed")
+    fsdp_precision = PrecisionPolicy(
+        name=recipe.precision.name,
+        param_dtype=torch.float32,
+        autocast_dtype=None,
+        master_weights=False,
+        loss_scaling=False,
+    )
+    return replace(recipe, precision=fsdp_precision)
+
+
+@dataclass
+class RankEngine:
+    """What a strategy does to one rank's model, optimizer and memory."""
+
+    spec: TrainingSpec
+    rank: int
+    mesh: Any = None
+    notes: list[str] = field(default_factory=list)
+    keep: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def strategy(self) -> str:
+        return self.spec.strategy or "none"
+
+    @property
+    def op_categories(self) -> dict[str, Category]:
+        return FSDP_OP_CATEGORIES if self.strategy in FSDP_STRATEGIES else {}
+
+    @property
+    def resize_category(self) -> Category | None:
+        """FSDP2 allocates and frees unsharded parameters by resizing their storage: gathered
+        for a layer's compute, then freed — all-gather buffers."""
+        return Category.ALL_GATHER_BUFFERS if self.strategy in FSDP_STRATEGIES else None
+
+    def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
+        if self.strategy not in FSDP_STRATEGIES:
+            return model
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        mp = MixedPrecisionPolicy()
+        if precision_name in ("bf16-mixed", "fp16-mixed"):
+            half = torch.bfloat16 if precision_name == "bf16-mixed" else torch.float16
+            mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
+        for block in blocks:
+            fully_shard(block, mesh=self.mesh, mp_policy=mp)
+        fully_shard(model, mesh=self.mesh, mp_policy=mp)
+        how = "FSDP2 fully_shard"
+        self.notes.append(
+            f"{self.strategy}: traced with {how} on a fake process group of "
+            f"{self.spec.world_size} ranks"
+            + (f", each of {len(blocks)} blocks and the root" if blocks else "")
+        )
+        return model
+
+    def owned(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        """The parameters this rank's optimizer steps (ZeRO-1/2: its partition). Under ZeRO-2 the
+        gradients of the others are reduced to their owners and freed as soon as they are made."""
+        if self.strategy not in ("zero1", "zero2"):
+            return params
+        mine = [params[i] for i in zero1_partition(params, self.spec.world_size)[self.rank]]
+        if self.strategy == "zero2":
+            keep = {id(p) for p in mine}
+            for p in params:
+                if id(p) not in keep:
+                    p.register_post_accumulate_grad_hook(_drop_grad)
+        return mine
+
+    def add_buckets(self, model: nn.Module, track: Any) -> None:
+        """DDP's gradient buckets: one flat buffer per bucket of its own bucket assignment,
+        allocated when DDP wraps the model (``gradient_as_bucket_view=False``, the default)."""
+        if self.strategy not in DDP_STRATEGIES:
+            return
+        params = [p for p in model.parameters() if p.requires_grad]
+        if self.strategy == "zero2":
+            # DeepSpeed reduces through one bucket of reduce_bucket_size elements.
+            numel = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, sum(p.numel() for p in params))
+            buffer = torch.empty(numel, dtype=params[0].dtype)
+            self.keep.append(buffer)
+            track([buffer], Category.GRADIENT_BUCKETS)
+            self.notes.append(
+                "zero2: DeepSpeed ZeRO-2 layout (full half-precision parameters; gradients and "
+                "optimizer state of this rank's partition, partitioned by whole parameters as "
+                "ZeroRedundancyOptimizer does; a reduce bucket of "
+                f"{DEEPSPEED_REDUCE_BUCKET_ELEMENTS:,} elements); DeepSpeed's engine cannot run here"
+            )
+            return
+        for dtype in dict.fromkeys(p.dtype for p in params):
+            group = [p for p in params if p.dtype is dtype]
+            for bucket in ddp_buckets(group):
+                numel = sum(group[i].numel() for i in bucket)
+                buffer = torch.empty(numel, dtype=dtype)
+                self.keep.append(buffer)
+                track([buffer], Category.GRADIENT_BUCKETS)
+        self.notes.append(
+            f"{self.strategy}: DDP gradient buckets from DDP's own bucket assignment "
+            "(dist._compute_bucket_assignment_by_size); its reducer cannot run on fake tensors"
+        )
+
+
+def _drop_grad(p: torch.Tensor) -> None:
+    p.grad = None
+
+
+def ddp_buckets(params: list[torch.Tensor]) -> list[list[int]]:
+    """DDP's bucket assignment for ``params`` (in reverse order of definition, as DDP does)."""
+    order = list(reversed(range(len(params))))
+    with _no_fake():
+        metas = [torch.empty(params[i].shape, dtype=params[i].dtype, device="meta") for i in order]
+        buckets, _ = dist._compute_bucket_assignment_by_size(
+            metas, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES], [False] * len(metas)
+        )
+    return [[order[i] for i in bucket] for bucket in buckets]
+
+
+def zero1_partition(params: list[torch.Tensor], world_size: int) -> list[list[int]]:
+    """Which parameters each rank owns, by ZeroRedundancyOptimizer's own partitioning
+    (largest first, to the rank with the fewest elements so far)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    with _no_fake():
+        metas = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
+        index = {id(m): i for i, m in enumerate(metas)}
+        # Only the partitioning state of an instance (no process group, no collectives).
+        zero = object.__new__(ZeroRedundancyOptimizer)
+        zero.param_groups = [{"params": metas}]
+        zero.world_size = world_size
+        zero._partition_parameters_cache = []
+        partition = zero._partition_parameters()
+    return [[index[id(p)] for group in groups for p in group["params"]] for groups in partition]
+
+
+@contextlib.contextmanager
+def _no_fake() -> Iterator[None]:
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        yield
