@@ -20,12 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.profiler import profile, record_function
 
 from .allocator_events import memory_events, ranges, recording
 from .categories import Category, Phase
 from .errors import InputError
 from .ledger import Ledger, build_ledger
+from .parallel.engines import adapt_recipe
+from .parallel.real import check_world, gather_peaks, real_optimizer, wrap_real
 from .predict import as_spec, policy_for
 from .recipe import count_parameters, module_names, resolve
 from .spec import TrainingSpec
@@ -50,6 +53,8 @@ class Measurement:
     measured_step_peaks: dict[int, int] = field(default_factory=dict)
     estimate: Ledger | None = None
     """The prediction for the same spec, when asked to compare."""
+    ranks: list[dict[str, Any]] = field(default_factory=list)
+    """Under torchrun: every rank's measured and tracked peak (gathered)."""
 
     @property
     def untracked_bytes(self) -> int:
@@ -81,6 +86,8 @@ class Measurement:
             measurement_method=self.method,
             untracked_bytes=self.untracked_bytes,
         )
+        if self.ranks:
+            out["ranks_measured"] = self.ranks
         if self.estimate is not None:
             out["estimate"] = self.estimate.to_dict()
             out["estimate_error"] = self.error()
@@ -101,6 +108,15 @@ def measure(
         raise InputError(f"unknown device {device!r}", hint="measure on cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError("no CUDA GPU here", hint="measure on cpu, or run on a machine with a GPU")
+    if spec.world_size > 1:
+        check_world(spec)
+        if compare:
+            raise InputError(
+                "--compare is not available under torchrun (the estimate uses its own fake process group)",
+                hint="run `vramledger estimate` with the same options separately",
+            )
+        if device == "cuda":
+            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     start = time.perf_counter()
     if device == "cpu":
         with recording() as prof:
@@ -116,6 +132,16 @@ def measure(
 
         estimate = predict(spec, target=device)
     ledger = _with_seconds(ledger, time.perf_counter() - start)
+    rank_results: list[dict[str, Any]] = []
+    if spec.world_size > 1:
+        rank_results = gather_peaks(
+            {
+                "rank": dist.get_rank(),
+                "measured_peak_bytes": max(v for k, v in peaks.items() if k >= 2),
+                "tracked_peak_bytes": ledger.peak_bytes,
+                "at_peak": {c.value: b for c, b in ledger.at_peak.items()},
+            }
+        )
     return Measurement(
         ledger=ledger,
         device=device,
@@ -124,6 +150,7 @@ def measure(
         measured_step_peaks=peaks,
         method=method,
         estimate=estimate,
+        ranks=rank_results,
     )
 
 
@@ -135,12 +162,14 @@ def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
 
 def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger, int]:
     torch.manual_seed(spec.seed)
-    recipe = resolve(spec)
+    recipe = adapt_recipe(resolve(spec))
     policy = policy_for(device)
     torch_device = torch.device(device)
     with record_function("vramledger.setup"):
         model = recipe.build_model(torch_device)
         parameters, trainable = count_parameters(model)
+        if spec.world_size > 1:
+            model = wrap_real(model, spec, recipe.precision.name)
         tracker = StorageTracker(module_names=module_names(model), device_type=torch_device.type)
         observer = TrackerObserver(tracker)
         with tracker:
@@ -149,7 +178,7 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
                 model=model,
                 batch=batch,
                 loss_fn=recipe.loss_fn,
-                optimizer=recipe.optimizer,
+                optimizer=real_optimizer(recipe.optimizer, spec),
                 precision=recipe.precision,
                 device=torch_device,
                 grad_accum=spec.grad_accum,

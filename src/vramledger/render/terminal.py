@@ -75,6 +75,8 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
                 format_bytes(ledger.allocated_phases.get(phase, 0)),
             )
     parts: list = [Text(_title(ledger), style="bold"), breakdown, phases]
+    if ledger.world_size > 1:
+        parts.append(ranks_table(ledger))
     if ledger.top_modules:
         modules = Table(
             title="activations held at the end of forward, by module", title_justify="left"
@@ -103,6 +105,30 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     facts.append(f"took {ledger.seconds:.2f} s")
     parts.append(Text("\n".join(facts), style="dim"))
     return Group(*parts)
+
+
+def _rank_ids(ids: list[int]) -> str:
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}–{ids[-1]}"
+    return ", ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
+
+
+def ranks_table(ledger: Ledger) -> Table:
+    table = Table(
+        title=f"{ledger.strategy} on {ledger.world_size} ranks: each distinct rank (worst: {ledger.worst_rank})",
+        title_justify="left",
+    )
+    for col in ("ranks", "peak", "allocated", "model state", "host (offloaded)"):
+        table.add_column(col, justify="left" if col == "ranks" else "right")
+    for ids, rank_ledger in ledger.ranks:
+        table.add_row(
+            _rank_ids(ids),
+            format_bytes(rank_ledger.peak_bytes),
+            format_bytes(rank_ledger.allocated_peak_bytes),
+            format_bytes(rank_ledger.model_state_bytes),
+            format_bytes(rank_ledger.host_bytes),
+        )
+    return table
 
 
 def measurement_table(m: Measurement) -> Group:
