@@ -6,7 +6,8 @@ model with ``SMALL`` and ``SMALL + 1`` blocks, every event labelled with the blo
 to (module hooks in forward, gradient hooks on block boundaries in backward, the owning
 parameter in the optimizer step). In each stretch of the timeline that walks the blocks in order
 (a *region*: the forward, the backward, each multi-tensor optimizer operator ...), the events of
-a middle block are the template for every middle block; storages it references in other blocks
+a middle block (``HEAD``) are the template for every middle block — the first ``HEAD`` blocks and the
+last are kept as traced; storages a block references in other blocks
 or regions are kept at the same relative block offset. ``extend`` rebuilds the timeline for any
 depth from the small one.
 
@@ -29,7 +30,13 @@ from torch import nn
 from ..timeline import Timeline
 
 SMALL = 3
-"""Blocks in the smaller trace; one middle block (index 1) is the template."""
+"""Blocks in the smaller trace."""
+HEAD = 1
+"""Leading blocks kept as traced (the first block differs from the rest: the first cuBLAS call,
+nothing to free from a previous block). Block ``HEAD`` is the template for the middle ones; the
+last block is kept as traced too. Under FSDP the second block differs as well (no block before
+the first is prefetched) and so does the optimizer step over DTensors: the check fails and FSDP
+runs are traced in full."""
 MIN_BLOCKS = SMALL + 3
 """Extend only models with at least this many blocks (otherwise a full trace is as cheap)."""
 _DEPTH_ATTRS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
@@ -179,7 +186,7 @@ def _regions(tl: Timeline, blocks: int) -> list[_Region]:
         if timed[start] and len(chunks) >= 2:
             # The code between one block call and the next (say, releasing the previous
             # block's output) also runs after the last block: take as many trailing events.
-            a, b = chunks[1]
+            a, b = chunks[min(HEAD, len(chunks) - 1)]
             tail = b - 1 - max(e for e in range(a, b) if labels[e] is not None)
             if all(labels[e] is None and timed[e] for e in range(stop, min(stop + tail, n))):
                 stop = min(stop + tail, n)
@@ -223,19 +230,25 @@ def _timed_events(tl: Timeline) -> list[bool]:
     return timed
 
 
-def _rename(module: str | None, prefix: str, old: int, new: int) -> str | None:
-    if module is None:
-        return None
-    head = f"{prefix}.{old}"
-    if module == head or module.startswith(head + "."):
-        return f"{prefix}.{new}" + module[len(head) :]
-    return module
+def _rename(module: str | None, prefix: str, old: int, new: int | None) -> str | None:
+    """Move a module name from block ``old`` to block ``new``, keeping its offset: a name in
+    block ``old + d`` (FSDP prefetching the next block's parameters, say) goes to ``new + d``;
+    ``new=None`` writes the offset itself (``prefix.@+1``), for identities."""
+    if module is None or not module.startswith(prefix + "."):
+        return module
+    rest = module[len(prefix) + 1 :]
+    index, dot, tail = rest.partition(".")
+    if not index.isdigit():
+        return module
+    offset = int(index) - old
+    where = f"@{offset:+d}" if new is None else str(new + offset)
+    return f"{prefix}.{where}{dot}{tail}"
 
 
 def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
     """The timeline of the same run with ``depth`` blocks instead of ``blocks``."""
-    if blocks < 3:
-        raise NotExtensible("need at least three traced blocks")
+    if blocks < HEAD + 2:
+        raise NotExtensible(f"need at least {HEAD + 2} traced blocks")
     regions = _regions(tl, blocks)
     # Where each storage was allocated, inside a region: (region, block, identity in the block),
     # the identity being (operator, module relative to the block, bytes, occurrence) so that a
@@ -251,7 +264,7 @@ def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
                 if ev >= 0:
                     base = (
                         tl.op[ev],
-                        _rename(tl.module[ev], prefix, k, -1),
+                        _rename(tl.module[ev], prefix, k, None),
                         tl.nbytes[ev],
                         tl.labels.get(ev),
                     )
@@ -259,7 +272,7 @@ def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
                     where[ev] = (r, k, (*base, seen[base]))
     out = Timeline()
     new_sid: dict[Any, int] = {}
-    middle = 1
+    middle = HEAD
     region_starts = {reg.start: r for r, reg in enumerate(regions)}
     mark_at: dict[int, list[tuple[int, Any]]] = {}
     for index, step, phase in tl.marks:
@@ -282,8 +295,8 @@ def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
         if sid in where:
             r, k, o = where[sid]
             if emitted is None:  # referenced from outside any region: first or last block only
-                if k == 0:
-                    key = (r, 0, o)
+                if k < HEAD:
+                    key = (r, k, o)
                 elif k == blocks - 1:
                     key = (r, depth - 1, o)
                 else:
@@ -322,7 +335,7 @@ def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
             region = regions[region_starts[e]]
             order = range(depth) if region.ascending else range(depth - 1, -1, -1)
             for j in order:
-                source = 0 if j == 0 else blocks - 1 if j == depth - 1 else middle
+                source = j if j < HEAD else blocks - 1 if j == depth - 1 else middle
                 pos = source if region.ascending else blocks - 1 - source
                 a, b = region.chunks[pos]
                 for ee in range(a, b):

@@ -412,8 +412,10 @@ class StorageTracker(TorchDispatchMode):
     def label_blocks(self, modules: Iterable[torch.nn.Module]) -> None:
         """Hook the repeated blocks so every event is labelled with its block index."""
         for module in modules:
-            self._hook_handles.append(
-                module.register_forward_pre_hook(self._block_pre_forward, with_kwargs=True)
+            self._hook_handles.append(  # before any other hook (FSDP's all-gather is the block's)
+                module.register_forward_pre_hook(
+                    self._block_pre_forward, with_kwargs=True, prepend=True
+                )
             )
             self._hook_handles.append(
                 module.register_forward_hook(self._block_post_forward, always_call=True)

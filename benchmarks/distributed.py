@@ -1,0 +1,113 @@
+"""Per-GPU memory of Llama-2-7B on 8 GPUs under every strategy, and how estimates scale.
+
+    python benchmarks/distributed.py            # ~2 minutes on 2 cores
+    python benchmarks/distributed.py --verify   # also real gloo runs on CPU, 2 and 4 processes
+
+Llama-2-7B shape (32 layers, hidden 4096), batch 1 x 4096, bf16-mixed AdamW with activation
+checkpointing, target cuda, 8 ranks: per-rank GPU bytes by category (worst rank), host bytes
+for offload, and the time each estimate took; then a Llama-3-70B-shaped model on 1 and 1024
+ranks (FSDP) to show that ranks are not simulated one by one. ``--verify`` compares each
+rank's prediction with real multi-process runs of DDP, ZeroRedundancyOptimizer and FSDP2
+(tests/test_distributed_real.py). Results go to benchmarks/results/distributed-<date>-<host>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+warnings.filterwarnings("ignore")
+
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from vramledger import Category, estimate  # noqa: E402
+from vramledger.units import format_bytes  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMA2 = ROOT / "examples" / "configs" / "llama-2-7b.json"
+LLAMA3_70B = ROOT / "examples" / "configs" / "llama-3-70b.json"
+ARGS = dict(batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-mixed", grad_checkpointing=True,
+            target="cuda")
+CASES = [("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("fsdp", "none"),
+         ("zero2", "optimizer"), ("zero3", "both")]
+SHOWN = [Category.PARAMETERS, Category.SHARDED_PARAMETERS, Category.GRADIENTS, Category.SHARDED_GRADIENTS,
+         Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE, Category.GRADIENT_BUCKETS,
+         Category.ALL_GATHER_BUFFERS, Category.REDUCE_SCATTER_BUFFERS, Category.ACTIVATIONS,
+         Category.TEMPORARIES, Category.WORKSPACE]
+
+
+def gib(n: int) -> str:
+    return f"{n / 2**30:.2f}"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--verify", action="store_true")
+    args = parser.parse_args()
+    console = Console(width=160)
+    rows = []
+    table = Table(title="Llama-2-7B, 8 GPUs, bf16-mixed AdamW + checkpointing, batch 1 x 4096: worst rank, GiB")
+    table.add_column("strategy")
+    table.add_column("offload")
+    for c in SHOWN:
+        table.add_column(c.value.replace("_", " "), justify="right")
+    for col in ("peak", "allocated", "host", "model state", "estimate s"):
+        table.add_column(col, justify="right")
+    for strategy, offload in CASES:
+        start = time.perf_counter()
+        ledger = estimate(model=str(LLAMA2), world_size=8, strategy=strategy, offload=offload, **ARGS)
+        seconds = time.perf_counter() - start
+        rows.append({"strategy": strategy, "offload": offload, "seconds": seconds, **ledger.to_dict()})
+        table.add_row(strategy, offload, *(gib(ledger.at_peak.get(c, 0)) for c in SHOWN),
+                      gib(ledger.peak_bytes), gib(ledger.allocated_peak_bytes), gib(ledger.host_bytes),
+                      gib(ledger.model_state_bytes), f"{seconds:.1f}")
+        console.print(f"[dim]{strategy}/{offload}: {format_bytes(ledger.allocated_peak_bytes)} in {seconds:.1f} s[/dim]")
+    console.print(table)
+
+    scale = {}
+    for world in (1, 1024):
+        start = time.perf_counter()
+        ledger = estimate(model=str(LLAMA3_70B), world_size=world, strategy="fsdp" if world > 1 else None, **ARGS)
+        scale[world] = {"seconds": time.perf_counter() - start, "peak": ledger.allocated_peak_bytes}
+    console.print(
+        f"Llama-3-70B: 1 rank {scale[1]['seconds']:.1f} s ({format_bytes(scale[1]['peak'])}), "
+        f"1024 ranks FSDP {scale[1024]['seconds']:.1f} s ({format_bytes(scale[1024]['peak'])} per rank): "
+        f"{scale[1024]['seconds'] / scale[1]['seconds']:.1f}x the time"
+    )
+    verify = []
+    if args.verify:
+        sys.path.insert(0, str(ROOT))
+        from tests.test_distributed_real import SPEC, run_real
+
+        vt = Table(title="prediction vs real gloo processes (deep MLP, AdamW, CPU): per-rank tracked peak")
+        for col in ("strategy", "ranks", "rank", "predicted", "real", "error"):
+            vt.add_column(col, justify="right")
+        for strategy in ("ddp", "zero1", "fsdp"):
+            for world in (2, 4):
+                predicted = estimate(world_size=world, strategy=strategy, **SPEC)
+                per_rank = {r: ledger for ids, ledger in predicted.ranks for r in ids}
+                for rank, (tracked, measured, _) in sorted(run_real(world, strategy).items()):
+                    want = per_rank[rank].peak_bytes
+                    err = (want - tracked) / tracked
+                    verify.append({"strategy": strategy, "world": world, "rank": rank, "predicted": want,
+                                   "tracked": tracked, "profiler": measured, "error": err})
+                    vt.add_row(strategy, str(world), str(rank), format_bytes(want), format_bytes(tracked),
+                               f"{100 * err:+.3f} %")
+        console.print(vt)
+    out = ROOT / "benchmarks" / "results" / f"distributed-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    out.write_text(json.dumps({"llama2_7b_8gpu": rows, "scale_70b": scale, "verify": verify}, indent=1, default=str))
+    console.print(f"[dim]wrote {out}[/dim]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
