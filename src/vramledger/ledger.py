@@ -64,69 +64,87 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
         size, reserved = list(timeline.nbytes), []
     else:
         size, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, host)
+    is_state = [False] * _NCAT
+    for c in MODEL_STATE_CATEGORIES:
+        is_state[rank[c]] = True
     reserved_peaks: dict[int, int] = {}
     model_state_peaks: dict[int, int] = {}
-    state_idx = [rank[c] for c in MODEL_STATE_CATEGORIES]
     current = [0] * _NCAT
-    total = 0
+    total = state = 0
     host_total = host_peak = 0
     live: set[int] = set()
     step, phase = 0, Phase.SETUP
-    step_peaks: dict[int, PeakPoint] = {}
+    # Per step: (total, snapshot of current, phase, event) of its largest total.
+    best: dict[int, tuple[int, list[int], Phase, int]] = {}
     phase_peaks: dict[tuple[int, Phase], int] = {}
     step_start: dict[int, int] = {}
     marks = timeline.marks
     last_step = timeline.steps
     forward_end_modules: dict[str, int] = {}
     m = 0
+    step_best = phase_best = -1
+    state_best = -1
 
-    def record(event: int) -> None:
-        best = step_peaks.get(step)
-        if best is None or total > best.total:
-            step_peaks[step] = PeakPoint(
-                total=total,
-                by_category={c: current[i] for i, c in enumerate(CATEGORY_PRIORITY)},
-                step=step,
-                phase=phase,
-                event=event,
-            )
-        key = (step, phase)
-        if total > phase_peaks.get(key, -1):
-            phase_peaks[key] = total
-
-    events = timeline.events
-    for i, ev in enumerate(events):
+    for i, ev in enumerate(timeline.events):
         if reserved:
-            reserved_peaks[step] = max(reserved_peaks.get(step, 0), reserved[i])
+            r = reserved[i]
+            if r > reserved_peaks.get(step, 0):
+                reserved_peaks[step] = r
         while m < len(marks) and marks[m][0] == i:
             _, new_step, new_phase = marks[m]
             if new_step == last_step and phase is Phase.FORWARD and new_phase is Phase.BACKWARD:
                 forward_end_modules = _activations_by_module(timeline, live)
             if new_step != step:
                 step_start[new_step] = total
+                step_best = -1
+                state_best = model_state_peaks[new_step] = state
             step, phase = new_step, new_phase
-            record(i)
+            phase_best = phase_peaks.get((step, phase), -1)
+            if total > step_best:
+                step_best = total
+                best[step] = (total, list(current), phase, i)
+            if total > phase_best:
+                phase_best = phase_peaks[(step, phase)] = total
             m += 1
         if ev >= 0:
             if host[ev]:
                 host_total += size[ev]
                 host_peak = max(host_peak, host_total)
                 continue
-            current[cat[ev]] += size[ev]
-            total += size[ev]
+            c, n = cat[ev], size[ev]
+            current[c] += n
+            total += n
             live.add(ev)
-            record(i)
-            held = sum(current[j] for j in state_idx)
-            if held > model_state_peaks.get(step, -1):
-                model_state_peaks[step] = held
+            if total > step_best:
+                step_best = total
+                best[step] = (total, list(current), phase, i)
+            if total > phase_best:
+                phase_best = phase_peaks[(step, phase)] = total
+            if is_state[c]:
+                state += n
+                if state > state_best:
+                    state_best = model_state_peaks[step] = state
         else:
             sid = ~ev
             if host[sid]:
                 host_total -= size[sid]
                 continue
-            current[cat[sid]] -= size[sid]
-            total -= size[sid]
+            c, n = cat[sid], size[sid]
+            current[c] -= n
+            total -= n
+            if is_state[c]:
+                state -= n
             live.discard(sid)
+    step_peaks = {
+        s: PeakPoint(
+            total=t,
+            by_category={c: snap[j] for j, c in enumerate(CATEGORY_PRIORITY)},
+            step=s,
+            phase=p,
+            event=e,
+        )
+        for s, (t, snap, p, e) in best.items()
+    }
     return Replay(
         step_peaks=step_peaks,
         phase_peaks=phase_peaks,

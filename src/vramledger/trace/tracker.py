@@ -53,6 +53,7 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 _SCALAR_ANSWER = {True: 1.0, False: 1}
 _TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
+_PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
 
 
 def _grad_tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -129,10 +130,11 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the dispatch hook -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if any(t is not FakeTensor and is_traceable_wrapper_subclass_type(t) for t in types):
-            # Let tensor subclasses (DTensor, torchao's quantized states) run first: their
-            # inner operators then come back through this mode and are seen.
-            return NotImplemented
+        for t in types:
+            if t not in _PLAIN_TYPES and is_traceable_wrapper_subclass_type(t):
+                # Let tensor subclasses (DTensor, torchao's quantized states) run first: their
+                # inner operators then come back through this mode and are seen.
+                return NotImplemented
         try:
             out = func(*args, **(kwargs or {}))
         except Exception as exc:
