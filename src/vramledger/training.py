@@ -29,6 +29,12 @@ class StepObserver(Protocol):
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None: ...
 
+    def label(self, tensors: Iterable[torch.Tensor], text: str) -> None: ...
+
+
+MASTER_GRADIENT = "fp32 gradient for the optimizer step"
+"""Label of the fp32 copies of half gradients made for a master-weight step (temporaries)."""
+
 
 class NullObserver:
     def phase(self, step: int, phase: Phase) -> None:
@@ -38,6 +44,9 @@ class NullObserver:
         pass
 
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
+        pass
+
+    def label(self, tensors: Iterable[torch.Tensor], text: str) -> None:
         pass
 
 
@@ -140,6 +149,7 @@ class TrainingRun:
         if self.masters is not None:
             self.masters.grads_to_masters()
             grads = self.masters.master_grads()  # fp32 copies for the step: temporaries
+            observer.label(grads, MASTER_GRADIENT)
             take_step = True
             if self.loss_scaler is not None:
                 take_step = self.loss_scaler.unscale_(grads)

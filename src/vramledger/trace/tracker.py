@@ -457,6 +457,11 @@ class TrackerObserver:
     def tensors(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
         self.tracker.track(tensors, category)
 
+    def label(self, tensors: Iterable[torch.Tensor], text: str) -> None:
+        for t in tensors:
+            for sid in self.tracker._see(t):
+                self.tracker.timeline.labels.setdefault(sid, text)
+
     def optimizer_stepped(self, optimizer: torch.optim.Optimizer) -> None:
         roles = getattr(optimizer, "memory_roles", None)
         if roles is not None:  # a stand-in that knows what its tensors are

@@ -1,0 +1,1 @@
+"""Answering "how many GPUs, and what should I change?": plan, advise, rehearse."""

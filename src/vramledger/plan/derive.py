@@ -1,0 +1,130 @@
+"""Per-rank timelines derived from one single-GPU trace, for the planner's search.
+
+A planner compares hundreds of configurations; tracing each is too slow for a 70B model. Each
+(model, precision, checkpointing, micro-batch, optimizer) is traced once on one GPU, and the
+strategies are applied to that timeline by category — the ledger of the result is replayed as
+usual:
+
+- ``ddp``: plus DDP's gradient buckets (one copy of the gradients, from setup on);
+- ``zero1``: master weights, optimizer state and the step's fp32 gradients divided over the
+  ranks (the mean rank: ZeroRedundancyOptimizer's whole-parameter partition is uneven); plus
+  DDP's buckets;
+- ``zero2``: as ``zero1``, gradients divided too, plus DeepSpeed's reduce bucket;
+- ``zero3``/``fsdp``: parameters, gradients, master weights and optimizer state divided, plus
+  the working set FSDP gathers: two blocks' parameters (the one computing and the one
+  prefetched) and one block's fp32 gradients being reduce-scattered, held for the whole step;
+- offload: the offloaded categories in host memory.
+
+This is an approximation of what ``estimate`` traces with the real engines (it ignores shard
+padding and the uneven ZeRO-1/2 partition, and holds FSDP's working set for the whole step);
+the planner re-estimates the configurations it answers with, with the real engines.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..categories import Category, Phase
+from ..parallel.engines import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+from ..parallel.strategy import OFFLOADED
+from ..timeline import Timeline
+from ..training import MASTER_GRADIENT
+
+FP32_ITEMSIZE = 4
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelFacts:
+    """What the derivation needs to know about the traced model."""
+
+    parameter_bytes: int
+    """Trainable parameters, in the dtype the model runs in (= one copy of its gradients)."""
+    parameter_itemsize: int
+    trainable_parameters: int
+    block_parameters: int
+    """Elements of the largest unit FSDP gathers at once (a block, or the whole model)."""
+
+
+def derive(
+    tl: Timeline, facts: ModelFacts, strategy: str, world_size: int, offload: str
+) -> Timeline:
+    n = world_size
+    out = Timeline(
+        nbytes=list(tl.nbytes),
+        tags=list(tl.tags),
+        on_host=list(tl.on_host),
+        module=list(tl.module),
+        op=list(tl.op),
+        origin=list(tl.origin),
+        labels=dict(tl.labels),
+        events=list(tl.events),
+        marks=list(tl.marks),
+        block=list(tl.block),
+        event_block=list(tl.event_block),
+    )
+
+    def shard(
+        categories: set[Category], master_grads: bool, rename: dict[Category, Category]
+    ) -> None:
+        for sid in range(out.num_storages):
+            category = out.category(sid)
+            if category in categories or (master_grads and out.labels.get(sid) == MASTER_GRADIENT):
+                out.nbytes[sid] = -(-out.nbytes[sid] // n)
+                if category in rename:
+                    out.tags[sid] = rename[category]
+
+    extra: list[tuple[int, Category]] = []
+    if strategy in ("ddp", "zero1"):
+        extra.append((facts.parameter_bytes, Category.GRADIENT_BUCKETS))
+    if strategy in ("zero1", "zero2"):
+        grads = {Category.GRADIENTS} if strategy == "zero2" else set()
+        shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE} | grads, True, {})
+    if strategy == "zero2":
+        bucket = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, facts.trainable_parameters)
+        extra.append((bucket * facts.parameter_itemsize, Category.GRADIENT_BUCKETS))
+    if strategy in ("zero3", "fsdp"):
+        shard(
+            {
+                Category.PARAMETERS,
+                Category.GRADIENTS,
+                Category.MASTER_WEIGHTS,
+                Category.OPTIMIZER_STATE,
+            },
+            True,
+            {
+                Category.PARAMETERS: Category.SHARDED_PARAMETERS,
+                Category.GRADIENTS: Category.SHARDED_GRADIENTS,
+            },
+        )
+        gathered = 2 * facts.block_parameters * facts.parameter_itemsize
+        extra += [
+            (gathered, Category.ALL_GATHER_BUFFERS),
+            (facts.block_parameters * FP32_ITEMSIZE, Category.REDUCE_SCATTER_BUFFERS),
+        ]
+    if extra:
+        _add_at_setup_end(out, extra)
+    for sid in range(out.num_storages):
+        if out.category(sid) in OFFLOADED[offload]:
+            out.on_host[sid] = True
+    return out
+
+
+def _add_at_setup_end(tl: Timeline, storages: list[tuple[int, Category]]) -> None:
+    """Allocate persistent storages just before step 1 begins."""
+    first = next((index for index, step, _ in tl.marks if step >= 1), len(tl.events))
+    new_events = []
+    for nbytes, category in storages:
+        sid = tl.num_storages
+        tl.nbytes.append(nbytes)
+        tl.tags.append(category)
+        tl.on_host.append(False)
+        tl.module.append(None)
+        tl.op.append(None)
+        tl.origin.append((0, Phase.SETUP))
+        tl.block.append(None)
+        new_events.append(sid)
+    tl.events[first:first] = new_events
+    tl.event_block[first:first] = [None] * len(new_events)
+    tl.marks = [
+        (index + len(new_events) if index >= first else index, s, p) for index, s, p in tl.marks
+    ]

@@ -1,0 +1,398 @@
+"""``plan``: the fewest GPUs of a kind on which a training run fits, per optimizer, and the
+trade-offs around it.
+
+The search covers optimizer, precision, activation checkpointing, micro-batch (halving it and
+accumulating gradients keeps the batch), strategy (DDP, ZeRO-1/2/3), optimizer offload and GPU
+count. One fake-tensor trace is made per (optimizer, precision, checkpointing, micro-batch) on
+one GPU; strategies and GPU counts are derived from it (``derive.py``) and the smallest GPU
+count of each configuration found by bisection (memory per GPU never grows with the count).
+The answer for each optimizer is then re-estimated with the real engines at that count and one
+fewer, and moved if they disagree, so what ``plan`` answers is what ``estimate`` says.
+
+A configuration fits when its peak plus ``margin`` is at most the GPU's memory. The margin is
+explicit: the CUDA context and libraries (several hundred MiB), allocator fragmentation beyond
+the modelled caching allocator, and communication buffers (NCCL) are not in the trace.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ..gpus import Gpu
+from ..ledger import replay, steady_peak
+from ..recipe import resolve
+from ..spec import TrainingSpec
+from ..trace.blocks import find_block_stack
+from ..trace.cuda_policy import CudaPolicy
+from ..trace.fake import trace
+from ..units import GIB
+from .derive import ModelFacts, derive
+
+DEFAULT_MARGIN = 2 * GIB
+"""CUDA context and libraries (~0.5-1 GiB on recent GPUs), NCCL buffers and fragmentation."""
+RECOMPUTE_FRACTION = 1 / 3
+"""Activation checkpointing recomputes the forward pass: about a third more compute."""
+STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
+OFFLOADS = ("none", "optimizer")
+STRATEGY_RANK = {s: i for i, s in enumerate(STRATEGIES)}
+
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Configuration:
+    optimizer: str
+    precision: str
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    strategy: str
+    offload: str
+    gpus: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def spec(self, base: TrainingSpec) -> TrainingSpec:
+        strategy = self.strategy if self.gpus > 1 or self.strategy != "none" else None
+        return replace(
+            base,
+            optimizer=self.optimizer,
+            precision=self.precision,
+            grad_checkpointing=self.checkpointing and not base.checkpoint_modules,
+            batch_size=self.micro_batch,
+            grad_accum=self.grad_accum,
+            world_size=self.gpus,
+            strategy=strategy if self.gpus > 1 else None,
+            offload=self.offload,
+            target="cuda",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    configuration: Configuration
+    peak_bytes_per_gpu: int
+    headroom_bytes: int
+    costs: dict[str, Any]
+    method: str
+    """'derived' from a single-GPU trace, or 'estimated' with the real engines."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpus": self.configuration.gpus,
+            "configuration": self.configuration.to_dict(),
+            "peak_bytes_per_gpu": self.peak_bytes_per_gpu,
+            "headroom_bytes": self.headroom_bytes,
+            "costs": self.costs,
+            "method": self.method,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Plan:
+    gpu: Gpu
+    margin_bytes: int
+    max_gpus: int
+    fewest_gpus: dict[str, Candidate | None]
+    front: list[Candidate]
+    configurations: int
+    traces: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": {
+                "name": self.gpu.name,
+                "memory_bytes": self.gpu.memory_bytes,
+                "source": self.gpu.source,
+            },
+            "margin_bytes": self.margin_bytes,
+            "max_gpus": self.max_gpus,
+            "fewest_gpus": {k: (v.to_dict() if v else None) for k, v in self.fewest_gpus.items()},
+            "front": [c.to_dict() for c in self.front],
+            "configurations": self.configurations,
+            "traces": self.traces,
+            "seconds": round(self.seconds, 2),
+            "notes": self.notes,
+        }
+
+
+def costs(
+    config: Configuration, facts: ModelFacts, optimizer_changes: str | None
+) -> dict[str, Any]:
+    """What a configuration costs besides memory (per step, per GPU)."""
+    grads = facts.parameter_bytes
+    comm = {
+        "none": 0,
+        "ddp": 2 * grads,
+        "zero1": 2 * grads + facts.parameter_bytes,
+        "zero2": 2 * grads,
+        "zero3": 3 * facts.parameter_bytes,
+    }[config.strategy]
+    if config.gpus == 1:
+        comm = 0
+    host_traffic = (
+        2 * (grads + facts.parameter_bytes) // max(1, config.gpus)
+        if config.offload != "none"
+        else 0
+    )
+    return {
+        "recompute_fraction": RECOMPUTE_FRACTION if config.checkpointing else 0.0,
+        "grad_accum_steps": config.grad_accum,
+        "communication_bytes_per_step": comm,
+        "host_transfer_bytes_per_step": host_traffic,
+        "optimizer_behaviour": optimizer_changes or "unchanged",
+    }
+
+
+def _behaviour(name: str, reference: str) -> str | None:
+    if name == reference:
+        return None
+    key = name.lower()
+    if "8bit" in key or "4bit" in key or "fp8" in key:
+        return "quantized optimizer states"
+    return f"a different optimizer than {reference}"
+
+
+def _facts(spec: TrainingSpec) -> ModelFacts:
+    recipe = resolve(spec)
+    model = recipe.build_model("meta")
+    params = [p for p in model.parameters() if p.requires_grad]
+    stack = find_block_stack(model, min_blocks=1)
+    block = (
+        sum(p.numel() for p in model.get_submodule(stack.fqn)[0].parameters())
+        if stack is not None
+        else sum(p.numel() for p in params)
+    )
+    return ModelFacts(
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        parameter_itemsize=params[0].element_size() if params else 2,
+        trainable_parameters=sum(p.numel() for p in params),
+        block_parameters=block,
+    )
+
+
+def _micro_batches(batch: int) -> list[tuple[int, int]]:
+    out, micro = [], batch
+    while micro >= 1:
+        if batch % micro == 0:
+            out.append((micro, batch // micro))
+        if micro == 1:
+            break
+        micro //= 2
+    return out
+
+
+def plan(
+    spec: TrainingSpec,
+    gpu: Gpu,
+    *,
+    optimizers: Sequence[str],
+    max_gpus: int = 1024,
+    margin: int = DEFAULT_MARGIN,
+    precisions: Sequence[str] | None = None,
+    checkpointing: Sequence[bool] = (False, True),
+    verify: bool = True,
+    progress: Progress | None = None,
+) -> Plan:
+    start = time.perf_counter()
+    capacity = gpu.memory_bytes - margin
+    precisions = list(precisions or [spec.precision])
+    policy_cc = gpu.compute_capability or (9, 0)
+    micro = _micro_batches(spec.batch_size * spec.grad_accum)
+    reference = optimizers[0]
+    candidates: list[Candidate] = []
+    traces = configurations = 0
+    total = len(optimizers) * len(precisions) * len(checkpointing) * len(micro)
+    notes: list[str] = []
+    facts_cache: dict[tuple[str, bool], ModelFacts] = {}
+    for optimizer in optimizers:
+        for precision in precisions:
+            for ckpt in checkpointing:
+                for micro_batch, accum in micro:
+                    base = replace(
+                        spec,
+                        optimizer=optimizer,
+                        precision=precision,
+                        grad_checkpointing=ckpt,
+                        batch_size=micro_batch,
+                        grad_accum=accum,
+                        world_size=1,
+                        strategy=None,
+                        offload="none",
+                        target="cuda",
+                    )
+                    facts = facts_cache.setdefault((precision, ckpt), _facts(base))
+                    timeline = trace(base, CudaPolicy(compute_capability=policy_cc)).timeline
+                    traces += 1
+                    if progress is not None:
+                        progress("traces", traces, total)
+                    for strategy in STRATEGIES:
+                        for offload in OFFLOADS:
+                            configurations += 1
+                            peak = _peak_fn(timeline, facts, strategy, offload)
+                            # One GPU runs without a strategy; strategies start at two.
+                            lo, hi = (1, 1) if strategy == "none" else (2, max_gpus)
+                            if strategy == "ddp":
+                                hi = lo  # DDP's memory does not depend on the GPU count
+                            gpus = _fewest(peak, capacity, lo, hi)
+                            if gpus is None:
+                                continue
+                            config = Configuration(
+                                optimizer=optimizer,
+                                precision=precision,
+                                checkpointing=ckpt,
+                                micro_batch=micro_batch,
+                                grad_accum=accum,
+                                strategy=strategy,
+                                offload=offload,
+                                gpus=gpus,
+                            )
+                            value = peak(gpus)
+                            candidates.append(
+                                Candidate(
+                                    configuration=config,
+                                    peak_bytes_per_gpu=value,
+                                    headroom_bytes=gpu.memory_bytes - margin - value,
+                                    costs=costs(config, facts, _behaviour(optimizer, reference)),
+                                    method="derived",
+                                )
+                            )
+    fewest: dict[str, Candidate | None] = {}
+    for optimizer in optimizers:
+        mine = [c for c in candidates if c.configuration.optimizer == optimizer]
+        best = min(mine, key=_preference) if mine else None
+        if best is not None and verify:
+            best = _verified(best, spec, capacity, gpu, margin, max_gpus, notes)
+        fewest[optimizer] = best
+    return Plan(
+        gpu=gpu,
+        margin_bytes=margin,
+        max_gpus=max_gpus,
+        fewest_gpus=fewest,
+        front=pareto(candidates),
+        configurations=configurations,
+        traces=traces,
+        seconds=time.perf_counter() - start,
+        notes=notes,
+    )
+
+
+def _preference(c: Candidate) -> tuple[Any, ...]:
+    """Fewest GPUs; then least harm: no recompute, fewer accumulation steps, simpler strategy,
+    no offload, more headroom."""
+    cfg = c.configuration
+    return (
+        cfg.gpus,
+        cfg.checkpointing,
+        cfg.grad_accum,
+        cfg.offload != "none",
+        STRATEGY_RANK[cfg.strategy],
+        -c.headroom_bytes,
+    )
+
+
+def _peak_fn(timeline: Any, facts: ModelFacts, strategy: str, offload: str) -> Callable[[int], int]:
+    def peak(n: int) -> int:
+        return steady_peak(replay(derive(timeline, facts, strategy, n, offload))).total
+
+    return peak
+
+
+def _fewest(peak: Callable[[int], int], capacity: int, lo: int, hi: int) -> int | None:
+    """Smallest n in [lo, hi] with peak(n) <= capacity (peak never grows with n)."""
+    if peak(hi) > capacity:
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if peak(mid) <= capacity:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo
+
+
+def _estimated_peak(config: Configuration, base: TrainingSpec, gpu: Gpu) -> int:
+    from ..predict import estimate
+
+    ledger = estimate(config.spec(base))
+    return ledger.allocated_peak_bytes
+
+
+def _verified(
+    c: Candidate,
+    base: TrainingSpec,
+    capacity: int,
+    gpu: Gpu,
+    margin: int,
+    max_gpus: int,
+    notes: list[str],
+) -> Candidate:
+    """Re-estimate with the real engines at the chosen count; move it until the count fits and
+    one fewer does not (a few steps at most)."""
+    cfg = c.configuration
+    scalable = cfg.strategy not in ("none", "ddp")
+    lowest = 2 if scalable else 1
+    value = _estimated_peak(cfg, base, gpu)
+    tries = 0
+    while value > capacity and scalable and cfg.gpus < max_gpus and tries < 8:
+        cfg = replace(cfg, gpus=cfg.gpus + 1)
+        value = _estimated_peak(cfg, base, gpu)
+        tries += 1
+    if value > capacity:
+        notes.append(
+            f"{cfg.optimizer}: the derived answer does not fit when estimated with the real engines"
+        )
+        return replace(
+            c,
+            configuration=cfg,
+            peak_bytes_per_gpu=value,
+            headroom_bytes=capacity - value,
+            method="estimated (does not fit)",
+        )
+    while scalable and cfg.gpus > lowest and tries < 16:
+        fewer = replace(cfg, gpus=cfg.gpus - 1)
+        fewer_value = _estimated_peak(fewer, base, gpu)
+        if fewer_value > capacity:
+            break
+        cfg, value = fewer, fewer_value
+        tries += 1
+    return replace(
+        c,
+        configuration=cfg,
+        peak_bytes_per_gpu=value,
+        headroom_bytes=capacity - value,
+        method="estimated",
+    )
+
+
+def pareto(candidates: list[Candidate]) -> list[Candidate]:
+    """Configurations not beaten on all of GPU count, memory per GPU, recompute, communication
+    and optimizer behaviour by another one."""
+
+    def key(c: Candidate) -> tuple[float, ...]:
+        k = c.costs
+        return (
+            c.configuration.gpus,
+            c.peak_bytes_per_gpu,
+            k["recompute_fraction"],
+            k["communication_bytes_per_step"] + k["host_transfer_bytes_per_step"],
+            0.0 if k["optimizer_behaviour"] == "unchanged" else 1.0,
+            k["grad_accum_steps"],
+        )
+
+    keyed = [(key(c), c) for c in candidates]
+    front = []
+    for ka, a in keyed:
+        dominated = any(
+            all(x <= y for x, y in zip(kb, ka, strict=True)) and kb != ka for kb, _ in keyed
+        )
+        if not dominated:
+            front.append(a)
+    front.sort(key=lambda c: (c.configuration.gpus, c.peak_bytes_per_gpu))
+    return front
