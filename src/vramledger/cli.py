@@ -276,7 +276,13 @@ def _quiet_libraries(debug: bool) -> None:
 
     warnings.filterwarnings("ignore")
     # Optional libraries log their missing GPU kernels at import; none of it concerns a user here.
-    for name in ("torchao", "bitsandbytes", "torch._dynamo", "torch._inductor"):
+    for name in (
+        "torchao",
+        "bitsandbytes",
+        "torch._dynamo",
+        "torch._inductor",
+        "torch.utils._pytree",
+    ):
         logging.getLogger(name).setLevel(logging.ERROR)
 
 

@@ -154,6 +154,9 @@ def measure(
     )
 
 
+EAGER_TORCHAO = "torchao's compiled optimizer step ran eagerly under the tracker (same arithmetic)"
+
+
 def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
     from dataclasses import replace
 
@@ -184,7 +187,13 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
                 grad_accum=spec.grad_accum,
                 observer=observer,
             )
-    with tracker:
+    notes = ["measured"]
+    # The tracker is a dispatch mode, under which torch.compile cannot run: torchao's compiled
+    # optimizer step runs eagerly (same arithmetic; the eager step's temporaries).
+    eager = recipe.optimizer.package == "torchao"
+    if eager:
+        notes.append(EAGER_TORCHAO)
+    with tracker, torch.compiler.set_stance("force_eager" if eager else "default"):
         for step in range(1, spec.steps + 1):
             if per_step is not None:
                 per_step(step, "start")
@@ -203,7 +212,7 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
         optimizer_state_bytes=state_bytes,
         optimizer_state_method="measured",
         spec=spec.summary(),
-        notes=["measured"],
+        notes=notes,
         version=__version__,
     )
     return ledger, spec.steps

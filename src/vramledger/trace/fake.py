@@ -41,6 +41,7 @@ from .blocks import (
     truncate,
 )
 from .fake_corrections import CORRECTIONS
+from .dtensor_compat import untracked_sharding_propagation
 from .hf_compat import ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in
 from .policy import DevicePolicy
@@ -229,7 +230,14 @@ def _run_rank(
     observer = TrackerObserver(tracker, policy.host_resident)
     # torch.compile'd optimizer steps (torchao) run eagerly on fake tensors.
     eager = torch.compiler.set_stance("force_eager")
-    with mode, policy.context(), ordinary_batches(notes), eager, tracker:
+    with (
+        mode,
+        policy.context(),
+        ordinary_batches(notes),
+        untracked_sharding_propagation(),
+        eager,
+        tracker,
+    ):
         tracker.label_blocks(blocks)
         try:
             batch = recipe.make_inputs(TRACE_DEVICE, recipe.shape)
