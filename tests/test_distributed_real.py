@@ -61,7 +61,8 @@ def run_real(
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, strategy, spec or SPEC, port, queue)) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, strategy, spec or SPEC, port, queue))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
@@ -98,7 +99,7 @@ def test_fsdp_momentum_sgd_matches_real_processes():
     }
     predicted = estimate(world_size=2, strategy="fsdp", **spec)
     per_rank = {r: ledger for ids, ledger in predicted.ranks for r in ids}
-    for rank, (tracked, _, at_peak, phases) in run_real(2, "fsdp", spec).items():
+    for rank, (_, _, at_peak, phases) in run_real(2, "fsdp", spec).items():
         want = per_rank[rank].phases[Phase.OPTIMIZER]
         got = phases[Phase.OPTIMIZER.value]
         assert abs(want - got) / got <= 0.03, (rank, want, got, at_peak)

@@ -40,8 +40,8 @@ from .blocks import (
     shallow_config,
     truncate,
 )
-from .fake_corrections import CORRECTIONS
 from .dtensor_compat import untracked_sharding_propagation
+from .fake_corrections import CORRECTIONS
 from .hf_compat import ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in
 from .policy import DevicePolicy
