@@ -11,6 +11,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from rich.console import Console
+
 from .errors import InputError, VramledgerError
 from .precision import PRECISIONS
 from .sources import TASKS
@@ -164,28 +166,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
             device=args.device,
         )
     else:
-        from rich.progress import (
-            BarColumn,
-            MofNCompleteColumn,
-            Progress,
-            TextColumn,
-            TimeRemainingColumn,
-        )
-
-        columns = (
-            TextColumn("{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeRemainingColumn(),
-        )
-        with Progress(*columns, transient=True) as bar:
-            tasks: dict[str, int] = {}
-
-            def progress(name: str, step: int, total: int) -> None:
-                if name not in tasks:
-                    tasks[name] = bar.add_task(name, total=total)
-                bar.update(tasks[name], completed=step)
-
+        bar, progress = _progress_bar()
+        with bar:
             result = compare(
                 spec,
                 optimizers,
@@ -208,6 +190,188 @@ def cmd_compare(args: argparse.Namespace) -> int:
         if args.plot:
             print(f"plot: {args.plot}")
     return 0
+
+
+def _progress_bar() -> Any:
+    """A rich progress bar and a ``progress(name, done, total)`` callback that drives it."""
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        transient=True,
+        console=Console(stderr=True),
+    )
+    tasks: dict[str, Any] = {}
+
+    def progress(name: str, done: int, total: int) -> None:
+        if name not in tasks:
+            tasks[name] = bar.add_task(name, total=total)
+        bar.update(tasks[name], completed=done, total=total)
+
+    return bar, progress
+
+
+def _names(text: str, option: str) -> list[str]:
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise InputError(f"{option} is empty", hint=f"write it like {option} adamw,sgd-momentum")
+    return names
+
+
+def _gpu(args: argparse.Namespace) -> Any:
+    from .gpus import resolve_gpu
+
+    return resolve_gpu(args.gpu, args.gpu_memory)
+
+
+def _margin(args: argparse.Namespace) -> tuple[int, str]:
+    """The explicit margin, plus a rehearsal's residual when --margin-from gives one."""
+    from .plan.search import MARGIN_SOURCE
+    from .units import format_bytes, parse_bytes
+
+    if args.margin is None:
+        from .plan.search import DEFAULT_MARGIN
+
+        margin, source = DEFAULT_MARGIN, MARGIN_SOURCE
+    else:
+        margin, source = parse_bytes(args.margin), "given with --margin"
+    if getattr(args, "margin_from", None):
+        residual = read_rehearsal_residual(args.margin_from)
+        margin += residual
+        source += f"; plus {format_bytes(residual)} residual beyond tensors from {args.margin_from}"
+    return margin, source
+
+
+def read_rehearsal_residual(path: str) -> int:
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(
+            f"no such file: {path}", hint="write one with `vramledger rehearse ... --json > FILE`"
+        )
+    try:
+        data = json.loads(file.read_text())
+    except json.JSONDecodeError as exc:
+        raise InputError(
+            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}",
+            hint="write it with `vramledger rehearse ... --json > FILE`",
+        ) from exc
+    residual = data.get("residual_bytes") if isinstance(data, dict) else None
+    if not isinstance(residual, int) or residual < 0:
+        raise InputError(
+            f"{path} has no residual_bytes (a non-negative integer)",
+            hint="write it with `vramledger rehearse ... --json > FILE`",
+        )
+    return residual
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .plan.search import plan
+
+    gpu = _gpu(args)
+    margin, source = _margin(args)
+    spec = spec_from_args(args)
+    kwargs = dict(
+        optimizers=_names(args.optimizers, "--optimizers"),
+        max_gpus=args.max_gpus,
+        margin=margin,
+        margin_source=source,
+        precisions=_names(args.precisions, "--precisions"),
+        offloads=("none",) if args.no_offload else ("none", "optimizer"),
+        verify=not args.no_verify,
+    )
+    for name in kwargs["precisions"]:
+        if name not in PRECISIONS:
+            raise InputError(
+                f"unknown precision {name!r} in --precisions", hint=f"use {', '.join(PRECISIONS)}"
+            )
+    if args.json:
+        result = plan(spec, gpu, **kwargs)
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    bar, progress = _progress_bar()
+    with bar:
+        result = plan(spec, gpu, progress=progress, **kwargs)
+    from .render.planning import plan_table
+    from .render.terminal import print_renderable
+
+    print_renderable(plan_table(result))
+    return 0
+
+
+def cmd_advise(args: argparse.Namespace) -> int:
+    from .plan.advise import advise
+
+    gpu = _gpu(args)
+    margin, _ = _margin(args)
+    result = advise(spec_from_args(args), gpu, margin=margin)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from .render.planning import advice_table
+        from .render.terminal import print_renderable
+
+        print_renderable(advice_table(result))
+    return 0
+
+
+def cmd_rehearse(args: argparse.Namespace) -> int:
+    from .plan.rehearse import rehearse
+
+    try:
+        depths = [int(d) for d in _names(args.depths, "--depths")]
+    except ValueError as exc:
+        raise InputError(
+            f"--depths must be integers, not {args.depths!r}", hint="--depths 1,2,3"
+        ) from exc
+    spec = spec_from_args(args)
+    if args.json:
+        result = rehearse(spec, depths=depths, device=args.device)
+    else:
+        bar, progress = _progress_bar()
+        with bar:
+            result = rehearse(spec, depths=depths, device=args.device, progress=progress)
+    if args.plot:
+        from .render.plots import rehearsal_plot
+
+        rehearsal_plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from .render.planning import rehearsal_table
+        from .render.terminal import print_renderable
+
+        print_renderable(rehearsal_table(result))
+        if args.plot:
+            print(f"plot: {args.plot}")
+    return 0
+
+
+def _add_gpu_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--gpu", help="GPU kind from the catalogue (e.g. a100-80gb, h100-80gb)")
+    parser.add_argument(
+        "--gpu-memory", metavar="SIZE", help="memory of one GPU not in the catalogue (e.g. 24GiB)"
+    )
+    parser.add_argument(
+        "--margin",
+        metavar="SIZE",
+        help="memory kept back for the CUDA context, NCCL and fragmentation (default 2GiB)",
+    )
+    parser.add_argument(
+        "--margin-from",
+        metavar="REHEARSAL.json",
+        help="add the residual a rehearsal measured (`rehearse --json` output) to the margin",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -262,6 +426,84 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="write loss curves and memory bars")
     _add_output_options(p)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser(
+        "plan", help="the fewest GPUs of a kind per optimizer, and the configurations that fit"
+    )
+    _add_spec_options(
+        p,
+        exclude=(
+            "optimizer",
+            "precision",
+            "target",
+            "world_size",
+            "strategy",
+            "offload",
+            "nodes",
+            "gpus_per_node",
+            "deepspeed",
+            "steps",
+        ),
+    )
+    _add_gpu_options(p)
+    p.add_argument(
+        "--optimizers",
+        default="adamw,adamw8bit,sgd-momentum",
+        metavar="A,B,...",
+        help="optimizers to plan for (default adamw,adamw8bit,sgd-momentum)",
+    )
+    p.add_argument(
+        "--precisions",
+        default="bf16-mixed",
+        metavar="A,B,...",
+        help=f"precision modes to search, of {', '.join(PRECISIONS)} (default bf16-mixed)",
+    )
+    p.add_argument("--max-gpus", type=int, default=1024, help="largest GPU count (default 1024)")
+    p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip re-estimating the answers with the real engines (faster, approximate)",
+    )
+    _add_output_options(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser(
+        "advise", help="what to change first when a training step does not fit a GPU"
+    )
+    _add_spec_options(p)
+    _add_gpu_options(p)
+    _add_output_options(p)
+    p.set_defaults(func=cmd_advise)
+
+    p = sub.add_parser(
+        "rehearse",
+        help="run shallow copies of the model for real, fit the growth per layer, extrapolate",
+    )
+    _add_spec_options(
+        p,
+        exclude=(
+            "target",
+            "world_size",
+            "strategy",
+            "offload",
+            "nodes",
+            "gpus_per_node",
+            "deepspeed",
+        ),
+    )
+    p.add_argument(
+        "--depths",
+        default="1,2,3",
+        metavar="N,N,...",
+        help="layers of each rehearsal (default 1,2,3)",
+    )
+    p.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
+    )
+    p.add_argument("--plot", metavar="FILE.png", help="write measured points and fitted lines")
+    _add_output_options(p)
+    p.set_defaults(func=cmd_rehearse)
     return parser
 
 

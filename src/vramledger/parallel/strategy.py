@@ -19,7 +19,8 @@ strategy      memory on each rank                    how it is traced
 ============  =====================================  =============================================
 
 Offload (DeepSpeed ZeRO-Offload / FSDP2 CPU offload): ``optimizer`` keeps optimizer state, fp32
-master weights and their gradients in host memory (the step runs on the CPU); ``params`` keeps
+master weights and their gradients in host memory (the step runs on the CPU, so its temporaries
+are host memory too); ``params`` keeps
 sharded parameters there; ``both`` does both. It is applied to the traced timeline by category
 (the copies' staging buffers are not modelled).
 """
@@ -28,7 +29,8 @@ from __future__ import annotations
 
 from typing import Literal
 
-from ..categories import Category
+from ..categories import Category, Phase
+from ..timeline import Timeline
 
 Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
 STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
@@ -54,3 +56,21 @@ OFFLOADED: dict[str, frozenset[Category]] = {
     ),
 }
 """Categories an offload setting keeps in host memory."""
+
+STEP_ON_HOST = frozenset({"optimizer", "both"})
+"""Offload settings under which the optimizer step runs on the CPU (DeepSpeed's CPU Adam, FSDP2's
+CPUOffloadPolicy): the step's temporaries (and fp32 copies of the gradients) are host memory."""
+
+
+def apply_offload(timeline: Timeline, offload: str) -> None:
+    """Mark what ``offload`` keeps in host memory."""
+    offloaded = OFFLOADED[offload]
+    step_on_host = offload in STEP_ON_HOST
+    for sid in range(timeline.num_storages):
+        category = timeline.category(sid)
+        if category in offloaded or (
+            step_on_host
+            and category is Category.TEMPORARIES
+            and timeline.origin[sid][1] is Phase.OPTIMIZER
+        ):
+            timeline.on_host[sid] = True

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from ..categories import Category, Phase
 from ..parallel.engines import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
-from ..parallel.strategy import OFFLOADED
+from ..parallel.strategy import apply_offload
 from ..timeline import Timeline
 from ..training import MASTER_GRADIENT
 
@@ -103,9 +103,7 @@ def derive(
         ]
     if extra:
         _add_at_setup_end(out, extra)
-    for sid in range(out.num_storages):
-        if out.category(sid) in OFFLOADED[offload]:
-            out.on_host[sid] = True
+    apply_offload(out, offload)
     return out
 
 

@@ -21,20 +21,27 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..errors import InputError
 from ..gpus import Gpu
 from ..ledger import replay, steady_peak
 from ..recipe import resolve
 from ..spec import TrainingSpec
+from ..timeline import Timeline
 from ..trace.blocks import find_block_stack
 from ..trace.cuda_policy import CudaPolicy
 from ..trace.fake import trace
-from ..units import GIB
+from ..units import GIB, format_bytes
 from .derive import ModelFacts, derive
 
 DEFAULT_MARGIN = 2 * GIB
-"""CUDA context and libraries (~0.5-1 GiB on recent GPUs), NCCL buffers and fragmentation."""
+MARGIN_SOURCE = (
+    "default: CUDA context and libraries (~0.5-1 GiB on recent GPUs), NCCL buffers and "
+    "fragmentation beyond the modelled caching allocator"
+)
 RECOMPUTE_FRACTION = 1 / 3
 """Activation checkpointing recomputes the forward pass: about a third more compute."""
+NUMERICS = {"bf16-pure": "bf16 weights and optimizer state, no fp32 master copy"}
+"""Precision modes that change what training computes beyond mixed precision's usual rounding."""
 STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
 OFFLOADS = ("none", "optimizer")
 STRATEGY_RANK = {s: i for i, s in enumerate(STRATEGIES)}
@@ -96,8 +103,10 @@ class Candidate:
 class Plan:
     gpu: Gpu
     margin_bytes: int
+    margin_source: str
     max_gpus: int
     fewest_gpus: dict[str, Candidate | None]
+    fewest_gpus_without_offload: dict[str, Candidate | None]
     front: list[Candidate]
     configurations: int
     traces: int
@@ -112,8 +121,12 @@ class Plan:
                 "source": self.gpu.source,
             },
             "margin_bytes": self.margin_bytes,
+            "margin_source": self.margin_source,
             "max_gpus": self.max_gpus,
             "fewest_gpus": {k: (v.to_dict() if v else None) for k, v in self.fewest_gpus.items()},
+            "fewest_gpus_without_offload": {
+                k: (v.to_dict() if v else None) for k, v in self.fewest_gpus_without_offload.items()
+            },
             "front": [c.to_dict() for c in self.front],
             "configurations": self.configurations,
             "traces": self.traces,
@@ -147,6 +160,7 @@ def costs(
         "communication_bytes_per_step": comm,
         "host_transfer_bytes_per_step": host_traffic,
         "optimizer_behaviour": optimizer_changes or "unchanged",
+        "numerics": NUMERICS.get(config.precision, "unchanged"),
     }
 
 
@@ -195,11 +209,23 @@ def plan(
     optimizers: Sequence[str],
     max_gpus: int = 1024,
     margin: int = DEFAULT_MARGIN,
+    margin_source: str = MARGIN_SOURCE,
     precisions: Sequence[str] | None = None,
     checkpointing: Sequence[bool] = (False, True),
+    offloads: Sequence[str] = OFFLOADS,
     verify: bool = True,
     progress: Progress | None = None,
 ) -> Plan:
+    if max_gpus < 1:
+        raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
+    if not optimizers:
+        raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
+    if margin < 0 or margin >= gpu.memory_bytes:
+        raise InputError(
+            f"the margin ({format_bytes(margin)}) leaves nothing of {gpu.name}'s "
+            f"{format_bytes(gpu.memory_bytes)}",
+            hint="pass a smaller --margin",
+        )
     start = time.perf_counter()
     capacity = gpu.memory_bytes - margin
     precisions = list(precisions or [spec.precision])
@@ -211,6 +237,7 @@ def plan(
     total = len(optimizers) * len(precisions) * len(checkpointing) * len(micro)
     notes: list[str] = []
     facts_cache: dict[tuple[str, bool], ModelFacts] = {}
+    timelines: dict[tuple[str, str, bool, int], tuple[Timeline, ModelFacts]] = {}
     for optimizer in optimizers:
         for precision in precisions:
             for ckpt in checkpointing:
@@ -229,11 +256,12 @@ def plan(
                     )
                     facts = facts_cache.setdefault((precision, ckpt), _facts(base))
                     timeline = trace(base, CudaPolicy(compute_capability=policy_cc)).timeline
+                    timelines[(optimizer, precision, ckpt, micro_batch)] = (timeline, facts)
                     traces += 1
                     if progress is not None:
                         progress("traces", traces, total)
                     for strategy in STRATEGIES:
-                        for offload in OFFLOADS:
+                        for offload in offloads:
                             configurations += 1
                             peak = _peak_fn(timeline, facts, strategy, offload)
                             # One GPU runs without a strategy; strategies start at two.
@@ -264,17 +292,31 @@ def plan(
                                 )
                             )
     fewest: dict[str, Candidate | None] = {}
+    on_gpu: dict[str, Candidate | None] = {}
+    verified: dict[Configuration, Candidate] = {}
     for optimizer in optimizers:
         mine = [c for c in candidates if c.configuration.optimizer == optimizer]
-        best = min(mine, key=_preference) if mine else None
-        if best is not None and verify:
-            best = _verified(best, spec, capacity, gpu, margin, max_gpus, notes)
-        fewest[optimizer] = best
+        for table, pool in (
+            (fewest, mine),
+            (on_gpu, [c for c in mine if c.configuration.offload == "none"]),
+        ):
+            best = min(pool, key=_preference) if pool else None
+            if best is not None and verify:
+                if best.configuration not in verified:
+                    if progress is not None:
+                        progress("re-estimating answers", len(verified), len(verified) + 1)
+                    verified[best.configuration] = _verified(
+                        best, spec, capacity, max_gpus, timelines, notes
+                    )
+                best = verified[best.configuration]
+            table[optimizer] = best
     return Plan(
         gpu=gpu,
         margin_bytes=margin,
+        margin_source=margin_source,
         max_gpus=max_gpus,
         fewest_gpus=fewest,
+        fewest_gpus_without_offload=on_gpu,
         front=pareto(candidates),
         configurations=configurations,
         traces=traces,
@@ -317,57 +359,73 @@ def _fewest(peak: Callable[[int], int], capacity: int, lo: int, hi: int) -> int 
     return lo
 
 
-def _estimated_peak(config: Configuration, base: TrainingSpec, gpu: Gpu) -> int:
+def _estimated_peak(config: Configuration, base: TrainingSpec) -> int:
+    """What the real engines say this configuration reserves on its worst GPU."""
     from ..predict import estimate
 
-    ledger = estimate(config.spec(base))
-    return ledger.allocated_peak_bytes
+    return estimate(config.spec(base)).reserved_peak_bytes
+
+
+VERIFY_TRIES = 6
+"""Re-estimates allowed per answer when moving its GPU count."""
 
 
 def _verified(
     c: Candidate,
     base: TrainingSpec,
     capacity: int,
-    gpu: Gpu,
-    margin: int,
     max_gpus: int,
+    timelines: dict[tuple[str, str, bool, int], tuple[Timeline, ModelFacts]],
     notes: list[str],
 ) -> Candidate:
-    """Re-estimate with the real engines at the chosen count; move it until the count fits and
-    one fewer does not (a few steps at most)."""
+    """Re-estimate a derived answer with the real engines (reserved bytes, as the caching
+    allocator holds them) and move its GPU count until it fits and one fewer does not.
+
+    The derived peaks are calibrated by the first re-estimate (real / derived at the same count)
+    to guess where to look; every count the answer rests on is re-estimated."""
     cfg = c.configuration
     scalable = cfg.strategy not in ("none", "ddp")
     lowest = 2 if scalable else 1
-    value = _estimated_peak(cfg, base, gpu)
-    tries = 0
-    while value > capacity and scalable and cfg.gpus < max_gpus and tries < 8:
-        cfg = replace(cfg, gpus=cfg.gpus + 1)
-        value = _estimated_peak(cfg, base, gpu)
-        tries += 1
-    if value > capacity:
+    timeline, facts = timelines[(cfg.optimizer, cfg.precision, cfg.checkpointing, cfg.micro_batch)]
+    derived = _peak_fn(timeline, facts, cfg.strategy, cfg.offload)
+    known: dict[int, int] = {cfg.gpus: _estimated_peak(cfg, base)}
+    if scalable:
+        ratio = known[cfg.gpus] / max(1, derived(cfg.gpus))
+        guess = _fewest(lambda n: round(derived(n) * ratio), capacity, lowest, max_gpus)
+        n = guess if guess is not None else max_gpus
+        for _ in range(VERIFY_TRIES):
+            if n not in known:
+                known[n] = _estimated_peak(replace(cfg, gpus=n), base)
+            if known[n] > capacity:
+                if n >= max_gpus:
+                    break
+                n += 1
+                continue
+            if n == lowest:
+                break
+            if n - 1 not in known:
+                known[n - 1] = _estimated_peak(replace(cfg, gpus=n - 1), base)
+            if known[n - 1] > capacity:
+                break
+            n -= 1
+        cfg = replace(cfg, gpus=n)
+    value = known[cfg.gpus]
+    fits = value <= capacity
+    settled = not scalable or cfg.gpus == lowest or known.get(cfg.gpus - 1, capacity + 1) > capacity
+    if not fits:
         notes.append(
-            f"{cfg.optimizer}: the derived answer does not fit when estimated with the real engines"
+            f"{cfg.optimizer}: the derived answer ({c.configuration.gpus} GPUs) does not fit "
+            f"when re-estimated with the real engines at {cfg.gpus} GPUs"
         )
-        return replace(
-            c,
-            configuration=cfg,
-            peak_bytes_per_gpu=value,
-            headroom_bytes=capacity - value,
-            method="estimated (does not fit)",
-        )
-    while scalable and cfg.gpus > lowest and tries < 16:
-        fewer = replace(cfg, gpus=cfg.gpus - 1)
-        fewer_value = _estimated_peak(fewer, base, gpu)
-        if fewer_value > capacity:
-            break
-        cfg, value = fewer, fewer_value
-        tries += 1
+    elif not settled:
+        notes.append(f"{cfg.optimizer}: {cfg.gpus - 1} GPUs not re-estimated (out of tries)")
     return replace(
         c,
         configuration=cfg,
         peak_bytes_per_gpu=value,
         headroom_bytes=capacity - value,
-        method="estimated",
+        costs=costs(cfg, facts, c.costs["optimizer_behaviour"]),
+        method="estimated" if fits else "estimated (does not fit)",
     )
 
 
@@ -383,6 +441,7 @@ def pareto(candidates: list[Candidate]) -> list[Candidate]:
             k["recompute_fraction"],
             k["communication_bytes_per_step"] + k["host_transfer_bytes_per_step"],
             0.0 if k["optimizer_behaviour"] == "unchanged" else 1.0,
+            0.0 if k["numerics"] == "unchanged" else 1.0,
             k["grad_accum_steps"],
         )
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from ..compare import Comparison, smooth
 from ..errors import InputError
+from ..plan.rehearse import Rehearsal
 from ..units import MIB
 
 
@@ -44,6 +45,44 @@ def comparison_plot(comparison: Comparison, path: str | Path) -> Path:
     bars.set_ylabel("MiB")
     bars.set_title(f"memory ({comparison.device})")
     bars.legend()
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def rehearsal_plot(rehearsal: Rehearsal, path: str | Path) -> Path:
+    """Measured points of each rehearsal and the fitted lines out to the full depth."""
+    plt = _pyplot()
+    fig, (near, far) = plt.subplots(1, 2, figsize=(12, 4.5))
+    full = rehearsal.full_depth
+    xs = rehearsal.depths
+    for name, fit in rehearsal.fits.items():
+        if name == "total":
+            ys = rehearsal.measured_peaks
+        else:
+            ys = [t.get(name, 0) for t in rehearsal.tracked_at_peak]
+        for axes, right in ((near, xs[-1] + 1), (far, full)):
+            (line,) = axes.plot(
+                [0, right], [fit.at(0) / MIB, fit.at(right) / MIB], linewidth=0.9, label=name
+            )
+            axes.scatter(xs, [y / MIB for y in ys], color=line.get_color(), s=14)
+    far.scatter(
+        [full],
+        [rehearsal.estimate_peak_bytes / MIB],
+        marker="*",
+        s=120,
+        color="black",
+        label="fake-tensor estimate",
+        zorder=3,
+    )
+    near.set_title(f"rehearsals on {rehearsal.device} (points) and fits")
+    far.set_title(f"extrapolated to {full} layers")
+    for axes in (near, far):
+        axes.set_xlabel("layers")
+        axes.set_ylabel("MiB at the peak")
+    far.legend(fontsize=8)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=110)

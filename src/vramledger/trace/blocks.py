@@ -29,14 +29,13 @@ from torch import nn
 
 from ..timeline import Timeline
 
-SMALL = 3
+SMALL = 4
 """Blocks in the smaller trace."""
-HEAD = 1
-"""Leading blocks kept as traced (the first block differs from the rest: the first cuBLAS call,
-nothing to free from a previous block). Block ``HEAD`` is the template for the middle ones; the
-last block is kept as traced too. Under FSDP the second block differs as well (no block before
-the first is prefetched) and so does the optimizer step over DTensors: the check fails and FSDP
-runs are traced in full."""
+HEAD = 2
+"""Leading blocks kept as traced. The first block differs from the rest (the first cuBLAS call,
+nothing to free from a previous block) and under FSDP the second does too (no block before the
+first is prefetched). Block ``HEAD`` is the template for the middle ones; the last block is kept
+as traced too."""
 MIN_BLOCKS = SMALL + 3
 """Extend only models with at least this many blocks (otherwise a full trace is as cheap)."""
 _DEPTH_ATTRS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")

@@ -22,7 +22,7 @@ from ..categories import Category
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
 from ..parallel.engines import RankEngine, adapt_recipe, fake_world
-from ..parallel.strategy import OFFLOADED
+from ..parallel.strategy import OFFLOADED, apply_offload
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import hf_source
 from ..spec import TrainingSpec
@@ -107,12 +107,11 @@ def trace(
         timeline, counts = result
     offloaded = OFFLOADED[spec.offload]
     if offloaded:
-        for sid in range(timeline.num_storages):
-            if timeline.category(sid) in offloaded:
-                timeline.on_host[sid] = True
+        apply_offload(timeline, spec.offload)
         notes.append(
             f"offload {spec.offload}: {', '.join(sorted(c.value for c in offloaded))} kept in host "
-            "memory (staging buffers of the transfers not modelled)"
+            "memory, and the optimizer step's temporaries when it runs there (staging buffers of the "
+            "transfers not modelled)"
         )
     return TraceResult(
         timeline=timeline,

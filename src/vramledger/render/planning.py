@@ -1,0 +1,198 @@
+"""Terminal tables (rich) for ``plan``, ``advise`` and ``rehearse``."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ..plan.advise import Advice
+from ..plan.rehearse import Rehearsal
+from ..plan.search import Candidate, Plan
+from ..units import format_bytes
+
+FRONT_ROWS = 25
+"""Rows of the Pareto front shown in the terminal (``--json`` has all of them)."""
+
+
+def _configuration(c: Candidate) -> str:
+    cfg = c.configuration
+    parts = [cfg.precision]
+    if cfg.gpus > 1 or cfg.strategy != "none":
+        parts.append(cfg.strategy)
+    parts.append(
+        f"micro-batch {cfg.micro_batch}" + (f"×{cfg.grad_accum}" if cfg.grad_accum > 1 else "")
+    )
+    if cfg.checkpointing:
+        parts.append("checkpointing")
+    if cfg.offload != "none":
+        parts.append(f"offload {cfg.offload}")
+    return ", ".join(parts)
+
+
+def _costs(c: Candidate) -> str:
+    k = c.costs
+    out = []
+    if k["recompute_fraction"]:
+        out.append(f"+{100 * k['recompute_fraction']:.0f} % compute")
+    if k["communication_bytes_per_step"]:
+        out.append(f"{format_bytes(k['communication_bytes_per_step'])} comm/step")
+    if k["host_transfer_bytes_per_step"]:
+        out.append(f"{format_bytes(k['host_transfer_bytes_per_step'])} host↔GPU/step")
+    if k["optimizer_behaviour"] != "unchanged":
+        out.append(k["optimizer_behaviour"])
+    if k["numerics"] != "unchanged":
+        out.append(k["numerics"])
+    return "; ".join(out) or "—"
+
+
+def plan_table(p: Plan) -> Group:
+    budget = p.gpu.memory_bytes - p.margin_bytes
+    head = Text(
+        f"{p.gpu.name}: {format_bytes(p.gpu.memory_bytes)} per GPU, margin "
+        f"{format_bytes(p.margin_bytes)} → {format_bytes(budget)} for the training step",
+        style="bold",
+    )
+    fewest = Table(title="fewest GPUs per optimizer", title_justify="left")
+    for col in (
+        "optimizer",
+        "GPUs",
+        "configuration",
+        "peak per GPU",
+        "headroom",
+        "without offload",
+    ):
+        fewest.add_column(
+            col, justify="right" if col in ("GPUs", "peak per GPU", "headroom") else "left"
+        )
+    for name, c in p.fewest_gpus.items():
+        plain = p.fewest_gpus_without_offload.get(name)
+        if c is None:
+            fewest.add_row(name, "—", f"does not fit on {p.max_gpus} GPUs", "", "", "")
+            continue
+        if plain is c:
+            alt = "same"
+        elif plain is None:
+            alt = f"does not fit on {p.max_gpus}"
+        else:
+            alt = f"{plain.configuration.gpus} GPUs: {_configuration(plain)}"
+        fewest.add_row(
+            name,
+            str(c.configuration.gpus),
+            _configuration(c),
+            format_bytes(c.peak_bytes_per_gpu),
+            format_bytes(c.headroom_bytes),
+            alt,
+        )
+    front = Table(
+        title=f"Pareto front of configurations that fit ({len(p.front)}; GPUs, memory and costs)",
+        title_justify="left",
+    )
+    for col in ("GPUs", "optimizer", "configuration", "peak per GPU", "costs"):
+        front.add_column(col, justify="right" if col in ("GPUs", "peak per GPU") else "left")
+    for c in p.front[:FRONT_ROWS]:
+        front.add_row(
+            str(c.configuration.gpus),
+            c.configuration.optimizer,
+            _configuration(c),
+            format_bytes(c.peak_bytes_per_gpu),
+            _costs(c),
+        )
+    facts = [
+        f"searched {p.configurations} configurations from {p.traces} traces in {p.seconds:.1f} s",
+        "fewest GPUs: re-estimated with the real engines (reserved by the caching allocator); "
+        "front: derived from single-GPU traces (allocated)",
+        f"margin: {p.margin_source}",
+    ]
+    if len(p.front) > FRONT_ROWS:
+        facts.append(f"{len(p.front) - FRONT_ROWS} more front rows with --json")
+    facts += [f"note: {n}" for n in p.notes]
+    return Group(head, fewest, front, Text("\n".join(facts), style="dim"))
+
+
+def advice_table(a: Advice) -> Group:
+    verdict = "fits" if a.fits else "does not fit"
+    head = Text(
+        f"peak {format_bytes(a.peak_bytes)} vs budget {format_bytes(a.budget_bytes)}: {verdict}",
+        style="bold",
+    )
+    parts: list = [head]
+    if a.changes:
+        table = Table(
+            title="changes, least harm to convergence first (each re-estimated)",
+            title_justify="left",
+        )
+        for col in (
+            "#",
+            "change",
+            "saves alone",
+            "peak with it and earlier ones",
+            "fits",
+            "what it costs",
+        ):
+            table.add_column(col, justify="right" if col in ("#", "saves alone") else "left")
+        for i, ch in enumerate(a.changes, 1):
+            table.add_row(
+                str(i),
+                ch.name,
+                "—" if ch.saves_bytes is None else format_bytes(ch.saves_bytes, signed=True),
+                "—" if ch.cumulative_peak_bytes is None else format_bytes(ch.cumulative_peak_bytes),
+                "yes" if ch.fits else "",
+                ch.description,
+            )
+        parts.append(table)
+    if a.stray_temporaries:
+        temps = Table(title="largest temporaries alive at the peak", title_justify="left")
+        for col in ("bytes", "phase", "module", "operator"):
+            temps.add_column(col, justify="right" if col == "bytes" else "left")
+        for t in a.stray_temporaries:
+            temps.add_row(format_bytes(t["bytes"]), t["phase"], t["module"] or "—", t["op"] or "—")
+        parts.append(temps)
+    if not a.fits:
+        if a.first_fit:
+            parts.append(
+                Text("first combination that fits: " + " + ".join(a.first_fit), style="bold")
+            )
+        else:
+            parts.append(
+                Text("no combination of these changes fits: more or larger GPUs", style="bold")
+            )
+    return Group(*parts)
+
+
+def rehearsal_table(r: Rehearsal) -> Group:
+    runs = Table(title=f"rehearsals on {r.device}", title_justify="left")
+    runs.add_column("layers", justify="right")
+    runs.add_column("measured peak", justify="right")
+    runs.add_column("tracked tensors", justify="right")
+    runs.add_column("beyond tensors", justify="right")
+    for depth, peak, tracked in zip(r.depths, r.measured_peaks, r.tracked_at_peak, strict=True):
+        total = sum(tracked.values())
+        runs.add_row(
+            str(depth),
+            format_bytes(peak),
+            format_bytes(total),
+            format_bytes(peak - total, signed=True),
+        )
+    fits = Table(title="growth per layer (least-squares lines)", title_justify="left")
+    fits.add_column("category")
+    fits.add_column("per layer", justify="right")
+    fits.add_column("at 0 layers", justify="right")
+    fits.add_column(f"at {r.full_depth} layers", justify="right")
+    for name, f in r.fits.items():
+        fits.add_row(
+            name,
+            format_bytes(round(f.slope), signed=True),
+            format_bytes(round(f.intercept), signed=True),
+            format_bytes(f.at(r.full_depth)),
+        )
+    error = (r.extrapolated_peak_bytes - r.estimate_peak_bytes) / r.estimate_peak_bytes
+    summary = Text(
+        f"full model ({r.full_depth} layers): rehearsal extrapolates {format_bytes(r.extrapolated_peak_bytes)}, "
+        f"fake-tensor estimate {format_bytes(r.estimate_peak_bytes)} ({100 * error:+.2f} %)\n"
+        f"residual beyond tensors: {format_bytes(r.residual_bytes)} "
+        "(add it to plan's margin with --margin-from this JSON)\n"
+        f"took {r.seconds:.1f} s",
+        style="dim",
+    )
+    return Group(runs, fits, summary)
