@@ -150,6 +150,54 @@ BAD = {
         ["estimate", fixture("tiny-llama.json"), "--checkpoint-modules", "Nope"],
         "no submodule of class Nope",
     ),
+    "unknown GPU": (["plan", fixture("tiny-llama.json"), "--gpu", "a999"], "unknown GPU 'a999'"),
+    "no GPU": (["plan", fixture("tiny-llama.json")], "no GPU given"),
+    "bad GPU memory": (
+        ["advise", fixture("tiny-llama.json"), "--gpu-memory", "lots"],
+        "cannot read 'lots'",
+    ),
+    "unknown precision to plan": (
+        ["plan", fixture("tiny-llama.json"), "--gpu", "l4", "--precisions", "fp8"],
+        "unknown precision 'fp8'",
+    ),
+    "unknown optimizer to plan": (
+        ["plan", fixture("tiny-llama.json"), "--gpu", "l4", "--optimizers", "adamw,nope"],
+        "nope",
+    ),
+    "missing rehearsal file": (
+        ["plan", fixture("tiny-llama.json"), "--gpu", "l4", "--margin-from", "/nonexistent.json"],
+        "no such file",
+    ),
+    "rehearsal file without residual": (
+        [
+            "advise",
+            fixture("tiny-llama.json"),
+            "--gpu",
+            "l4",
+            "--margin-from",
+            fixture("tiny-llama.json"),
+        ],
+        "no residual_bytes",
+    ),
+    "rehearse a plain model": (
+        [
+            "rehearse",
+            f"{MODELS_PY}:mlp",
+            "--inputs",
+            f"{MODELS_PY}:mlp_inputs",
+            "--loss",
+            f"{MODELS_PY}:mlp_loss",
+        ],
+        "Hugging Face config",
+    ),
+    "rehearse as deep as the model": (
+        ["rehearse", fixture("tiny-llama.json"), "--depths", "1,2"],
+        "below the model's 2 layers",
+    ),
+    "rehearse bad depths": (
+        ["rehearse", fixture("tiny-llama.json"), "--depths", "a,b"],
+        "--depths must be integers",
+    ),
     "data-dependent operator": (
         [
             "estimate",
@@ -192,3 +240,37 @@ def test_process_exit_code_and_debug_traceback():
     assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
     loud = subprocess.run([*cmd, "--debug"], capture_output=True, text=True, timeout=120)
     assert loud.returncode != 0 and "Traceback" in loud.stderr
+
+
+def test_plan_json_contract(capsys):
+    code, out, _ = run_cli(
+        capsys,
+        "plan",
+        fixture("tiny-llama.json"),
+        "--gpu-memory",
+        "100MiB",
+        "--margin",
+        "0",
+        "--max-gpus",
+        "8",
+        "--optimizers",
+        "adamw,sgd-momentum",
+        "--seq-len",
+        "32",
+        "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert set(data["fewest_gpus"]) == {"adamw", "sgd-momentum"}
+    for entry in [*data["fewest_gpus"].values(), *data["front"]]:
+        assert {"gpus", "configuration", "peak_bytes_per_gpu", "headroom_bytes"} <= set(entry)
+        assert entry["peak_bytes_per_gpu"] + entry["headroom_bytes"] == 100 * 1024**2
+    assert data["front"] and all("costs" in c for c in data["front"])
+    assert data["margin_bytes"] == 0
+
+
+def test_advise_says_when_it_already_fits(capsys):
+    code, out, _ = run_cli(
+        capsys, "advise", fixture("tiny-llama.json"), "--gpu", "h100-80gb", "--seq-len", "32"
+    )
+    assert code == 0 and "fits" in out

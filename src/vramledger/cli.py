@@ -243,7 +243,7 @@ def _margin(args: argparse.Namespace) -> tuple[int, str]:
 
         margin, source = DEFAULT_MARGIN, MARGIN_SOURCE
     else:
-        margin, source = parse_bytes(args.margin), "given with --margin"
+        margin, source = parse_bytes(args.margin, allow_zero=True), "given with --margin"
     if getattr(args, "margin_from", None):
         residual = read_rehearsal_residual(args.margin_from)
         margin += residual

@@ -29,7 +29,7 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str) -> int:
+def parse_bytes(text: str, *, allow_zero: bool = False) -> int:
     """Parse '24GiB', '80 GB', '512MiB' or a plain integer of bytes."""
     match = _PATTERN.match(text)
     if not match:
@@ -43,7 +43,7 @@ def parse_bytes(text: str) -> int:
             hint="use B, KiB, MiB, GiB, TiB (1024-based) or kB, MB, GB, TB (1000-based)",
         )
     value = round(number * _UNITS[unit])
-    if value <= 0:
+    if value < 0 or (value == 0 and not allow_zero):
         raise InputError(f"memory size {text!r} must be positive")
     return value
 

@@ -6,6 +6,7 @@ once; shapes are exact). See ``strategy.py`` for what runs for each strategy.
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -48,11 +49,13 @@ def fake_world(rank: int, world_size: int) -> Iterator[Any]:
             "a distributed estimate cannot run inside an initialised process group",
             hint="run vramledger estimate outside torchrun",
         )
+    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:" to tracebacks
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield init_device_mesh("cpu", (world_size,))
     finally:
         dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def adapt_recipe(recipe: Recipe) -> Recipe:

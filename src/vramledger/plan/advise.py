@@ -18,6 +18,7 @@ from ..gpus import Gpu
 from ..ledger import Ledger, replay, steady_peak
 from ..predict import estimate
 from ..spec import TrainingSpec
+from .search import DEFAULT_MARGIN
 
 TOP_TEMPORARIES = 5
 
@@ -29,10 +30,12 @@ class Change:
     fields: dict[str, Any]
     """TrainingSpec fields the change sets (empty for advice that is not automatic)."""
     saves_bytes: int | None = None
-    """Allocated peak saved by this change alone (re-estimated)."""
+    """Peak saved by this change alone (re-estimated)."""
     cumulative_peak_bytes: int | None = None
-    """Allocated peak with this change and every earlier one applied."""
+    """Peak with this change and every earlier helpful one applied (until the first combination
+    that fits; None after it)."""
     fits: bool = False
+    """The combination up to here fits (after the first fit: this change alone fits)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -167,7 +170,7 @@ def stray_temporaries(ledger: Ledger) -> list[dict[str, Any]]:
     ]
 
 
-def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = 0) -> Advice:
+def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Advice:
     budget = gpu.memory_bytes - margin
     base = estimate(spec)
     peak = _peak(base)
@@ -191,6 +194,9 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = 0) -> Advice:
             results.append(change)
             continue
         alone = _peak(estimate(replace(spec, **change.fields)))
+        if first_fit is not None:  # the rest are listed with what each saves on its own
+            results.append(replace(change, saves_bytes=peak - alone, fits=alone <= budget))
+            continue
         trial = {**applied, **change.fields}
         cumulative = alone if not applied else _peak(estimate(replace(spec, **trial)))
         if cumulative < applied_peak:  # keep changes that help, in order
@@ -202,7 +208,6 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = 0) -> Advice:
         )
         if fits:
             first_fit = list(names)
-            break
     return Advice(
         budget_bytes=budget,
         peak_bytes=peak,

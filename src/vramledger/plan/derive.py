@@ -6,8 +6,8 @@ strategies are applied to that timeline by category — the ledger of the result
 usual:
 
 - ``ddp``: plus DDP's gradient buckets (one copy of the gradients, from setup on);
-- ``zero1``: master weights, optimizer state and the step's fp32 gradients divided over the
-  ranks (the mean rank: ZeroRedundancyOptimizer's whole-parameter partition is uneven); plus
+- ``zero1``: master weights, optimizer state and the optimizer step's temporaries (the fp32
+  gradients of a master-weight step among them) divided over the ranks (the mean rank: ZeroRedundancyOptimizer's whole-parameter partition is uneven); plus
   DDP's buckets;
 - ``zero2``: as ``zero1``, gradients divided too, plus DeepSpeed's reduce bucket;
 - ``zero3``/``fsdp``: parameters, gradients, master weights and optimizer state divided, plus
@@ -28,7 +28,6 @@ from ..categories import Category, Phase
 from ..parallel.engines import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
 from ..parallel.strategy import apply_offload
 from ..timeline import Timeline
-from ..training import MASTER_GRADIENT
 
 FP32_ITEMSIZE = 4
 
@@ -63,12 +62,15 @@ def derive(
         event_block=list(tl.event_block),
     )
 
-    def shard(
-        categories: set[Category], master_grads: bool, rename: dict[Category, Category]
-    ) -> None:
+    def shard(categories: set[Category], rename: dict[Category, Category]) -> None:
+        """Divide ``categories`` over the ranks, and the optimizer step's temporaries (the fp32
+        gradients of a master-weight step among them): each rank steps its own part."""
         for sid in range(out.num_storages):
             category = out.category(sid)
-            if category in categories or (master_grads and out.labels.get(sid) == MASTER_GRADIENT):
+            step_temporary = (
+                category is Category.TEMPORARIES and out.origin[sid][1] is Phase.OPTIMIZER
+            )
+            if category in categories or step_temporary:
                 out.nbytes[sid] = -(-out.nbytes[sid] // n)
                 if category in rename:
                     out.tags[sid] = rename[category]
@@ -78,7 +80,7 @@ def derive(
         extra.append((facts.parameter_bytes, Category.GRADIENT_BUCKETS))
     if strategy in ("zero1", "zero2"):
         grads = {Category.GRADIENTS} if strategy == "zero2" else set()
-        shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE} | grads, True, {})
+        shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE} | grads, {})
     if strategy == "zero2":
         bucket = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, facts.trainable_parameters)
         extra.append((bucket * facts.parameter_itemsize, Category.GRADIENT_BUCKETS))
@@ -90,7 +92,6 @@ def derive(
                 Category.MASTER_WEIGHTS,
                 Category.OPTIMIZER_STATE,
             },
-            True,
             {
                 Category.PARAMETERS: Category.SHARDED_PARAMETERS,
                 Category.GRADIENTS: Category.SHARDED_GRADIENTS,

@@ -16,12 +16,13 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..categories import Category
+from ..categories import STEP_PHASES, Category, Phase
 from ..errors import InputError
 from ..measure import measure
 from ..predict import estimate
 from ..recipe import resolve
 from ..spec import TrainingSpec
+from ..timeline import Timeline
 from ..trace.blocks import config_depth, shallow_config
 
 Progress = Callable[[str, int, int], None]
@@ -44,6 +45,29 @@ def fit_line(xs: Sequence[float], ys: Sequence[float]) -> Fit:
     return Fit(slope=slope, intercept=my - slope * mx)
 
 
+def phase_breakdown(tl: Timeline, phase: Phase) -> tuple[int, dict[str, int]]:
+    """Device bytes by category at the largest total of ``phase`` in the steady-state steps."""
+    marks = sorted(tl.marks)
+    current: dict[Category, int] = dict.fromkeys(Category, 0)
+    total, best, snapshot = 0, -1, dict(current)
+    m, step, now = 0, 0, Phase.SETUP
+    for i, ev in enumerate(tl.events):
+        while m < len(marks) and marks[m][0] == i:
+            _, step, now = marks[m]
+            m += 1
+            if step >= 2 and now is phase and total > best:
+                best, snapshot = total, dict(current)
+        sid = ev if ev >= 0 else ~ev
+        if tl.on_host[sid]:
+            continue
+        n = tl.nbytes[sid] if ev >= 0 else -tl.nbytes[sid]
+        current[tl.category(sid)] += n
+        total += n
+        if step >= 2 and now is phase and total > best:
+            best, snapshot = total, dict(current)
+    return best, {c.value: b for c, b in snapshot.items() if b}
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rehearsal:
     depths: list[int]
@@ -51,7 +75,14 @@ class Rehearsal:
     device: str
     measured_peaks: list[int]
     """The allocator's peak of each rehearsal (profiler on CPU, max_memory_allocated on CUDA)."""
+    tracked_peaks: list[int]
+    """Tensors the tracker saw at each rehearsal's peak (measured - tracked = beyond tensors)."""
+    peak_phase: str
+    """The phase whose fitted peak is largest at the full depth (where the full model peaks)."""
+    phase_totals: list[int]
+    """Tracked bytes at that phase's peak in each rehearsal (the points the total is fitted to)."""
     tracked_at_peak: list[dict[str, int]]
+    """Tracked bytes by category at that phase's peak in each rehearsal."""
     extrapolated_peak_bytes: int
     extrapolated_at_peak: dict[str, int]
     estimate_peak_bytes: int
@@ -59,14 +90,24 @@ class Rehearsal:
     residual_bytes: int
     """Largest (measured - tracked) of the rehearsals: memory beyond tensors."""
     fits: dict[str, Fit] = field(default_factory=dict)
+    phase_fits: dict[str, Fit] = field(default_factory=dict)
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        def lines(fits: dict[str, Fit]) -> dict[str, dict[str, float]]:
+            return {
+                k: {"slope_bytes_per_block": f.slope, "intercept_bytes": f.intercept}
+                for k, f in fits.items()
+            }
+
         return {
             "depths": self.depths,
             "full_depth": self.full_depth,
             "device": self.device,
             "measured_peaks": self.measured_peaks,
+            "tracked_peaks": self.tracked_peaks,
+            "peak_phase": self.peak_phase,
+            "phase_totals": self.phase_totals,
             "tracked_at_peak": self.tracked_at_peak,
             "extrapolated_peak_bytes": self.extrapolated_peak_bytes,
             "extrapolated_at_peak": self.extrapolated_at_peak,
@@ -74,10 +115,8 @@ class Rehearsal:
             "extrapolation_vs_estimate": (self.extrapolated_peak_bytes - self.estimate_peak_bytes)
             / self.estimate_peak_bytes,
             "residual_bytes": self.residual_bytes,
-            "fits": {
-                k: {"slope_bytes_per_block": f.slope, "intercept_bytes": f.intercept}
-                for k, f in self.fits.items()
-            },
+            "fits": lines(self.fits),
+            "phase_fits": lines(self.phase_fits),
             "seconds": round(self.seconds, 2),
         }
 
@@ -89,6 +128,9 @@ def rehearse(
     device: str = "cpu",
     progress: Progress | None = None,
 ) -> Rehearsal:
+    """Measure shallow copies, fit each phase's peak and each category at the peak with the
+    depth, extrapolate. Phases are fitted apart because the phase that peaks moves with depth
+    (the optimizer step for one layer, the backward pass for many)."""
     start = time.perf_counter()
     config = resolve(spec).source.config
     full = config_depth(config)
@@ -98,38 +140,55 @@ def rehearse(
             hint="give a config.json of a decoder or encoder model",
         )
     depths = sorted(set(depths))
-    if len(depths) < 2 or depths[-1] >= full:
+    if len(depths) < 2 or depths[0] < 1 or depths[-1] >= full:
         raise InputError(
-            f"rehearse needs at least two depths below the model's {full} layers, not {depths}"
+            f"rehearse needs at least two depths from 1 to below the model's {full} layers, "
+            f"not {depths}",
+            hint="--depths 1,2,3",
         )
-    peaks, tracked = [], []
+    measured, timelines, tracked_peaks = [], [], []
     for i, depth in enumerate(depths):
         small = replace(spec, model=shallow_config(config, depth, full), target=device)
         m = measure(small, device=device)
-        peaks.append(m.measured_peak_bytes)
-        tracked.append({c.value: b for c, b in m.ledger.at_peak.items()})
+        measured.append(m.measured_peak_bytes)
+        tracked_peaks.append(m.ledger.peak_bytes)
+        assert m.ledger.timeline is not None
+        timelines.append(m.ledger.timeline)
         if progress is not None:
             progress("rehearsals", i + 1, len(depths))
-    total_fit = fit_line(depths, peaks)
-    fits = {"total": total_fit}
+    phases = [p for p in STEP_PHASES if all(p in _phases(tl) for tl in timelines)]
+    breakdowns = {p: [phase_breakdown(tl, p) for tl in timelines] for p in phases}
+    phase_fits = {p.value: fit_line(depths, [b[0] for b in breakdowns[p]]) for p in phases}
+    peak_phase = max(phases, key=lambda p: phase_fits[p.value].at(full))
+    totals = [b[0] for b in breakdowns[peak_phase]]
+    at_phase = [b[1] for b in breakdowns[peak_phase]]
+    fits = {"total": phase_fits[peak_phase.value]}
     at_peak = {}
     for category in Category:
-        values = [t.get(category.value, 0) for t in tracked]
+        values = [t.get(category.value, 0) for t in at_phase]
         if any(values):
             fits[category.value] = fit_line(depths, values)
             at_peak[category.value] = fits[category.value].at(full)
-    residual = max(p - sum(t.values()) for p, t in zip(peaks, tracked, strict=True))
+    residual = max(0, *(p - t for p, t in zip(measured, tracked_peaks, strict=True)))
     full_estimate = estimate(replace(spec, target=device))
     return Rehearsal(
         depths=list(depths),
         full_depth=full,
         device=device,
-        measured_peaks=peaks,
-        tracked_at_peak=tracked,
-        extrapolated_peak_bytes=total_fit.at(full),
+        measured_peaks=measured,
+        tracked_peaks=tracked_peaks,
+        peak_phase=peak_phase.value,
+        phase_totals=totals,
+        tracked_at_peak=at_phase,
+        extrapolated_peak_bytes=fits["total"].at(full) + residual,
         extrapolated_at_peak=at_peak,
         estimate_peak_bytes=full_estimate.allocated_peak_bytes,
-        residual_bytes=max(0, residual),
+        residual_bytes=residual,
         fits=fits,
+        phase_fits=phase_fits,
         seconds=time.perf_counter() - start,
     )
+
+
+def _phases(tl: Timeline) -> set[Phase]:
+    return {phase for _, step, phase in tl.marks if step >= 2}

@@ -300,15 +300,20 @@ def plan(
             (fewest, mine),
             (on_gpu, [c for c in mine if c.configuration.offload == "none"]),
         ):
-            best = min(pool, key=_preference) if pool else None
-            if best is not None and verify:
-                if best.configuration not in verified:
-                    if progress is not None:
-                        progress("re-estimating answers", len(verified), len(verified) + 1)
-                    verified[best.configuration] = _verified(
-                        best, spec, capacity, max_gpus, timelines, notes
-                    )
-                best = verified[best.configuration]
+            ranked = sorted(pool, key=_preference)
+            best = ranked[0] if ranked else None
+            if verify:
+                # The first derived candidate that holds when re-estimated.
+                for candidate in ranked[:ANSWER_TRIES]:
+                    if candidate.configuration not in verified:
+                        if progress is not None:
+                            progress("re-estimating answers", len(verified), len(verified) + 1)
+                        verified[candidate.configuration] = _verified(
+                            candidate, spec, capacity, max_gpus, timelines, notes
+                        )
+                    best = verified[candidate.configuration]
+                    if best.method == "estimated":
+                        break
             table[optimizer] = best
     return Plan(
         gpu=gpu,
@@ -366,8 +371,11 @@ def _estimated_peak(config: Configuration, base: TrainingSpec) -> int:
     return estimate(config.spec(base)).reserved_peak_bytes
 
 
-VERIFY_TRIES = 6
+VERIFY_TRIES = 4
 """Re-estimates allowed per answer when moving its GPU count."""
+ANSWER_TRIES = 3
+"""Derived candidates re-estimated per answer before giving up (the derivation treats ZeRO-1/2's
+whole-parameter partition as even; the largest parameter's step temporaries are not)."""
 
 
 def _verified(
@@ -400,22 +408,24 @@ def _verified(
                 if n >= max_gpus:
                     break
                 n += 1
-                continue
-            if n == lowest:
+            elif n == lowest:
                 break
-            if n - 1 not in known:
-                known[n - 1] = _estimated_peak(replace(cfg, gpus=n - 1), base)
-            if known[n - 1] > capacity:
-                break
-            n -= 1
+            else:
+                if n - 1 not in known:
+                    known[n - 1] = _estimated_peak(replace(cfg, gpus=n - 1), base)
+                if known[n - 1] > capacity:
+                    break
+                n -= 1
+        if n not in known:  # out of tries while moving up
+            known[n] = _estimated_peak(replace(cfg, gpus=n), base)
         cfg = replace(cfg, gpus=n)
     value = known[cfg.gpus]
     fits = value <= capacity
     settled = not scalable or cfg.gpus == lowest or known.get(cfg.gpus - 1, capacity + 1) > capacity
     if not fits:
         notes.append(
-            f"{cfg.optimizer}: the derived answer ({c.configuration.gpus} GPUs) does not fit "
-            f"when re-estimated with the real engines at {cfg.gpus} GPUs"
+            f"{cfg.optimizer}: {cfg.strategy} on {c.configuration.gpus} GPUs (derived) does not "
+            f"fit when re-estimated with the real engines, up to {cfg.gpus} GPUs"
         )
     elif not settled:
         notes.append(f"{cfg.optimizer}: {cfg.gpus - 1} GPUs not re-estimated (out of tries)")

@@ -166,15 +166,17 @@ def rehearsal_table(r: Rehearsal) -> Group:
     runs.add_column("measured peak", justify="right")
     runs.add_column("tracked tensors", justify="right")
     runs.add_column("beyond tensors", justify="right")
-    for depth, peak, tracked in zip(r.depths, r.measured_peaks, r.tracked_at_peak, strict=True):
-        total = sum(tracked.values())
+    for depth, peak, total in zip(r.depths, r.measured_peaks, r.tracked_peaks, strict=True):
         runs.add_row(
             str(depth),
             format_bytes(peak),
             format_bytes(total),
             format_bytes(peak - total, signed=True),
         )
-    fits = Table(title="growth per layer (least-squares lines)", title_justify="left")
+    fits = Table(
+        title=f"growth per layer at the {r.peak_phase} peak (least-squares lines)",
+        title_justify="left",
+    )
     fits.add_column("category")
     fits.add_column("per layer", justify="right")
     fits.add_column("at 0 layers", justify="right")

@@ -60,7 +60,7 @@ def rehearsal_plot(rehearsal: Rehearsal, path: str | Path) -> Path:
     xs = rehearsal.depths
     for name, fit in rehearsal.fits.items():
         if name == "total":
-            ys = rehearsal.measured_peaks
+            ys = rehearsal.phase_totals
         else:
             ys = [t.get(name, 0) for t in rehearsal.tracked_at_peak]
         for axes, right in ((near, xs[-1] + 1), (far, full)):
@@ -77,7 +77,7 @@ def rehearsal_plot(rehearsal: Rehearsal, path: str | Path) -> Path:
         label="fake-tensor estimate",
         zorder=3,
     )
-    near.set_title(f"rehearsals on {rehearsal.device} (points) and fits")
+    near.set_title(f"rehearsals on {rehearsal.device}: {rehearsal.peak_phase} peak (points), fits")
     far.set_title(f"extrapolated to {full} layers")
     for axes in (near, far):
         axes.set_xlabel("layers")

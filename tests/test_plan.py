@@ -1,0 +1,112 @@
+"""plan, advise and rehearse, checked against re-estimates and real runs."""
+
+from dataclasses import replace
+
+import pytest
+
+from vramledger import estimate
+from vramledger.gpus import CATALOGUE, resolve_gpu
+from vramledger.measure import measure
+from vramledger.plan.advise import advise
+from vramledger.plan.rehearse import rehearse
+from vramledger.plan.search import Configuration, plan
+from vramledger.spec import TrainingSpec
+from vramledger.units import MIB
+
+from .conftest import fixture
+
+SMALL = TrainingSpec(
+    model=fixture("small-llama.json"), batch_size=1, seq_len=64, precision="bf16-mixed"
+)
+
+
+def reserved(config: Configuration, base: TrainingSpec = SMALL) -> int:
+    return estimate(config.spec(base)).reserved_peak_bytes
+
+
+def test_catalogue_rows_have_memory_and_a_source():
+    assert {"a100-40gb", "a100-80gb", "h100-80gb", "h200", "b200", "l40s", "l4", "a10g"} <= set(
+        CATALOGUE
+    )
+    assert {"rtx-3090", "rtx-4090", "v100-16gb", "v100-32gb", "mi250x", "mi300x"} <= set(CATALOGUE)
+    for gpu in CATALOGUE.values():
+        assert gpu.memory_bytes > 8 * 1024**3
+        assert gpu.source
+    assert resolve_gpu(memory="24GiB").memory_bytes == 24 * 1024**3
+
+
+@pytest.mark.slow
+def test_plan_answer_fits_and_one_gpu_fewer_does_not():
+    # One GPU of this size cannot hold the bf16-mixed AdamW step (256 MiB reserved) without offload.
+    gpu = resolve_gpu(memory="170MiB")
+    result = plan(
+        SMALL,
+        gpu,
+        optimizers=["adamw", "sgd-momentum"],
+        margin=0,
+        max_gpus=16,
+        checkpointing=(False,),
+        offloads=("none",),
+    )
+    for name in ("adamw", "sgd-momentum"):
+        answer = result.fewest_gpus[name]
+        assert answer is not None and answer.method == "estimated", (name, result.notes)
+        cfg = answer.configuration
+        assert cfg.gpus >= 2
+        assert (
+            reserved(cfg) <= gpu.memory_bytes == answer.peak_bytes_per_gpu + answer.headroom_bytes
+        )
+        fewer = (
+            replace(cfg, gpus=cfg.gpus - 1)
+            if cfg.gpus > 2
+            else replace(cfg, gpus=1, strategy="none")
+        )
+        assert reserved(fewer) > gpu.memory_bytes, (name, fewer)
+    # Momentum SGD keeps one state tensor instead of two: never more GPUs than AdamW.
+    assert result.fewest_gpus["sgd-momentum"].configuration.gpus <= (
+        result.fewest_gpus["adamw"].configuration.gpus
+    )
+    data = result.to_dict()
+    for entry in [*data["fewest_gpus"].values(), *data["front"]]:
+        assert {"gpus", "configuration", "peak_bytes_per_gpu", "headroom_bytes"} <= set(entry)
+    assert all(c["costs"] for c in data["front"])
+
+
+def test_plan_rejects_a_margin_larger_than_the_gpu():
+    from vramledger.errors import InputError
+
+    with pytest.raises(InputError, match="margin"):
+        plan(SMALL, resolve_gpu(memory="1GiB"), optimizers=["adamw"], margin=2 * 1024**3)
+
+
+@pytest.mark.slow
+def test_advise_first_fitting_change_really_fits():
+    spec = replace(SMALL, batch_size=8, seq_len=128, optimizer="adamw")
+    peak = estimate(spec).reserved_peak_bytes
+    gpu = resolve_gpu(memory=str(peak - 24 * MIB))
+    advice = advise(spec, gpu, margin=0)
+    assert not advice.fits and advice.first_fit, advice.to_dict()
+    applied: dict = {}
+    for change in advice.changes:
+        if change.name in advice.first_fit:
+            applied.update(change.fields)
+    assert estimate(replace(spec, **applied)).reserved_peak_bytes <= advice.budget_bytes
+    names = [c.name for c in advice.changes]
+    # Least harm to convergence first; every change listed, each with what it saves alone.
+    assert names[0] == "activation checkpointing"
+    assert names.index("free stray intermediates") < names.index("momentum SGD")
+    assert names.index("momentum SGD") < names.index("8-bit AdamW states")
+    assert all(c.saves_bytes is not None for c in advice.changes if c.fields)
+    assert advice.stray_temporaries and advice.stray_temporaries[0]["bytes"] > 0
+
+
+@pytest.mark.slow
+def test_rehearsal_extrapolates_a_13x_deeper_model_within_5_percent():
+    big = TrainingSpec(model=fixture("tiny-llama-40l.json"), batch_size=2, seq_len=32, target="cpu")
+    r = rehearse(big, depths=(1, 2, 3), device="cpu")
+    assert r.full_depth == 40
+    real = measure(big, device="cpu")
+    error = (r.extrapolated_peak_bytes - real.measured_peak_bytes) / real.measured_peak_bytes
+    assert abs(error) <= 0.05, (r.extrapolated_peak_bytes, real.measured_peak_bytes)
+    assert r.residual_bytes >= 0
+    assert set(r.to_dict()) >= {"extrapolated_peak_bytes", "estimate_peak_bytes", "residual_bytes"}
