@@ -103,3 +103,39 @@ def test_fsdp_momentum_sgd_matches_real_processes():
         want = per_rank[rank].phases[Phase.OPTIMIZER]
         got = phases[Phase.OPTIMIZER.value]
         assert abs(want - got) / got <= 0.03, (rank, want, got, at_peak)
+
+
+def test_measure_under_torchrun_reports_every_rank():
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from .conftest import fixture
+
+    torchrun = Path(sys.executable).with_name("torchrun")
+    cmd = [
+        str(torchrun),
+        "--nproc-per-node",
+        "2",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "vramledger.cli",
+        "measure",
+        fixture("tiny-llama.json"),
+        "--strategy",
+        "fsdp",
+        "--target",
+        "cpu",
+        "--seq-len",
+        "32",
+        "--json",
+    ]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(done.stdout)  # rank 0 alone prints
+    assert [r["rank"] for r in data["ranks_measured"]] == [0, 1]
+    assert all(
+        r["measured_peak_bytes"] >= r["tracked_peak_bytes"] > 0 for r in data["ranks_measured"]
+    )

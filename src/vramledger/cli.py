@@ -139,9 +139,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
-    from .measure import measure
+    import torch.distributed as dist
 
-    result = measure(spec_from_args(args), device=args.device, compare=args.compare)
+    from .measure import measure
+    from .parallel.real import torchrun_group
+
+    with torchrun_group(args.device) as world:
+        if world is not None and args.world_size == 1:
+            args.world_size = world  # under torchrun the launch says how many ranks
+        result = measure(spec_from_args(args), device=args.device, compare=args.compare)
+        if world is not None and dist.get_rank() != 0:
+            return 0  # rank 0 reports every rank
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:

@@ -12,6 +12,8 @@ zero2     not measurable here: it is DeepSpeed's engine (the estimate models its
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -86,3 +88,27 @@ def gather_peaks(value: dict[str, Any]) -> list[dict[str, Any]]:
     out: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(out, value)
     return out
+
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+"""Environment variables torchrun sets for each process it launches."""
+
+
+def launched_by_torchrun() -> bool:
+    import os
+
+    return all(name in os.environ for name in TORCHRUN_ENV)
+
+
+@contextlib.contextmanager
+def torchrun_group(device: str) -> Iterator[int | None]:
+    """The process group of a torchrun launch (gloo on CPU, NCCL on CUDA), made here if the
+    launcher did not make it; yields the world size, or None outside torchrun."""
+    if not launched_by_torchrun() or dist.is_initialized():
+        yield dist.get_world_size() if dist.is_initialized() else None
+        return
+    dist.init_process_group("nccl" if device == "cuda" else "gloo")
+    try:
+        yield dist.get_world_size()
+    finally:
+        dist.destroy_process_group()

@@ -158,6 +158,17 @@ def measurement_table(m: Measurement) -> Group:
         err = m.error()
         summary.add_row("estimate error", f"{100 * err:+.3f} %" if err is not None else "—", "")
     parts.append(summary)
+    if m.ranks:
+        ranks = Table(title=f"every rank, measured ({len(m.ranks)} ranks)", title_justify="left")
+        for col in ("rank", "allocator peak", "tracked tensors"):
+            ranks.add_column(col, justify="right")
+        for r in m.ranks:
+            ranks.add_row(
+                str(r["rank"]),
+                format_bytes(r["measured_peak_bytes"]),
+                format_bytes(r["tracked_peak_bytes"]),
+            )
+        parts.append(ranks)
     return Group(*parts)
 
 
