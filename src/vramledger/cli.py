@@ -125,17 +125,41 @@ def parse_json_object(text: str | None, option: str) -> dict[str, Any]:
 
 
 # -- commands ---------------------------------------------------------------------------------
+def _with_progress(args: argparse.Namespace, run: Callable[[Any], Any]) -> Any:
+    """``run(progress)`` with a progress bar on stderr, or quietly for ``--json``."""
+    if args.json:
+        return run(None)
+    bar, progress = _progress_bar()
+    with bar:
+        return run(progress)
+
+
+def _report(
+    args: argparse.Namespace,
+    result: Any,
+    table: Callable[[Any], Any],
+    plot: Callable[[Any, str], Any] | None = None,
+) -> int:
+    """Write the plot if asked, then print JSON or the terminal table."""
+    plotted = plot is not None and getattr(args, "plot", None)
+    if plotted:
+        plot(result, args.plot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        from .render.terminal import print_renderable
+
+        print_renderable(table(result))
+        if plotted:
+            print(f"plot: {args.plot}")
+    return 0
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from .predict import estimate
+    from .render.terminal import ledger_table
 
-    ledger = estimate(spec_from_args(args))
-    if args.json:
-        print(json.dumps(ledger.to_dict(), indent=2))
-    else:
-        from .render.terminal import ledger_table, print_renderable
-
-        print_renderable(ledger_table(ledger))
-    return 0
+    return _report(args, estimate(spec_from_args(args)), ledger_table)
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -143,6 +167,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
     from .measure import measure
     from .parallel.real import torchrun_group
+    from .render.terminal import measurement_table
 
     with torchrun_group(args.device) as world:
         if world is not None and args.world_size == 1:
@@ -150,54 +175,29 @@ def cmd_measure(args: argparse.Namespace) -> int:
         result = measure(spec_from_args(args), device=args.device, compare=args.compare)
         if world is not None and dist.get_rank() != 0:
             return 0  # rank 0 reports every rank
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        from .render.terminal import measurement_table, print_renderable
-
-        print_renderable(measurement_table(result))
-    return 0
+    return _report(args, result, measurement_table)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from .compare import compare
+    from .render.plots import comparison_plot
+    from .render.terminal import comparison_table
 
-    optimizers = [o for o in args.optimizers.split(",") if o.strip()]
+    optimizers = _names(args.optimizers, "--optimizers")
     spec = spec_from_args(args)
-    if args.json:
-        result = compare(
+    result = _with_progress(
+        args,
+        lambda progress: compare(
             spec,
             optimizers,
             steps=args.steps_to_train,
             data=args.data,
             tolerance=args.tolerance,
             device=args.device,
-        )
-    else:
-        bar, progress = _progress_bar()
-        with bar:
-            result = compare(
-                spec,
-                optimizers,
-                steps=args.steps_to_train,
-                data=args.data,
-                tolerance=args.tolerance,
-                device=args.device,
-                progress=progress,
-            )
-    if args.plot:
-        from .render.plots import comparison_plot
-
-        comparison_plot(result, args.plot)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        from .render.terminal import comparison_table, print_renderable
-
-        print_renderable(comparison_table(result))
-        if args.plot:
-            print(f"plot: {args.plot}")
-    return 0
+            progress=progress,
+        ),
+    )
+    return _report(args, result, comparison_table, comparison_plot)
 
 
 def _progress_bar() -> Any:
@@ -285,56 +285,48 @@ def read_rehearsal_residual(path: str) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from .plan.search import plan
+    from .render.planning import plan_table
 
     gpu = _gpu(args)
     margin, source = _margin(args)
     spec = spec_from_args(args)
-    kwargs = dict(
-        optimizers=_names(args.optimizers, "--optimizers"),
-        max_gpus=args.max_gpus,
-        margin=margin,
-        margin_source=source,
-        precisions=_names(args.precisions, "--precisions"),
-        offloads=("none",) if args.no_offload else ("none", "optimizer"),
-        verify=not args.no_verify,
-    )
-    for name in kwargs["precisions"]:
+    precisions = _names(args.precisions, "--precisions")
+    for name in precisions:
         if name not in PRECISIONS:
             raise InputError(
                 f"unknown precision {name!r} in --precisions", hint=f"use {', '.join(PRECISIONS)}"
             )
-    if args.json:
-        result = plan(spec, gpu, **kwargs)
-        print(json.dumps(result.to_dict(), indent=2))
-        return 0
-    bar, progress = _progress_bar()
-    with bar:
-        result = plan(spec, gpu, progress=progress, **kwargs)
-    from .render.planning import plan_table
-    from .render.terminal import print_renderable
-
-    print_renderable(plan_table(result))
-    return 0
+    result = _with_progress(
+        args,
+        lambda progress: plan(
+            spec,
+            gpu,
+            optimizers=_names(args.optimizers, "--optimizers"),
+            max_gpus=args.max_gpus,
+            margin=margin,
+            margin_source=source,
+            precisions=precisions,
+            offloads=("none",) if args.no_offload else ("none", "optimizer"),
+            verify=not args.no_verify,
+            progress=progress,
+        ),
+    )
+    return _report(args, result, plan_table)
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
     from .plan.advise import advise
+    from .render.planning import advice_table
 
     gpu = _gpu(args)
     margin, _ = _margin(args)
-    result = advise(spec_from_args(args), gpu, margin=margin)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        from .render.planning import advice_table
-        from .render.terminal import print_renderable
-
-        print_renderable(advice_table(result))
-    return 0
+    return _report(args, advise(spec_from_args(args), gpu, margin=margin), advice_table)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from .plan.rehearse import rehearse
+    from .render.planning import rehearsal_table
+    from .render.plots import rehearsal_plot
 
     try:
         depths = [int(d) for d in _names(args.depths, "--depths")]
@@ -343,26 +335,11 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
             f"--depths must be integers, not {args.depths!r}", hint="--depths 1,2,3"
         ) from exc
     spec = spec_from_args(args)
-    if args.json:
-        result = rehearse(spec, depths=depths, device=args.device)
-    else:
-        bar, progress = _progress_bar()
-        with bar:
-            result = rehearse(spec, depths=depths, device=args.device, progress=progress)
-    if args.plot:
-        from .render.plots import rehearsal_plot
-
-        rehearsal_plot(result, args.plot)
-    if args.json:
-        print(json.dumps(result.to_dict(), indent=2))
-    else:
-        from .render.planning import rehearsal_table
-        from .render.terminal import print_renderable
-
-        print_renderable(rehearsal_table(result))
-        if args.plot:
-            print(f"plot: {args.plot}")
-    return 0
+    result = _with_progress(
+        args,
+        lambda progress: rehearse(spec, depths=depths, device=args.device, progress=progress),
+    )
+    return _report(args, result, rehearsal_table, rehearsal_plot)
 
 
 def _add_gpu_options(parser: argparse.ArgumentParser) -> None:
