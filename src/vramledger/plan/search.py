@@ -302,18 +302,27 @@ def plan(
         ):
             ranked = sorted(pool, key=_preference)
             best = ranked[0] if ranked else None
-            if verify:
-                # The first derived candidate that holds when re-estimated.
+            if verify and ranked:
+                # Re-estimate candidates in order while one could still beat the best that
+                # holds (its derived count is lower): a re-estimate can move a count up.
+                holding: Candidate | None = None
                 for candidate in ranked[:ANSWER_TRIES]:
+                    if holding is not None and (
+                        candidate.configuration.gpus >= holding.configuration.gpus
+                    ):
+                        break
                     if candidate.configuration not in verified:
                         if progress is not None:
                             progress("re-estimating answers", len(verified), len(verified) + 1)
                         verified[candidate.configuration] = _verified(
                             candidate, spec, capacity, max_gpus, timelines, notes
                         )
-                    best = verified[candidate.configuration]
-                    if best.method == "estimated":
-                        break
+                    checked = verified[candidate.configuration]
+                    if checked.method == "estimated" and (
+                        holding is None or checked.configuration.gpus < holding.configuration.gpus
+                    ):
+                        holding = checked
+                best = holding or verified[ranked[0].configuration]
             table[optimizer] = best
     return Plan(
         gpu=gpu,
