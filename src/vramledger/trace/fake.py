@@ -43,7 +43,7 @@ from .blocks import (
 from .dtensor_compat import untracked_sharding_propagation
 from .fake_corrections import CORRECTIONS
 from .hf_compat import ordinary_batches
-from .optimizer_stand_ins import TORCHAO_NOTE, stand_in
+from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 
@@ -96,6 +96,7 @@ def trace(
     recipe = adapt_recipe(resolve(spec))
     notes: list[str] = []
     choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
+    warm_library_caches(choice)
     if choice.package == "torchao":
         notes.append(TORCHAO_NOTE)
     result = _extended(recipe, choice, policy, notes, rank) if extend_blocks else None

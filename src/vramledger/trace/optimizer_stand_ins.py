@@ -202,3 +202,29 @@ def _tensor_ids(obj: Any) -> set[int]:
         elif isinstance(item, (list, tuple)):
             stack.extend(item)
     return found
+
+
+TORCHAO_CACHED_TABLES = (
+    ("torchao.optim.subclass_8bit", ("get_qmap_signed", "get_qmap_unsigned")),
+    ("torchao.optim.subclass_4bit", ("get_qmap_signed", "get_qmap_unsigned")),
+)
+"""torchao builds its quantization tables once per process (``functools.lru_cache``) the first
+time an optimizer state is made: a first trace would count the building and later ones not."""
+
+
+def warm_library_caches(choice: OptimizerChoice) -> None:
+    """Build a library's once-per-process tables before any trace, as a process that has
+    already made one optimizer would have them: every trace then sees the same steps."""
+    if choice.package != "torchao":
+        return
+    import importlib
+
+    for module_name, functions in TORCHAO_CACHED_TABLES:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # pragma: no cover - other torchao versions
+            continue
+        for name in functions:
+            function = getattr(module, name, None)
+            if function is not None:
+                function()
