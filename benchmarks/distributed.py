@@ -95,7 +95,7 @@ def main() -> int:
             for world in (2, 4):
                 predicted = estimate(world_size=world, strategy=strategy, **SPEC)
                 per_rank = {r: ledger for ids, ledger in predicted.ranks for r in ids}
-                for rank, (tracked, measured, _) in sorted(run_real(world, strategy).items()):
+                for rank, (tracked, measured, *_) in sorted(run_real(world, strategy).items()):
                     want = per_rank[rank].peak_bytes
                     err = (want - tracked) / tracked
                     verify.append({"strategy": strategy, "world": world, "rank": rank, "predicted": want,

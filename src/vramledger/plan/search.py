@@ -111,6 +111,10 @@ class Plan:
     configurations: int
     traces: int
     seconds: float
+    search_seconds: float = 0.0
+    """Tracing and deriving every configuration (the rest re-estimates the answers)."""
+    estimates: int = 0
+    """Re-estimates with the real engines made to check the answers."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -131,6 +135,8 @@ class Plan:
             "configurations": self.configurations,
             "traces": self.traces,
             "seconds": round(self.seconds, 2),
+            "search_seconds": round(self.search_seconds, 2),
+            "estimates": self.estimates,
             "notes": self.notes,
         }
 
@@ -291,6 +297,8 @@ def plan(
                                     method="derived",
                                 )
                             )
+    searched = time.perf_counter()
+    estimated: dict[Configuration, int] = {}
     fewest: dict[str, Candidate | None] = {}
     on_gpu: dict[str, Candidate | None] = {}
     verified: dict[Configuration, Candidate] = {}
@@ -315,7 +323,7 @@ def plan(
                         if progress is not None:
                             progress("re-estimating answers", len(verified), len(verified) + 1)
                         verified[candidate.configuration] = _verified(
-                            candidate, spec, capacity, max_gpus, timelines, notes
+                            candidate, spec, capacity, max_gpus, timelines, notes, estimated
                         )
                     checked = verified[candidate.configuration]
                     if checked.method == "estimated" and (
@@ -335,6 +343,8 @@ def plan(
         configurations=configurations,
         traces=traces,
         seconds=time.perf_counter() - start,
+        search_seconds=searched - start,
+        estimates=len(estimated),
         notes=notes,
     )
 
@@ -394,6 +404,7 @@ def _verified(
     max_gpus: int,
     timelines: dict[tuple[str, str, bool, int], tuple[Timeline, ModelFacts]],
     notes: list[str],
+    estimated: dict[Configuration, int],
 ) -> Candidate:
     """Re-estimate a derived answer with the real engines (reserved bytes, as the caching
     allocator holds them) and move its GPU count until it fits and one fewer does not.
@@ -405,14 +416,21 @@ def _verified(
     lowest = 2 if scalable else 1
     timeline, facts = timelines[(cfg.optimizer, cfg.precision, cfg.checkpointing, cfg.micro_batch)]
     derived = _peak_fn(timeline, facts, cfg.strategy, cfg.offload)
-    known: dict[int, int] = {cfg.gpus: _estimated_peak(cfg, base)}
+
+    def peak_at(n: int) -> int:
+        config = replace(cfg, gpus=n)
+        if config not in estimated:  # shared by every answer of the plan
+            estimated[config] = _estimated_peak(config, base)
+        return estimated[config]
+
+    known: dict[int, int] = {cfg.gpus: peak_at(cfg.gpus)}
     if scalable:
         ratio = known[cfg.gpus] / max(1, derived(cfg.gpus))
         guess = _fewest(lambda n: round(derived(n) * ratio), capacity, lowest, max_gpus)
         n = guess if guess is not None else max_gpus
         for _ in range(VERIFY_TRIES):
             if n not in known:
-                known[n] = _estimated_peak(replace(cfg, gpus=n), base)
+                known[n] = peak_at(n)
             if known[n] > capacity:
                 if n >= max_gpus:
                     break
@@ -421,12 +439,12 @@ def _verified(
                 break
             else:
                 if n - 1 not in known:
-                    known[n - 1] = _estimated_peak(replace(cfg, gpus=n - 1), base)
+                    known[n - 1] = peak_at(n - 1)
                 if known[n - 1] > capacity:
                     break
                 n -= 1
         if n not in known:  # out of tries while moving up
-            known[n] = _estimated_peak(replace(cfg, gpus=n), base)
+            known[n] = peak_at(n)
         cfg = replace(cfg, gpus=n)
     value = known[cfg.gpus]
     fits = value <= capacity

@@ -99,7 +99,9 @@ def plan_table(p: Plan) -> Group:
             _costs(c),
         )
     facts = [
-        f"searched {p.configurations} configurations from {p.traces} traces in {p.seconds:.1f} s",
+        f"searched {p.configurations} configurations from {p.traces} traces in "
+        f"{p.search_seconds:.1f} s; {p.estimates} re-estimates of the answers; "
+        f"{p.seconds:.1f} s in all",
         "fewest GPUs: re-estimated with the real engines (reserved by the caching allocator); "
         "front: derived from single-GPU traces (allocated)",
         f"margin: {p.margin_source}",
