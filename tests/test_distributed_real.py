@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 
 from vramledger import estimate
 from vramledger.categories import Phase
+from vramledger.parallel.real import shut_down_group
 
 from .conftest import MODELS_PY
 
@@ -51,7 +52,7 @@ def _worker(rank, world, strategy, spec, port, queue):
             )
         )
     finally:
-        dist.destroy_process_group()
+        shut_down_group()
 
 
 def run_real(

@@ -111,4 +111,14 @@ def torchrun_group(device: str) -> Iterator[int | None]:
     try:
         yield dist.get_world_size()
     finally:
-        dist.destroy_process_group()
+        shut_down_group()
+
+
+def shut_down_group() -> None:
+    """Destroy the process group once every rank is done with it and the engines that used it
+    are gone: a gloo group torn down under a live engine can abort the process."""
+    import gc
+
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
