@@ -21,6 +21,9 @@ from ..spec import TrainingSpec
 from .search import DEFAULT_MARGIN
 
 TOP_TEMPORARIES = 5
+MIN_SAVING = 0.005
+"""A change joins the combination only if it lowers the peak by at least this share of the
+original peak (a change that saves a few MiB of 180 GiB is not worth its cost)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,7 +202,7 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Adv
             continue
         trial = {**applied, **change.fields}
         cumulative = alone if not applied else _peak(estimate(replace(spec, **trial)))
-        if cumulative < applied_peak:  # keep changes that help, in order
+        if cumulative < applied_peak - MIN_SAVING * peak:  # keep changes that help, in order
             applied, applied_peak = trial, cumulative
             names.append(change.name)
         fits = applied_peak <= budget
