@@ -166,7 +166,7 @@ BAD = {
     ),
     "missing rehearsal file": (
         ["plan", fixture("tiny-llama.json"), "--gpu", "l4", "--margin-from", "/nonexistent.json"],
-        "no such file",
+        "rehearsal file /nonexistent.json not found",
     ),
     "rehearsal file without residual": (
         [

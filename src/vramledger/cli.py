@@ -260,25 +260,16 @@ def _margin(args: argparse.Namespace) -> tuple[int, str]:
 
 
 def read_rehearsal_residual(path: str) -> int:
-    from pathlib import Path
 
-    file = Path(path)
-    if not file.is_file():
-        raise InputError(
-            f"no such file: {path}", hint="write one with `vramledger rehearse ... --json > FILE`"
-        )
-    try:
-        data = json.loads(file.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{path} is not valid JSON: {exc.msg} at line {exc.lineno}",
-            hint="write it with `vramledger rehearse ... --json > FILE`",
-        ) from exc
-    residual = data.get("residual_bytes") if isinstance(data, dict) else None
+    from .jsonfile import read_json_object
+
+    hint = "write it with `vramledger rehearse ... --json > FILE`"
+    data = read_json_object(path, "rehearsal file", hint=hint)
+    residual = data.get("residual_bytes")
     if not isinstance(residual, int) or residual < 0:
         raise InputError(
             f"{path} has no residual_bytes (a non-negative integer)",
-            hint="write it with `vramledger rehearse ... --json > FILE`",
+            hint=hint,
         )
     return residual
 

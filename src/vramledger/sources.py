@@ -14,7 +14,6 @@ import copy
 import importlib
 import importlib.util
 import inspect
-import json
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch
 from torch import nn
 
 from .errors import InputError
+from .jsonfile import read_json_object
 
 Task = Literal[
     "causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "sequence-classification"
@@ -149,16 +149,8 @@ def load_hf_config(path: str | Path) -> Any:
     path = Path(path)
     if path.is_dir():
         path = path / "config.json"
-    if not path.is_file():
-        raise InputError(f"config file {path} not found", hint="give a config.json or its folder")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(
-            f"{path} is not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg})",
-            hint="fix the file",
-        ) from exc
-    if not isinstance(data, dict) or "model_type" not in data:
+    data = read_json_object(path, "config file", hint="give a config.json or its folder")
+    if "model_type" not in data:
         raise InputError(
             f"{path} has no 'model_type'",
             hint='a Hugging Face config.json names its model_type (e.g. "llama")',

@@ -11,12 +11,12 @@ silently dropped.
 
 from __future__ import annotations
 
-import json
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..jsonfile import read_json_object
 from ..spec import TrainingSpec
 
 STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -123,17 +123,12 @@ def _offload_device(zero: dict[str, Any], key: str) -> bool:
     return device == "cpu"
 
 
+DEEPSPEED_HINT = "give the ds_config.json your DeepSpeed launch uses"
+
+
 def read_deepspeed_config(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     """The TrainingSpec fields a DeepSpeed config sets, and notes on what was read."""
-    path = Path(path)
-    if not path.is_file():
-        raise InputError(f"DeepSpeed config {path} not found")
-    try:
-        config = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise InputError(f"{path} is not valid JSON (line {exc.lineno}: {exc.msg})") from exc
-    if not isinstance(config, dict):
-        raise InputError(f"{path} must hold a JSON object")
+    config = read_json_object(path, "DeepSpeed config", hint=DEEPSPEED_HINT)
     _check_keys(config, _KNOWN_TOP, "")
     fields: dict[str, Any] = {}
     zero = config.get("zero_optimization", {})
@@ -171,7 +166,7 @@ def read_deepspeed_config(path: str | Path) -> tuple[dict[str, Any], list[str]]:
             if not isinstance(config[key], int) or config[key] <= 0:
                 raise InputError(f"DeepSpeed config {key} must be a positive integer")
             fields[field] = config[key]
-    notes = [f"from {path.name}: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
+    notes = [f"from {Path(path).name}: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
     return fields, notes
 
 
@@ -179,8 +174,7 @@ def apply_deepspeed(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
     if spec.deepspeed is None:
         return spec, []
     fields, notes = read_deepspeed_config(spec.deepspeed)
-    path = Path(spec.deepspeed)
-    config = json.loads(path.read_text())
+    config = read_json_object(spec.deepspeed, "DeepSpeed config", hint=DEEPSPEED_HINT)
     total = config.get("train_batch_size")
     updated = replace(spec, **fields)
     if isinstance(total, int):
