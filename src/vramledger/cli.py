@@ -79,6 +79,10 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
 }
 
 
+PARALLEL_OPTIONS = ("world_size", "strategy", "offload", "nodes", "gpus_per_node", "deepspeed")
+"""Spec options that ``plan`` searches itself and ``rehearse`` (one device) does not take."""
+
+
 def _add_spec_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
     parser.add_argument(
         "model", help="config.json (or its folder), FILE.py:FUNCTION or package.module:FUNCTION"
@@ -408,18 +412,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_spec_options(
         p,
-        exclude=(
-            "optimizer",
-            "precision",
-            "target",
-            "world_size",
-            "strategy",
-            "offload",
-            "nodes",
-            "gpus_per_node",
-            "deepspeed",
-            "steps",
-        ),
+        exclude=("optimizer", "precision", "target", "steps", *PARALLEL_OPTIONS),
     )
     _add_gpu_options(p)
     p.add_argument(
@@ -458,15 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_spec_options(
         p,
-        exclude=(
-            "target",
-            "world_size",
-            "strategy",
-            "offload",
-            "nodes",
-            "gpus_per_node",
-            "deepspeed",
-        ),
+        exclude=("target", *PARALLEL_OPTIONS),
     )
     p.add_argument(
         "--depths",
