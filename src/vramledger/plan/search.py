@@ -7,7 +7,10 @@ count. One fake-tensor trace is made per (optimizer, precision, checkpointing, m
 one GPU; strategies and GPU counts are derived from it (``derive.py``) and the smallest GPU
 count of each configuration found by bisection (memory per GPU never grows with the count).
 The answer for each optimizer is then re-estimated with the real engines at that count and one
-fewer, and moved if they disagree, so what ``plan`` answers is what ``estimate`` says.
+fewer, and moved if they disagree, so what ``plan`` answers is what ``estimate`` says; the next
+derived candidates are re-estimated too while one of them could still need fewer GPUs than the
+best that holds (a re-estimate can move a count up: ZeRO-1/2's whole-parameter partition is
+uneven, the allocator reserves more than the tensors hold).
 
 A configuration fits when its peak plus ``margin`` is at most the GPU's memory. The margin is
 explicit: the CUDA context and libraries (several hundred MiB), allocator fragmentation beyond
@@ -260,7 +263,9 @@ def plan(
                         offload="none",
                         target="cuda",
                     )
-                    facts = facts_cache.setdefault((precision, ckpt), _facts(base))
+                    if (precision, ckpt) not in facts_cache:
+                        facts_cache[(precision, ckpt)] = _facts(base)
+                    facts = facts_cache[(precision, ckpt)]
                     timeline = trace(base, CudaPolicy(compute_capability=policy_cc)).timeline
                     timelines[(optimizer, precision, ckpt, micro_batch)] = (timeline, facts)
                     traces += 1
