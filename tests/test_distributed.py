@@ -85,6 +85,26 @@ def test_offload_moves_categories_to_host():
     assert offloaded.peak_bytes < plain.peak_bytes
 
 
+def test_zero3_optimizer_offload_keeps_half_precision_shards_on_the_gpu():
+    """FSDP2 keeps fp32 shards (the master weights under bf16-mixed); DeepSpeed's ZeRO-3
+    offload_optimizer moves them to the host and keeps a bf16 copy of each shard on the GPU."""
+    base = dict(
+        model=fixture("tiny-llama.json"),
+        seq_len=32,
+        world_size=4,
+        strategy="zero3",
+        precision="bf16-mixed",
+    )
+    plain, offloaded = estimate(**base), estimate(offload="optimizer", **base)
+    fp32_shards = plain.at_peak[Category.SHARDED_PARAMETERS]
+    # Every fp32 shard is 4-byte elements padded to whole rows; its bf16 copy is half of it.
+    assert offloaded.at_peak[Category.SHARDED_PARAMETERS] * 2 == fp32_shards
+    assert offloaded.at_peak[Category.MASTER_WEIGHTS] == 0
+    assert offloaded.at_peak[Category.OPTIMIZER_STATE] == 0
+    assert offloaded.host_bytes >= fp32_shards + plain.optimizer_state_bytes
+    assert any("offload_optimizer" in note for note in offloaded.notes)
+
+
 def test_one_trace_serves_all_symmetric_ranks():
     ledger = estimate(
         model=fixture("tiny-llama.json"), seq_len=32, world_size=1024, strategy="zero3"

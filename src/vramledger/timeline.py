@@ -71,6 +71,38 @@ class Timeline:
     def mark(self, step: int, phase: Phase) -> None:
         self.marks.append((len(self.events), step, phase))
 
+    def add_storage(self, nbytes: int, category: Category, *, like: int | None = None) -> int:
+        """A storage the run did not record (a layout model's or a derivation's), without events:
+        give it some with ``insert_events``. ``like``: take that storage's module, op, origin
+        and block; else it is made at setup."""
+        sid = len(self.nbytes)
+        self.nbytes.append(nbytes)
+        self.tags.append(category)
+        self.on_host.append(False)
+        self.module.append(self.module[like] if like is not None else None)
+        self.op.append(self.op[like] if like is not None else None)
+        self.origin.append(self.origin[like] if like is not None else (0, Phase.SETUP))
+        self.block.append(self.block[like] if like is not None else None)
+        return sid
+
+    def insert_events(self, insertions: dict[int, list[int]]) -> None:
+        """Insert events (``sid`` / ``~sid``) before the event at each index (``len(events)``:
+        at the end). A mark at an index where events are inserted moves after them: they belong
+        to the phase before it."""
+        events: list[int] = []
+        blocks: list[int | None] = []
+        shift: dict[int, int] = {}
+        for index in range(len(self.events) + 1):
+            added = insertions.get(index, [])
+            events += added
+            blocks += [self.block[e if e >= 0 else ~e] for e in added]
+            shift[index] = len(events) - index
+            if index < len(self.events):
+                events.append(self.events[index])
+                blocks.append(self.event_block[index])
+        self.events, self.event_block = events, blocks
+        self.marks = [(index + shift[index], step, phase) for index, step, phase in self.marks]
+
     def tag(self, sid: int, category: Category) -> None:
         """Give ``sid`` a category unless it already has one of higher priority."""
         current = self.tags[sid]

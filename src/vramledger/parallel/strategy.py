@@ -23,13 +23,22 @@ master weights and their gradients in host memory (the step runs on the CPU, so 
 are host memory too); ``params`` keeps
 sharded parameters there; ``both`` does both. It is applied to the traced timeline by category
 (the copies' staging buffers are not modelled).
+
+Under ZeRO-3/FSDP with master-weight precision (``bf16-mixed``) the traced fp32 shards are the
+master weights (FSDP2's MixedPrecisionPolicy). ``optimizer`` offload is then DeepSpeed's ZeRO-3
+``offload_optimizer`` layout (FSDP2 has no optimizer-only offload): the fp32 shards in host
+memory with the optimizer state, and a half-precision copy of each shard on the GPU
+(DeepSpeed's ``fp16_partitioned_groups``). ``both`` is FSDP2's CPUOffloadPolicy: the fp32
+shards in host memory, nothing persistent on the GPU.
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from typing import Literal
 
 from ..categories import Category, Phase
+from ..precision import PrecisionPolicy
 from ..timeline import Timeline
 
 Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
@@ -37,6 +46,7 @@ STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
 Offload = Literal["none", "optimizer", "params", "both"]
 OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params", "both")
 
+FP32_ITEMSIZE = 4
 FSDP_STRATEGIES = frozenset({"zero3", "fsdp"})
 DDP_STRATEGIES = frozenset({"ddp", "zero1", "zero2"})
 
@@ -62,8 +72,24 @@ STEP_ON_HOST = frozenset({"optimizer", "both"})
 CPUOffloadPolicy): the step's temporaries (and fp32 copies of the gradients) are host memory."""
 
 
-def apply_offload(timeline: Timeline, offload: str) -> None:
-    """Mark what ``offload`` keeps in host memory."""
+def master_shard_fraction(strategy: str | None, precision: PrecisionPolicy) -> float | None:
+    """Under ZeRO-3/FSDP with master-weight precision: the bytes of a half-precision copy of a
+    shard per byte of its fp32 shard (``apply_offload``'s ``half_shard_fraction``); else None."""
+    if strategy not in FSDP_STRATEGIES or not precision.master_weights:
+        return None
+    return precision.param_dtype.itemsize / FP32_ITEMSIZE
+
+
+def apply_offload(
+    timeline: Timeline, offload: str, *, half_shard_fraction: float | None = None
+) -> None:
+    """Mark what ``offload`` keeps in host memory.
+
+    ``half_shard_fraction``: the traced sharded parameters are fp32 master weights (ZeRO-3 or
+    FSDP with master-weight precision); ``optimizer`` offload moves them to the host and keeps a
+    half-precision copy of that fraction of their bytes (2/4 for bf16) on the GPU."""
+    if half_shard_fraction is not None and offload == "optimizer":
+        _master_shards_to_host(timeline, half_shard_fraction)
     offloaded = OFFLOADED[offload]
     step_on_host = offload in STEP_ON_HOST
     for sid in range(timeline.num_storages):
@@ -74,3 +100,23 @@ def apply_offload(timeline: Timeline, offload: str) -> None:
             and timeline.origin[sid][1] is Phase.OPTIMIZER
         ):
             timeline.on_host[sid] = True
+
+
+def _master_shards_to_host(timeline: Timeline, fraction: float) -> None:
+    """Re-tag the fp32 shards as master weights in host memory, each with a half-precision copy
+    on the GPU for as long as it lives."""
+    allocated = {e: i for i, e in enumerate(timeline.events) if e >= 0}
+    freed = {~e: i for i, e in enumerate(timeline.events) if e < 0}
+    insertions: dict[int, list[int]] = defaultdict(list)
+    for sid in range(timeline.num_storages):
+        if timeline.category(sid) is not Category.SHARDED_PARAMETERS:
+            continue
+        copy = timeline.add_storage(
+            round(timeline.nbytes[sid] * fraction), Category.SHARDED_PARAMETERS, like=sid
+        )
+        timeline.tags[sid] = Category.MASTER_WEIGHTS
+        timeline.on_host[sid] = True
+        insertions[allocated[sid] + 1].append(copy)
+        if sid in freed:
+            insertions[freed[sid] + 1].append(~copy)
+    timeline.insert_events(insertions)

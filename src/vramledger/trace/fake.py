@@ -22,7 +22,7 @@ from ..categories import Category
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
 from ..parallel.engines import RankEngine, adapt_recipe, fake_world
-from ..parallel.strategy import OFFLOADED, apply_offload
+from ..parallel.strategy import OFFLOADED, apply_offload, master_shard_fraction
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import hf_source
 from ..spec import TrainingSpec
@@ -93,7 +93,8 @@ def trace(
     (``blocks.py``); if the extension cannot be verified, every block is traced.
     """
     start = time.perf_counter()
-    recipe = adapt_recipe(resolve(spec))
+    resolved = resolve(spec)
+    recipe = adapt_recipe(resolved)
     notes: list[str] = []
     choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
     warm_library_caches(choice)
@@ -108,7 +109,14 @@ def trace(
         timeline, counts = result
     offloaded = OFFLOADED[spec.offload]
     if offloaded:
-        apply_offload(timeline, spec.offload)
+        fraction = master_shard_fraction(spec.strategy, resolved.precision)
+        apply_offload(timeline, spec.offload, half_shard_fraction=fraction)
+        if fraction is not None and spec.offload == "optimizer":
+            notes.append(
+                f"offload optimizer under {spec.strategy}: DeepSpeed ZeRO-3 offload_optimizer "
+                "layout: the fp32 shards (master weights) in host memory, a half-precision copy "
+                "of each on the GPU"
+            )
         notes.append(
             f"offload {spec.offload}: {', '.join(sorted(c.value for c in offloaded))} kept in host "
             "memory, and the optimizer step's temporaries when it runs there (staging buffers of the "
