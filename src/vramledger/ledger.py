@@ -171,6 +171,12 @@ def steady_peak(r: Replay) -> PeakPoint:
     return max(steady, key=lambda p: p.total)
 
 
+def steady_reserved_peak(r: Replay) -> int:
+    """The most the allocator held in a steady-state step (the allocated peak where the replay
+    had no allocator that reserves)."""
+    return max((v for k, v in r.reserved_peaks.items() if k >= 2), default=steady_peak(r).total)
+
+
 def steady_phase_peaks(r: Replay) -> dict[Phase, int]:
     out: dict[Phase, int] = {}
     for (step, phase), value in r.phase_peaks.items():
@@ -318,9 +324,7 @@ def build_ledger(
         allocator=allocator.name,
         peak_bytes=peak.total,
         allocated_peak_bytes=alloc_peak.total,
-        reserved_peak_bytes=max(
-            (v for k, v in blocks.reserved_peaks.items() if k >= 2), default=alloc_peak.total
-        ),
+        reserved_peak_bytes=steady_reserved_peak(blocks),
         first_step_peak_bytes=first.total,
         first_step_allocated_peak_bytes=alloc_first.total,
         peak_phase=peak.phase,

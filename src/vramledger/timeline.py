@@ -8,6 +8,7 @@ replay. ``marks`` say where each (step, phase) begins.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 from .categories import CATEGORY_RANK, Category, Phase
@@ -91,17 +92,27 @@ class Timeline:
         to the phase before it."""
         events: list[int] = []
         blocks: list[int | None] = []
-        shift: dict[int, int] = {}
-        for index in range(len(self.events) + 1):
-            added = insertions.get(index, [])
+        at: list[int] = []
+        inserted: list[int] = []
+        previous = 0
+        for index in sorted(insertions):
+            added = insertions[index]
+            events += self.events[previous:index]
+            blocks += self.event_block[previous:index]
             events += added
             blocks += [self.block[e if e >= 0 else ~e] for e in added]
-            shift[index] = len(events) - index
-            if index < len(self.events):
-                events.append(self.events[index])
-                blocks.append(self.event_block[index])
+            at.append(index)
+            inserted.append((inserted[-1] if inserted else 0) + len(added))
+            previous = index
+        events += self.events[previous:]
+        blocks += self.event_block[previous:]
         self.events, self.event_block = events, blocks
-        self.marks = [(index + shift[index], step, phase) for index, step, phase in self.marks]
+
+        def shift(index: int) -> int:
+            k = bisect.bisect_right(at, index)
+            return inserted[k - 1] if k else 0
+
+        self.marks = [(index + shift(index), step, phase) for index, step, phase in self.marks]
 
     def tag(self, sid: int, category: Category) -> None:
         """Give ``sid`` a category unless it already has one of higher priority."""

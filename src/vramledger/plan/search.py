@@ -24,9 +24,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import replay, steady_peak
+from ..ledger import replay, steady_peak, steady_reserved_peak
 from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
@@ -187,16 +188,18 @@ def _facts(spec: TrainingSpec) -> ModelFacts:
     model = recipe.build_model("meta")
     params = [p for p in model.parameters() if p.requires_grad]
     stack = find_block_stack(model, min_blocks=1)
+    total = sum(p.numel() for p in params)
     block = (
         sum(p.numel() for p in model.get_submodule(stack.fqn)[0].parameters())
         if stack is not None
-        else sum(p.numel() for p in params)
+        else total
     )
     return ModelFacts(
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         parameter_itemsize=params[0].element_size() if params else 2,
-        trainable_parameters=sum(p.numel() for p in params),
+        trainable_parameters=total,
         block_parameters=block,
+        root_parameters=total - block * stack.length if stack is not None else 0,
     )
 
 
@@ -246,7 +249,7 @@ def plan(
     total = len(optimizers) * len(precisions) * len(checkpointing) * len(micro)
     notes: list[str] = []
     facts_cache: dict[tuple[str, bool], ModelFacts] = {}
-    timelines: dict[tuple[str, str, bool, int], tuple[Timeline, ModelFacts]] = {}
+    derived: dict[tuple[str, str, bool, int, str, str], DerivedPeaks] = {}
     for optimizer in optimizers:
         for precision in precisions:
             for ckpt in checkpointing:
@@ -267,19 +270,20 @@ def plan(
                         facts_cache[(precision, ckpt)] = _facts(base)
                     facts = facts_cache[(precision, ckpt)]
                     timeline = trace(base, CudaPolicy(compute_capability=policy_cc)).timeline
-                    timelines[(optimizer, precision, ckpt, micro_batch)] = (timeline, facts)
                     traces += 1
                     if progress is not None:
                         progress("traces", traces, total)
                     for strategy in STRATEGIES:
                         for offload in offloads:
                             configurations += 1
-                            peak = _peak_fn(timeline, facts, strategy, offload)
+                            peaks = DerivedPeaks(timeline, facts, strategy, offload)
+                            key = (optimizer, precision, ckpt, micro_batch, strategy, offload)
+                            derived[key] = peaks
                             # One GPU runs without a strategy; strategies start at two.
                             lo, hi = (1, 1) if strategy == "none" else (2, max_gpus)
                             if strategy == "ddp":
                                 hi = lo  # DDP's memory does not depend on the GPU count
-                            gpus = _fewest(peak, capacity, lo, hi)
+                            gpus = _fewest(peaks.reserved, capacity, lo, hi, peaks.tensors)
                             if gpus is None:
                                 continue
                             config = Configuration(
@@ -292,7 +296,7 @@ def plan(
                                 offload=offload,
                                 gpus=gpus,
                             )
-                            value = peak(gpus)
+                            value = peaks.reserved(gpus)
                             candidates.append(
                                 Candidate(
                                     configuration=config,
@@ -328,7 +332,7 @@ def plan(
                         if progress is not None:
                             progress("re-estimating answers", len(verified), len(verified) + 1)
                         verified[candidate.configuration] = _verified(
-                            candidate, spec, capacity, max_gpus, timelines, notes, estimated
+                            candidate, spec, capacity, max_gpus, derived, notes, estimated
                         )
                     checked = verified[candidate.configuration]
                     if checked.method == "estimated" and (
@@ -368,16 +372,55 @@ def _preference(c: Candidate) -> tuple[Any, ...]:
     )
 
 
-def _peak_fn(timeline: Any, facts: ModelFacts, strategy: str, offload: str) -> Callable[[int], int]:
-    def peak(n: int) -> int:
-        return steady_peak(replay(derive(timeline, facts, strategy, n, offload))).total
+class DerivedPeaks:
+    """Derived peaks of one configuration at any GPU count (memoised): the bytes the caching
+    allocator reserves (what re-estimates check), and the tensor bytes, a cheaper lower bound."""
 
-    return peak
+    def __init__(self, timeline: Timeline, facts: ModelFacts, strategy: str, offload: str):
+        self.facts = facts
+        self._derive = lambda n: derive(timeline, facts, strategy, n, offload)
+        self._tensors: dict[int, int] = {}
+        self._reserved: dict[int, int] = {}
+
+    def tensors(self, n: int) -> int:
+        if n not in self._tensors:
+            self._tensors[n] = steady_peak(replay(self._derive(n))).total
+        return self._tensors[n]
+
+    def reserved(self, n: int) -> int:
+        if n not in self._reserved:
+            derived = replay(self._derive(n), CUDA_CACHING_ALLOCATOR)
+            self._reserved[n] = steady_reserved_peak(derived)
+        return self._reserved[n]
 
 
-def _fewest(peak: Callable[[int], int], capacity: int, lo: int, hi: int) -> int | None:
-    """Smallest n in [lo, hi] with peak(n) <= capacity (peak never grows with n)."""
-    if peak(hi) > capacity:
+def _fewest(
+    peak: Callable[[int], int],
+    capacity: int,
+    lo: int,
+    hi: int,
+    lower_bound: Callable[[int], int] | None = None,
+) -> int | None:
+    """Smallest n in [lo, hi] with peak(n) <= capacity (peak never grows with n).
+
+    ``lower_bound`` (never above ``peak``, cheaper) is searched first: the answer is at least
+    its answer, and is looked for upward from there in doubling steps, then bisected."""
+    if lower_bound is not None:
+        start = _fewest(lower_bound, capacity, lo, hi)
+        if start is None:
+            return None
+        if peak(start) <= capacity:
+            return start
+        known_over, step = start, 1
+        while True:
+            probe = min(known_over + step, hi)
+            if peak(probe) <= capacity:
+                lo, hi = known_over + 1, probe
+                break
+            if probe == hi:
+                return None
+            known_over, step = probe, 2 * step
+    elif peak(hi) > capacity:
         return None
     while lo < hi:
         mid = (lo + hi) // 2
@@ -407,7 +450,7 @@ def _verified(
     base: TrainingSpec,
     capacity: int,
     max_gpus: int,
-    timelines: dict[tuple[str, str, bool, int], tuple[Timeline, ModelFacts]],
+    derived_peaks: dict[tuple[str, str, bool, int, str, str], DerivedPeaks],
     notes: list[str],
     estimated: dict[Configuration, int],
 ) -> Candidate:
@@ -419,8 +462,16 @@ def _verified(
     cfg = c.configuration
     scalable = cfg.strategy not in ("none", "ddp")
     lowest = 2 if scalable else 1
-    timeline, facts = timelines[(cfg.optimizer, cfg.precision, cfg.checkpointing, cfg.micro_batch)]
-    derived = _peak_fn(timeline, facts, cfg.strategy, cfg.offload)
+    derived = derived_peaks[
+        (
+            cfg.optimizer,
+            cfg.precision,
+            cfg.checkpointing,
+            cfg.micro_batch,
+            cfg.strategy,
+            cfg.offload,
+        )
+    ]
 
     def peak_at(n: int) -> int:
         config = replace(cfg, gpus=n)
@@ -430,8 +481,14 @@ def _verified(
 
     known: dict[int, int] = {cfg.gpus: peak_at(cfg.gpus)}
     if scalable:
-        ratio = known[cfg.gpus] / max(1, derived(cfg.gpus))
-        guess = _fewest(lambda n: round(derived(n) * ratio), capacity, lowest, max_gpus)
+        ratio = known[cfg.gpus] / max(1, derived.reserved(cfg.gpus))
+        guess = _fewest(
+            lambda n: round(derived.reserved(n) * ratio),
+            capacity,
+            lowest,
+            max_gpus,
+            lambda n: round(derived.tensors(n) * min(1.0, ratio)),
+        )
         n = guess if guess is not None else max_gpus
         for _ in range(VERIFY_TRIES):
             if n not in known:
@@ -466,7 +523,7 @@ def _verified(
         configuration=cfg,
         peak_bytes_per_gpu=value,
         headroom_bytes=capacity - value,
-        costs=costs(cfg, facts, c.costs["optimizer_behaviour"]),
+        costs=costs(cfg, derived.facts, c.costs["optimizer_behaviour"]),
         method="estimated" if fits else "estimated (does not fit)",
     )
 
