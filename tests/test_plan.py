@@ -6,15 +6,15 @@ import pytest
 
 from vramledger import estimate
 from vramledger.gpus import CATALOGUE, resolve_gpu
+from vramledger.ledger import replay, steady_peak
 from vramledger.measure import measure
 from vramledger.plan.advise import advise
-from vramledger.plan.rehearse import rehearse
-from vramledger.ledger import replay, steady_peak
 from vramledger.plan.derive import derive
+from vramledger.plan.rehearse import rehearse
 from vramledger.plan.search import Configuration, _facts, plan
+from vramledger.spec import TrainingSpec
 from vramledger.trace.cuda_policy import CudaPolicy
 from vramledger.trace.fake import trace
-from vramledger.spec import TrainingSpec
 from vramledger.units import MIB
 
 from .conftest import fixture
@@ -74,6 +74,21 @@ def test_plan_answer_fits_and_one_gpu_fewer_does_not():
     for entry in [*data["fewest_gpus"].values(), *data["front"]]:
         assert {"gpus", "configuration", "peak_bytes_per_gpu", "headroom_bytes"} <= set(entry)
     assert all(c["costs"] for c in data["front"])
+
+
+@pytest.mark.slow
+def test_plan_is_the_same_with_worker_processes():
+    """Traces and re-estimates run in spawned workers give the same plan as run here."""
+    args = dict(
+        optimizers=["adamw"], margin=0, max_gpus=8, checkpointing=(False,), offloads=("none",)
+    )
+    gpu = resolve_gpu(memory="170MiB")
+    here = plan(SMALL, gpu, workers=1, **args).to_dict()
+    there = plan(SMALL, gpu, workers=2, **args).to_dict()
+    for data in (here, there):
+        for key in ("seconds", "search_seconds"):
+            data.pop(key)
+    assert there == here
 
 
 @pytest.mark.parametrize(

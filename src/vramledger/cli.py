@@ -303,6 +303,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             precisions=precisions,
             offloads=("none",) if args.no_offload else ("none", "optimizer"),
             verify=not args.no_verify,
+            workers=args.workers,
             progress=progress,
         ),
     )
@@ -433,6 +434,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-verify",
         action="store_true",
         help="skip re-estimating the answers with the real engines (faster, approximate)",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes for traces and re-estimates (default: one per CPU when the model's "
+        "trace takes over a second, else 1)",
     )
     _add_output_options(p)
     p.set_defaults(func=cmd_plan)

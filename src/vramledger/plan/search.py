@@ -4,13 +4,15 @@ trade-offs around it.
 The search covers optimizer, precision, activation checkpointing, micro-batch (halving it and
 accumulating gradients keeps the batch), strategy (DDP, ZeRO-1/2/3), optimizer offload and GPU
 count. One fake-tensor trace is made per (optimizer, precision, checkpointing, micro-batch) on
-one GPU; strategies and GPU counts are derived from it (``derive.py``) and the smallest GPU
-count of each configuration found by bisection (memory per GPU never grows with the count).
-The answer for each optimizer is then re-estimated with the real engines at that count and one
-fewer, and moved if they disagree, so what ``plan`` answers is what ``estimate`` says; the next
-derived candidates are re-estimated too while one of them could still need fewer GPUs than the
-best that holds (a re-estimate can move a count up: ZeRO-1/2's whole-parameter partition is
-uneven, the allocator reserves more than the tensors hold).
+one GPU; strategies and GPU counts are derived from it (``derive.py``: the bytes the caching
+allocator reserves, as re-estimates report them) and the smallest GPU count of each
+configuration found by bisection (memory per GPU never grows with the count), on the cheaper
+tensor bytes first. The answer for each optimizer is then re-estimated with the real engines at
+that count and one fewer, and moved if they disagree, so what ``plan`` answers is what
+``estimate`` says; the next derived candidates are re-estimated too while one of them could
+still need fewer GPUs than the best that holds (a re-estimate can move a count up: ZeRO-1/2's
+whole-parameter partition is uneven, FSDP's gathers fragment the allocator's cache). Traces and
+re-estimates of large models run in worker processes (``runner.py``).
 
 A configuration fits when its peak plus ``margin`` is at most the GPU's memory. The margin is
 explicit: the CUDA context and libraries (several hundred MiB), allocator fragmentation beyond
@@ -32,10 +34,9 @@ from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..trace.blocks import find_block_stack
-from ..trace.cuda_policy import CudaPolicy
-from ..trace.fake import trace
 from ..units import GIB, format_bytes
 from .derive import ModelFacts, derive
+from .runner import Runner
 
 DEFAULT_MARGIN = 2 * GIB
 MARGIN_SOURCE = (
@@ -226,10 +227,15 @@ def plan(
     checkpointing: Sequence[bool] = (False, True),
     offloads: Sequence[str] = OFFLOADS,
     verify: bool = True,
+    workers: int | None = None,
     progress: Progress | None = None,
 ) -> Plan:
+    """``workers``: processes that run re-estimates ahead (``reestimate.py``); None: one per
+    CPU when a trace takes long enough to repay starting them, else none."""
     if max_gpus < 1:
         raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers must be at least 1, not {workers}")
     if not optimizers:
         raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
     if margin < 0 or margin >= gpu.memory_bytes:
@@ -246,78 +252,88 @@ def plan(
     reference = optimizers[0]
     candidates: list[Candidate] = []
     traces = configurations = 0
-    total = len(optimizers) * len(precisions) * len(checkpointing) * len(micro)
     notes: list[str] = []
     facts_cache: dict[tuple[str, bool], ModelFacts] = {}
     derived: dict[tuple[str, str, bool, int, str, str], DerivedPeaks] = {}
-    for optimizer in optimizers:
-        for precision in precisions:
-            for ckpt in checkpointing:
-                for micro_batch, accum in micro:
-                    base = replace(
-                        spec,
-                        optimizer=optimizer,
-                        precision=precision,
-                        grad_checkpointing=ckpt,
-                        batch_size=micro_batch,
-                        grad_accum=accum,
-                        world_size=1,
-                        strategy=None,
-                        offload="none",
-                        target="cuda",
-                    )
-                    if (precision, ckpt) not in facts_cache:
-                        facts_cache[(precision, ckpt)] = _facts(base)
-                    facts = facts_cache[(precision, ckpt)]
-                    timeline = trace(base, CudaPolicy(compute_capability=policy_cc)).timeline
-                    traces += 1
-                    if progress is not None:
-                        progress("traces", traces, total)
-                    for strategy in STRATEGIES:
-                        for offload in offloads:
-                            configurations += 1
-                            peaks = DerivedPeaks(timeline, facts, strategy, offload)
-                            key = (optimizer, precision, ckpt, micro_batch, strategy, offload)
-                            derived[key] = peaks
-                            # One GPU runs without a strategy; strategies start at two.
-                            lo, hi = (1, 1) if strategy == "none" else (2, max_gpus)
-                            if strategy == "ddp":
-                                hi = lo  # DDP's memory does not depend on the GPU count
-                            gpus = _fewest(peaks.reserved, capacity, lo, hi, peaks.tensors)
-                            if gpus is None:
-                                continue
-                            config = Configuration(
-                                optimizer=optimizer,
-                                precision=precision,
-                                checkpointing=ckpt,
-                                micro_batch=micro_batch,
-                                grad_accum=accum,
-                                strategy=strategy,
-                                offload=offload,
-                                gpus=gpus,
-                            )
-                            value = peaks.reserved(gpus)
-                            candidates.append(
-                                Candidate(
-                                    configuration=config,
-                                    peak_bytes_per_gpu=value,
-                                    headroom_bytes=gpu.memory_bytes - margin - value,
-                                    costs=costs(config, facts, _behaviour(optimizer, reference)),
-                                    method="derived",
-                                )
-                            )
-    searched = time.perf_counter()
-    estimated: dict[Configuration, int] = {}
     fewest: dict[str, Candidate | None] = {}
     on_gpu: dict[str, Candidate | None] = {}
     verified: dict[Configuration, Candidate] = {}
-    for optimizer in optimizers:
-        mine = [c for c in candidates if c.configuration.optimizer == optimizer]
-        for table, pool in (
-            (fewest, mine),
-            (on_gpu, [c for c in mine if c.configuration.offload == "none"]),
-        ):
-            ranked = sorted(pool, key=_preference)
+    bases = [
+        replace(
+            spec,
+            optimizer=optimizer,
+            precision=precision,
+            grad_checkpointing=ckpt,
+            batch_size=micro_batch,
+            grad_accum=accum,
+            world_size=1,
+            strategy=None,
+            offload="none",
+            target="cuda",
+        )
+        for optimizer in optimizers
+        for precision in precisions
+        for ckpt in checkpointing
+        for micro_batch, accum in micro
+    ]
+    with Runner(spec, policy_cc, workers) as runner:
+        for base, timeline in runner.traces(bases):
+            optimizer, precision, ckpt = base.optimizer, base.precision, base.grad_checkpointing
+            micro_batch, accum = base.batch_size, base.grad_accum
+            if (precision, ckpt) not in facts_cache:
+                facts_cache[(precision, ckpt)] = _facts(base)
+            facts = facts_cache[(precision, ckpt)]
+            traces += 1
+            if progress is not None:
+                progress("traces", traces, len(bases))
+            for strategy in STRATEGIES:
+                for offload in offloads:
+                    configurations += 1
+                    peaks = DerivedPeaks(timeline, facts, strategy, offload)
+                    derived[(optimizer, precision, ckpt, micro_batch, strategy, offload)] = peaks
+                    # One GPU runs without a strategy; strategies start at two.
+                    lo, hi = (1, 1) if strategy == "none" else (2, max_gpus)
+                    if strategy == "ddp":
+                        hi = lo  # DDP's memory does not depend on the GPU count
+                    gpus = _fewest(peaks.reserved, capacity, lo, hi, peaks.tensors)
+                    if gpus is None:
+                        continue
+                    config = Configuration(
+                        optimizer=optimizer,
+                        precision=precision,
+                        checkpointing=ckpt,
+                        micro_batch=micro_batch,
+                        grad_accum=accum,
+                        strategy=strategy,
+                        offload=offload,
+                        gpus=gpus,
+                    )
+                    value = peaks.reserved(gpus)
+                    candidates.append(
+                        Candidate(
+                            configuration=config,
+                            peak_bytes_per_gpu=value,
+                            headroom_bytes=gpu.memory_bytes - margin - value,
+                            costs=costs(config, facts, _behaviour(optimizer, reference)),
+                            method="derived",
+                        )
+                    )
+        searched = time.perf_counter()
+        tasks = []
+        for optimizer in optimizers:
+            mine = [c for c in candidates if c.configuration.optimizer == optimizer]
+            on_gpu_only = [c for c in mine if c.configuration.offload == "none"]
+            tasks += [
+                (fewest, optimizer, sorted(mine, key=_preference)),
+                (on_gpu, optimizer, sorted(on_gpu_only, key=_preference)),
+            ]
+        if verify:
+            runner.ahead(
+                config
+                for _, _, ranked in tasks
+                for config in _likely_counts(ranked[0].configuration if ranked else None, max_gpus)
+            )
+        for table, optimizer, ranked in tasks:
             best = ranked[0] if ranked else None
             if verify and ranked:
                 # Re-estimate candidates in order while one could still beat the best that
@@ -332,7 +348,7 @@ def plan(
                         if progress is not None:
                             progress("re-estimating answers", len(verified), len(verified) + 1)
                         verified[candidate.configuration] = _verified(
-                            candidate, spec, capacity, max_gpus, derived, notes, estimated
+                            candidate, capacity, max_gpus, derived, notes, runner
                         )
                     checked = verified[candidate.configuration]
                     if checked.method == "estimated" and (
@@ -353,7 +369,7 @@ def plan(
         traces=traces,
         seconds=time.perf_counter() - start,
         search_seconds=searched - start,
-        estimates=len(estimated),
+        estimates=runner.estimates,
         notes=notes,
     )
 
@@ -431,11 +447,16 @@ def _fewest(
     return lo
 
 
-def _estimated_peak(config: Configuration, base: TrainingSpec) -> int:
-    """What the real engines say this configuration reserves on its worst GPU."""
-    from ..predict import estimate
-
-    return estimate(config.spec(base)).reserved_peak_bytes
+def _likely_counts(config: Configuration | None, max_gpus: int) -> list[Configuration]:
+    """The re-estimates an answer most likely needs: its derived count and the counts either
+    side (an answer rests on its count and one fewer, and derived peaks are a little off the
+    real engines' reserved bytes, which also hold the caching allocator's free blocks)."""
+    if config is None:
+        return []
+    if config.strategy in ("none", "ddp"):
+        return [config]
+    counts = (config.gpus, config.gpus - 1, config.gpus + 1)
+    return [replace(config, gpus=n) for n in counts if 2 <= n <= max_gpus]
 
 
 VERIFY_TRIES = 4
@@ -447,12 +468,11 @@ whole-parameter partition as even; the largest parameter's step temporaries are 
 
 def _verified(
     c: Candidate,
-    base: TrainingSpec,
     capacity: int,
     max_gpus: int,
     derived_peaks: dict[tuple[str, str, bool, int, str, str], DerivedPeaks],
     notes: list[str],
-    estimated: dict[Configuration, int],
+    runner: Runner,
 ) -> Candidate:
     """Re-estimate a derived answer with the real engines (reserved bytes, as the caching
     allocator holds them) and move its GPU count until it fits and one fewer does not.
@@ -474,10 +494,7 @@ def _verified(
     ]
 
     def peak_at(n: int) -> int:
-        config = replace(cfg, gpus=n)
-        if config not in estimated:  # shared by every answer of the plan
-            estimated[config] = _estimated_peak(config, base)
-        return estimated[config]
+        return runner.reserved(replace(cfg, gpus=n))  # memoised for every answer of the plan
 
     known: dict[int, int] = {cfg.gpus: peak_at(cfg.gpus)}
     if scalable:

@@ -103,7 +103,7 @@ def plan_table(p: Plan) -> Group:
         f"{p.search_seconds:.1f} s; {p.estimates} re-estimates of the answers; "
         f"{p.seconds:.1f} s in all",
         "fewest GPUs: re-estimated with the real engines (reserved by the caching allocator); "
-        "front: derived from single-GPU traces (allocated)",
+        "front: derived from single-GPU traces (reserved, as the caching allocator would hold it)",
         f"margin: {p.margin_source}",
     ]
     if len(p.front) > FRONT_ROWS:
