@@ -4,14 +4,16 @@ from dataclasses import replace
 
 import pytest
 
-from vramledger import estimate
+from vramledger import InputError, estimate
 from vramledger.gpus import CATALOGUE, resolve_gpu
 from vramledger.ledger import replay, steady_peak
 from vramledger.measure import measure
 from vramledger.plan.advise import advise
 from vramledger.plan.derive import derive
+from vramledger.plan.narrow import narrow_config
 from vramledger.plan.rehearse import rehearse
 from vramledger.plan.search import Configuration, _facts, plan
+from vramledger.recipe import resolve
 from vramledger.spec import TrainingSpec
 from vramledger.trace.cuda_policy import CudaPolicy
 from vramledger.trace.fake import trace
@@ -151,3 +153,29 @@ def test_rehearsal_extrapolates_a_13x_deeper_model_within_5_percent():
     assert abs(error) <= 0.05, (r.extrapolated_peak_bytes, real.measured_peak_bytes)
     assert r.residual_bytes >= 0
     assert set(r.to_dict()) >= {"extrapolated_peak_bytes", "estimate_peak_bytes", "residual_bytes"}
+
+
+@pytest.mark.slow
+def test_narrow_rehearsal_extrapolates_a_model_20x_larger_within_5_percent():
+    """Two and one layers at 1/4, 1/2 and 3/4 of the width, extrapolated to 24 layers at the
+    full width (20x the parameters of the largest rehearsal), against the real run."""
+    big = TrainingSpec(
+        model=fixture("narrow-llama-24l.json"), batch_size=2, seq_len=32, target="cpu"
+    )
+    r = rehearse(big, depths=(1, 2), widths=(0.25, 0.5, 0.75), device="cpu")
+    assert r.narrowed and sorted(set(r.widths)) == [0.25, 0.5, 0.75] and len(r.depths) == 6
+    real = measure(big, device="cpu")
+    error = (r.extrapolated_peak_bytes - real.measured_peak_bytes) / real.measured_peak_bytes
+    assert abs(error) <= 0.05, (r.extrapolated_peak_bytes, real.measured_peak_bytes)
+    assert "coefficients" in r.to_dict()["fits"]["total"]
+
+
+def test_narrow_copy_keeps_head_width_and_rejects_partial_heads():
+    config = resolve(TrainingSpec(model=fixture("narrow-llama-24l.json"))).source.config
+    half = narrow_config(config, 0.5)
+    assert (half.hidden_size, half.intermediate_size) == (64, 176)
+    assert (half.num_attention_heads, half.num_key_value_heads, half.head_dim) == (4, 2, 16)
+    with pytest.raises(InputError, match="num_key_value_heads"):
+        narrow_config(config, 0.125)  # half a key/value head
+    with pytest.raises(InputError, match="between 0 and 1"):
+        narrow_config(config, 1.5)

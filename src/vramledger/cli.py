@@ -330,10 +330,21 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
         raise InputError(
             f"--depths must be integers, not {args.depths!r}", hint="--depths 1,2,3"
         ) from exc
+    widths = None
+    if args.widths:
+        try:
+            widths = [float(w) for w in _names(args.widths, "--widths")]
+        except ValueError as exc:
+            raise InputError(
+                f"--widths must be fractions of the model's width, not {args.widths!r}",
+                hint="--widths 0.25,0.5,0.75",
+            ) from exc
     spec = spec_from_args(args)
     result = _with_progress(
         args,
-        lambda progress: rehearse(spec, depths=depths, device=args.device, progress=progress),
+        lambda progress: rehearse(
+            spec, depths=depths, widths=widths, device=args.device, progress=progress
+        ),
     )
     return _report(args, result, rehearsal_table, rehearsal_plot)
 
@@ -456,7 +467,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "rehearse",
-        help="run shallow copies of the model for real, fit the growth per layer, extrapolate",
+        help="run shallow (with --widths also narrower) copies of the model for real, fit their "
+        "growth, extrapolate",
     )
     _add_spec_options(
         p,
@@ -470,6 +482,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
+    )
+    p.add_argument(
+        "--widths",
+        metavar="F,G,H",
+        help="also rehearse narrower copies, at these fractions of the width (at least three, "
+        "dividing every head count; e.g. 0.25,0.5,0.75): every depth at every width",
     )
     p.add_argument("--plot", metavar="FILE.png", help="write measured points and fitted lines")
     _add_output_options(p)

@@ -165,18 +165,29 @@ def advice_table(a: Advice) -> Group:
 def rehearsal_table(r: Rehearsal) -> Group:
     runs = Table(title=f"rehearsals on {r.device}", title_justify="left")
     runs.add_column("layers", justify="right")
+    if r.narrowed:
+        runs.add_column("width", justify="right")
     runs.add_column("measured peak", justify="right")
     runs.add_column("tracked tensors", justify="right")
     runs.add_column("beyond tensors", justify="right")
-    for depth, peak, total in zip(r.depths, r.measured_peaks, r.tracked_peaks, strict=True):
+    widths = r.widths or [1.0] * len(r.depths)
+    for depth, width, peak, total in zip(
+        r.depths, widths, r.measured_peaks, r.tracked_peaks, strict=True
+    ):
         runs.add_row(
             str(depth),
+            *([f"{width:g}"] if r.narrowed else []),
             format_bytes(peak),
             format_bytes(total),
             format_bytes(peak - total, signed=True),
         )
+    how = (
+        "least squares: lines in the depth, quadratics in the width; at the full width"
+        if r.narrowed
+        else "least-squares lines"
+    )
     fits = Table(
-        title=f"growth per layer at the {r.peak_phase} peak (least-squares lines)",
+        title=f"growth per layer at the {r.peak_phase} peak ({how})",
         title_justify="left",
     )
     fits.add_column("category")

@@ -57,17 +57,39 @@ def rehearsal_plot(rehearsal: Rehearsal, path: str | Path) -> Path:
     plt = _pyplot()
     fig, (near, far) = plt.subplots(1, 2, figsize=(12, 4.5))
     full = rehearsal.full_depth
-    xs = rehearsal.depths
+    widths = rehearsal.widths or [1.0] * len(rehearsal.depths)
+    right = max(rehearsal.depths) + 1
     for name, fit in rehearsal.fits.items():
         if name == "total":
             ys = rehearsal.phase_totals
         else:
             ys = [t.get(name, 0) for t in rehearsal.tracked_at_peak]
-        for axes, right in ((near, xs[-1] + 1), (far, full)):
-            (line,) = axes.plot(
-                [0, right], [fit.at(0) / MIB, fit.at(right) / MIB], linewidth=0.9, label=name
+        (line,) = far.plot(
+            [0, full], [fit.at(0) / MIB, fit.at(full) / MIB], linewidth=0.9, label=name
+        )
+        # Near: each rehearsal width's points and its fitted line (the full width dashed).
+        for width in sorted(set(widths)):
+            xs = [d for d, w in zip(rehearsal.depths, widths, strict=True) if w == width]
+            near.scatter(
+                xs,
+                [y / MIB for y, w in zip(ys, widths, strict=True) if w == width],
+                color=line.get_color(),
+                s=14,
             )
-            axes.scatter(xs, [y / MIB for y in ys], color=line.get_color(), s=14)
+            near.plot(
+                [0, right],
+                [fit.at(0, width) / MIB, fit.at(right, width) / MIB],
+                linewidth=0.9,
+                color=line.get_color(),
+            )
+        if rehearsal.narrowed:
+            near.plot(
+                [0, right],
+                [fit.at(0) / MIB, fit.at(right) / MIB],
+                linewidth=0.9,
+                linestyle="--",
+                color=line.get_color(),
+            )
     far.scatter(
         [full],
         [rehearsal.estimate_peak_bytes / MIB],
@@ -77,7 +99,10 @@ def rehearsal_plot(rehearsal: Rehearsal, path: str | Path) -> Path:
         label="fake-tensor estimate",
         zorder=3,
     )
-    near.set_title(f"rehearsals on {rehearsal.device}: {rehearsal.peak_phase} peak (points), fits")
+    near.set_title(
+        f"rehearsals on {rehearsal.device}: {rehearsal.peak_phase} peak (points), fits"
+        + (" per width (full width dashed)" if rehearsal.narrowed else "")
+    )
     far.set_title(f"extrapolated to {full} layers")
     for axes in (near, far):
         axes.set_xlabel("layers")
