@@ -30,11 +30,9 @@ from dataclasses import dataclass
 
 from ..categories import Category, Phase
 from ..parallel.engines import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
-from ..parallel.strategy import apply_offload
+from ..parallel.strategy import FP32_ITEMSIZE, apply_offload
 from ..timeline import Timeline
 from ..training import MASTER_GRADIENT
-
-FP32_ITEMSIZE = 4
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -94,8 +92,7 @@ def derive(
         bucket = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, facts.trainable_parameters)
         extra.append((bucket * facts.parameter_itemsize, Category.GRADIENT_BUCKETS))
     if strategy in ("zero3", "fsdp"):
-        masters = Category.MASTER_WEIGHTS in out.tags
-        if masters:
+        if Category.MASTER_WEIGHTS in out.tags:
             _fsdp_master_layout(out, facts)
             half_shard_fraction = facts.parameter_itemsize / FP32_ITEMSIZE
         shard(
@@ -164,19 +161,4 @@ def _add_during_passes(tl: Timeline, storages: list[tuple[int, Category]]) -> No
 def _add_at_setup_end(tl: Timeline, storages: list[tuple[int, Category]]) -> None:
     """Allocate persistent storages just before step 1 begins."""
     first = next((index for index, step, _ in tl.marks if step >= 1), len(tl.events))
-    new_events = []
-    for nbytes, category in storages:
-        sid = tl.num_storages
-        tl.nbytes.append(nbytes)
-        tl.tags.append(category)
-        tl.on_host.append(False)
-        tl.module.append(None)
-        tl.op.append(None)
-        tl.origin.append((0, Phase.SETUP))
-        tl.block.append(None)
-        new_events.append(sid)
-    tl.events[first:first] = new_events
-    tl.event_block[first:first] = [None] * len(new_events)
-    tl.marks = [
-        (index + len(new_events) if index >= first else index, s, p) for index, s, p in tl.marks
-    ]
+    tl.insert_events({first: [tl.add_storage(nbytes, category) for nbytes, category in storages]})

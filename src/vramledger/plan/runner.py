@@ -69,7 +69,9 @@ class Runner:
         """The single-GPU trace of each spec, in order."""
         if not specs:
             return
-        first, seconds = _timed(traced_timeline, specs[0], self.compute_capability)
+        start = time.perf_counter()
+        first = traced_timeline(specs[0], self.compute_capability)
+        seconds = time.perf_counter() - start
         if self.workers is None:
             self.workers = available_cpus() if seconds >= WORKER_MIN_TRACE_SECONDS else 1
         self._start()
@@ -134,12 +136,6 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _timed(fn: Any, *args: Any) -> tuple[Any, float]:
-    start = time.perf_counter()
-    value = fn(*args)
-    return value, time.perf_counter() - start
 
 
 def _quiet_settings() -> tuple[dict[str, int], list[Any]]:
