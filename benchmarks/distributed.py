@@ -38,7 +38,7 @@ LLAMA3_70B = ROOT / "examples" / "configs" / "llama-3-70b.json"
 ARGS = dict(batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-mixed", grad_checkpointing=True,
             target="cuda")
 CASES = [("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("fsdp", "none"),
-         ("zero2", "optimizer"), ("zero3", "both")]
+         ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "both")]
 SHOWN = [Category.PARAMETERS, Category.SHARDED_PARAMETERS, Category.GRADIENTS, Category.SHARDED_GRADIENTS,
          Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE, Category.GRADIENT_BUCKETS,
          Category.ALL_GATHER_BUFFERS, Category.REDUCE_SCATTER_BUFFERS, Category.ACTIVATIONS,
@@ -66,7 +66,7 @@ def main() -> int:
         start = time.perf_counter()
         ledger = estimate(model=str(LLAMA2), world_size=8, strategy=strategy, offload=offload, **ARGS)
         seconds = time.perf_counter() - start
-        rows.append({"strategy": strategy, "offload": offload, "seconds": seconds, **ledger.to_dict()})
+        rows.append({"strategy": strategy, "offload": offload, **ledger.to_dict(), "estimate_seconds": seconds})
         table.add_row(strategy, offload, *(gib(ledger.at_peak.get(c, 0)) for c in SHOWN),
                       gib(ledger.peak_bytes), gib(ledger.allocated_peak_bytes), gib(ledger.host_bytes),
                       gib(ledger.model_state_bytes), f"{seconds:.1f}")
