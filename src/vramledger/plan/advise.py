@@ -4,7 +4,9 @@ The order is the source documents' (and the usual practice): activation checkpoi
 smaller micro-batch with gradient accumulation -> freeing stray intermediates -> optimizer-state
 compression (momentum SGD, 8-bit states, ZeRO sharding, offload). Each change is re-estimated
 on its own (the bytes it saves) and in combination with the ones before it, in that order, until
-the first combination that fits. Stray intermediates cannot be freed automatically: ``advise``
+the first combination that fits; then the changes that combination no longer needs are dropped,
+the most harmful first (offloading the optimizer can make switching it unnecessary), so every
+change it names is needed. Stray intermediates cannot be freed automatically: ``advise``
 points at the largest temporaries alive at the peak and the modules and operators that made them.
 """
 
@@ -58,7 +60,8 @@ class Advice:
     fits: bool
     changes: list[Change]
     first_fit: list[str] | None
-    """Names of the changes, in order, of the first combination that fits."""
+    """Names of the changes, in order, of the first combination that fits, each of them needed
+    (without any one of them it does not fit)."""
     stray_temporaries: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -188,6 +191,7 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Adv
             stray_temporaries=strays,
         )
     results: list[Change] = []
+    chosen: list[Change] = []
     applied: dict[str, Any] = {}
     applied_peak = peak
     names: list[str] = []
@@ -205,12 +209,13 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Adv
         if cumulative < applied_peak - MIN_SAVING * peak:  # keep changes that help, in order
             applied, applied_peak = trial, cumulative
             names.append(change.name)
+            chosen.append(change)
         fits = applied_peak <= budget
         results.append(
             replace(change, saves_bytes=peak - alone, cumulative_peak_bytes=applied_peak, fits=fits)
         )
         if fits:
-            first_fit = list(names)
+            first_fit = [c.name for c in _needed(spec, chosen, budget)]
     return Advice(
         budget_bytes=budget,
         peak_bytes=peak,
@@ -219,3 +224,17 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Adv
         first_fit=first_fit,
         stray_temporaries=strays,
     )
+
+
+def _needed(spec: TrainingSpec, chosen: list[Change], budget: int) -> list[Change]:
+    """Drop the changes of a fitting combination that it does not need, trying the most harmful
+    (the latest in the order) first; the last one, which made it fit, stays."""
+    kept = list(chosen)
+    for change in reversed(chosen[:-1]):
+        rest = [c for c in kept if c is not change]
+        fields: dict[str, Any] = {}
+        for c in rest:
+            fields.update(c.fields)
+        if _peak(estimate(replace(spec, **fields))) <= budget:
+            kept = rest
+    return kept

@@ -153,7 +153,10 @@ def advice_table(a: Advice) -> Group:
     if not a.fits:
         if a.first_fit:
             parts.append(
-                Text("first combination that fits: " + " + ".join(a.first_fit), style="bold")
+                Text(
+                    "first combination that fits (each change needed): " + " + ".join(a.first_fit),
+                    style="bold",
+                )
             )
         else:
             parts.append(
