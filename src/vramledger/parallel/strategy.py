@@ -77,7 +77,12 @@ def master_shard_fraction(strategy: str | None, precision: PrecisionPolicy) -> f
     shard per byte of its fp32 shard (``apply_offload``'s ``half_shard_fraction``); else None."""
     if strategy not in FSDP_STRATEGIES or not precision.master_weights:
         return None
-    return precision.param_dtype.itemsize / FP32_ITEMSIZE
+    return half_shard_fraction(precision.param_dtype.itemsize)
+
+
+def half_shard_fraction(itemsize: int) -> float:
+    """Bytes of a half-precision copy of an fp32 shard per byte of the shard."""
+    return itemsize / FP32_ITEMSIZE
 
 
 def apply_offload(

@@ -62,6 +62,8 @@ class Advice:
     first_fit: list[str] | None
     """Names of the changes, in order, of the first combination that fits, each of them needed
     (without any one of them it does not fit)."""
+    first_fit_peak_bytes: int | None = None
+    """Peak of the first fitting combination (re-estimated), None when none fits."""
     stray_temporaries: list[dict[str, Any]] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,6 +73,7 @@ class Advice:
             "fits": self.fits,
             "changes": [c.to_dict() for c in self.changes],
             "first_fit": self.first_fit,
+            "first_fit_peak_bytes": self.first_fit_peak_bytes,
             "stray_temporaries": self.stray_temporaries,
         }
 
@@ -196,6 +199,7 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Adv
     applied_peak = peak
     names: list[str] = []
     first_fit: list[str] | None = None
+    first_fit_peak: int | None = None
     for change in candidate_changes(spec):
         if not change.fields:  # advice only: nothing to re-estimate
             results.append(change)
@@ -215,26 +219,32 @@ def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Adv
             replace(change, saves_bytes=peak - alone, cumulative_peak_bytes=applied_peak, fits=fits)
         )
         if fits:
-            first_fit = [c.name for c in _needed(spec, chosen, budget)]
+            needed, first_fit_peak = _needed(spec, chosen, budget, applied_peak)
+            first_fit = [c.name for c in needed]
     return Advice(
         budget_bytes=budget,
         peak_bytes=peak,
         fits=False,
         changes=results,
         first_fit=first_fit,
+        first_fit_peak_bytes=first_fit_peak,
         stray_temporaries=strays,
     )
 
 
-def _needed(spec: TrainingSpec, chosen: list[Change], budget: int) -> list[Change]:
-    """Drop the changes of a fitting combination that it does not need, trying the most harmful
-    (the latest in the order) first; the last one, which made it fit, stays."""
+def _needed(
+    spec: TrainingSpec, chosen: list[Change], budget: int, peak: int
+) -> tuple[list[Change], int]:
+    """Drop the changes of a fitting combination (of ``peak``) that it does not need, trying the
+    most harmful (the latest in the order) first; the last one, which made it fit, stays.
+    Returns the changes kept and their peak."""
     kept = list(chosen)
     for change in reversed(chosen[:-1]):
         rest = [c for c in kept if c is not change]
         fields: dict[str, Any] = {}
         for c in rest:
             fields.update(c.fields)
-        if _peak(estimate(replace(spec, **fields))) <= budget:
-            kept = rest
-    return kept
+        without = _peak(estimate(replace(spec, **fields)))
+        if without <= budget:
+            kept, peak = rest, without
+    return kept, peak

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 from ..categories import Category, Phase
 from ..parallel.engines import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
-from ..parallel.strategy import FP32_ITEMSIZE, apply_offload
+from ..parallel.strategy import FP32_ITEMSIZE, apply_offload, half_shard_fraction
 from ..timeline import Timeline
 from ..training import MASTER_GRADIENT
 
@@ -82,7 +82,7 @@ def derive(
                     out.tags[sid] = rename[category]
 
     extra: list[tuple[int, Category]] = []
-    half_shard_fraction = None
+    copy_fraction = None
     if strategy in ("ddp", "zero1"):
         extra.append((facts.parameter_bytes, Category.GRADIENT_BUCKETS))
     if strategy in ("zero1", "zero2"):
@@ -94,7 +94,7 @@ def derive(
     if strategy in ("zero3", "fsdp"):
         if Category.MASTER_WEIGHTS in out.tags:
             _fsdp_master_layout(out, facts)
-            half_shard_fraction = facts.parameter_itemsize / FP32_ITEMSIZE
+            copy_fraction = half_shard_fraction(facts.parameter_itemsize)
         shard(
             {
                 Category.PARAMETERS,
@@ -118,7 +118,7 @@ def derive(
         )
     if extra:
         _add_at_setup_end(out, extra)
-    apply_offload(out, offload, half_shard_fraction=half_shard_fraction)
+    apply_offload(out, offload, half_shard_fraction=copy_fraction)
     return out
 
 

@@ -1,7 +1,8 @@
 """Narrower copies of a Hugging Face config, for rehearsals the user allows to be narrow.
 
 A copy ``fraction`` as wide keeps the vocabulary, the sequence and the width of each attention
-head, and scales the model width, the feed-forward width and the number of query and key/value
+head (a stated ``head_dim`` is left as it is; otherwise width and head count scale together),
+and scales the model width, the feed-forward width and the number of query and key/value
 heads. Every tensor then has the same shapes along the sequence and the heads' inner dimension,
 and its size is a polynomial of at most degree two in the fraction (weights: width × width;
 activations: width; logits: neither), which is what ``rehearse`` fits.
@@ -21,8 +22,6 @@ FEED_FORWARD_ATTRS = ("intermediate_size", "n_inner", "d_ff", "ffn_dim", "hidden
 """Feed-forward width (``None`` in GPT-2 means 4 × width, which scales by itself)."""
 HEAD_ATTRS = ("num_attention_heads", "n_head", "num_heads", "num_key_value_heads")
 """Head counts: scaled too, so that each head keeps its width."""
-HEAD_DIM_ATTRS = ("head_dim", "kv_channels")
-"""Per-head width, where a config states it: kept."""
 
 
 def narrow_config(config: Any, fraction: float) -> Any:
@@ -42,10 +41,6 @@ def narrow_config(config: Any, fraction: float) -> Any:
             "found in it",
             hint="rehearse with --depths only",
         )
-    for attr in HEAD_DIM_ATTRS:
-        value = getattr(config, attr, None)
-        if value is not None:
-            setattr(out, attr, value)  # computed from width / heads when absent: unchanged
     for attr in (*widths, *heads, *FEED_FORWARD_ATTRS):
         value = getattr(config, attr, None)
         if not isinstance(value, int):

@@ -120,6 +120,8 @@ class Plan:
     """Tracing and deriving every configuration (the rest re-estimates the answers)."""
     estimates: int = 0
     """Re-estimates with the real engines made to check the answers."""
+    workers: int = 1
+    """Processes the traces after the first and the re-estimates ran in (1: this one)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,6 +144,7 @@ class Plan:
             "seconds": round(self.seconds, 2),
             "search_seconds": round(self.search_seconds, 2),
             "estimates": self.estimates,
+            "workers": self.workers,
             "notes": self.notes,
         }
 
@@ -230,8 +233,9 @@ def plan(
     workers: int | None = None,
     progress: Progress | None = None,
 ) -> Plan:
-    """``workers``: processes that run re-estimates ahead (``reestimate.py``); None: one per
-    CPU when a trace takes long enough to repay starting them, else none."""
+    """``workers``: processes for the traces after the first and for the re-estimates
+    (``runner.py``); None: one per CPU when the first trace takes long enough to repay starting
+    them, else none."""
     if max_gpus < 1:
         raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
     if workers is not None and workers < 1:
@@ -370,6 +374,7 @@ def plan(
         seconds=time.perf_counter() - start,
         search_seconds=searched - start,
         estimates=runner.estimates,
+        workers=runner.workers or 1,
         notes=notes,
     )
 

@@ -154,7 +154,9 @@ def advice_table(a: Advice) -> Group:
         if a.first_fit:
             parts.append(
                 Text(
-                    "first combination that fits (each change needed): " + " + ".join(a.first_fit),
+                    "first combination that fits (each change needed): "
+                    + " + ".join(a.first_fit)
+                    + f" ({format_bytes(a.first_fit_peak_bytes or 0)})",
                     style="bold",
                 )
             )
