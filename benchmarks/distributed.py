@@ -35,14 +35,38 @@ from vramledger.units import format_bytes  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA2 = ROOT / "examples" / "configs" / "llama-2-7b.json"
 LLAMA3_70B = ROOT / "examples" / "configs" / "llama-3-70b.json"
-ARGS = dict(batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-mixed", grad_checkpointing=True,
-            target="cuda")
-CASES = [("ddp", "none"), ("zero1", "none"), ("zero2", "none"), ("zero3", "none"), ("fsdp", "none"),
-         ("zero2", "optimizer"), ("zero3", "optimizer"), ("zero3", "both")]
-SHOWN = [Category.PARAMETERS, Category.SHARDED_PARAMETERS, Category.GRADIENTS, Category.SHARDED_GRADIENTS,
-         Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE, Category.GRADIENT_BUCKETS,
-         Category.ALL_GATHER_BUFFERS, Category.REDUCE_SCATTER_BUFFERS, Category.ACTIVATIONS,
-         Category.TEMPORARIES, Category.WORKSPACE]
+ARGS = dict(
+    batch_size=1,
+    seq_len=4096,
+    optimizer="adamw",
+    precision="bf16-mixed",
+    grad_checkpointing=True,
+    target="cuda",
+)
+CASES = [
+    ("ddp", "none"),
+    ("zero1", "none"),
+    ("zero2", "none"),
+    ("zero3", "none"),
+    ("fsdp", "none"),
+    ("zero2", "optimizer"),
+    ("zero3", "optimizer"),
+    ("zero3", "both"),
+]
+SHOWN = [
+    Category.PARAMETERS,
+    Category.SHARDED_PARAMETERS,
+    Category.GRADIENTS,
+    Category.SHARDED_GRADIENTS,
+    Category.MASTER_WEIGHTS,
+    Category.OPTIMIZER_STATE,
+    Category.GRADIENT_BUCKETS,
+    Category.ALL_GATHER_BUFFERS,
+    Category.REDUCE_SCATTER_BUFFERS,
+    Category.ACTIVATIONS,
+    Category.TEMPORARIES,
+    Category.WORKSPACE,
+]
 
 
 def gib(n: int) -> str:
@@ -55,7 +79,9 @@ def main() -> int:
     args = parser.parse_args()
     console = Console(width=160)
     rows = []
-    table = Table(title="Llama-2-7B, 8 GPUs, bf16-mixed AdamW + checkpointing, batch 1 x 4096: worst rank, GiB")
+    table = Table(
+        title="Llama-2-7B, 8 GPUs, bf16-mixed AdamW + checkpointing, batch 1 x 4096: worst rank, GiB"
+    )
     table.add_column("strategy")
     table.add_column("offload")
     for c in SHOWN:
@@ -64,19 +90,39 @@ def main() -> int:
         table.add_column(col, justify="right")
     for strategy, offload in CASES:
         start = time.perf_counter()
-        ledger = estimate(model=str(LLAMA2), world_size=8, strategy=strategy, offload=offload, **ARGS)
+        ledger = estimate(
+            model=str(LLAMA2), world_size=8, strategy=strategy, offload=offload, **ARGS
+        )
         seconds = time.perf_counter() - start
-        rows.append({"strategy": strategy, "offload": offload, **ledger.to_dict(), "estimate_seconds": seconds})
-        table.add_row(strategy, offload, *(gib(ledger.at_peak.get(c, 0)) for c in SHOWN),
-                      gib(ledger.peak_bytes), gib(ledger.allocated_peak_bytes), gib(ledger.host_bytes),
-                      gib(ledger.model_state_bytes), f"{seconds:.1f}")
-        console.print(f"[dim]{strategy}/{offload}: {format_bytes(ledger.allocated_peak_bytes)} in {seconds:.1f} s[/dim]")
+        rows.append(
+            {
+                "strategy": strategy,
+                "offload": offload,
+                **ledger.to_dict(),
+                "estimate_seconds": seconds,
+            }
+        )
+        table.add_row(
+            strategy,
+            offload,
+            *(gib(ledger.at_peak.get(c, 0)) for c in SHOWN),
+            gib(ledger.peak_bytes),
+            gib(ledger.allocated_peak_bytes),
+            gib(ledger.host_bytes),
+            gib(ledger.model_state_bytes),
+            f"{seconds:.1f}",
+        )
+        console.print(
+            f"[dim]{strategy}/{offload}: {format_bytes(ledger.allocated_peak_bytes)} in {seconds:.1f} s[/dim]"
+        )
     console.print(table)
 
     scale = {}
     for world in (1, 1024):
         start = time.perf_counter()
-        ledger = estimate(model=str(LLAMA3_70B), world_size=world, strategy="fsdp" if world > 1 else None, **ARGS)
+        ledger = estimate(
+            model=str(LLAMA3_70B), world_size=world, strategy="fsdp" if world > 1 else None, **ARGS
+        )
         scale[world] = {"seconds": time.perf_counter() - start, "peak": ledger.allocated_peak_bytes}
     console.print(
         f"Llama-3-70B: 1 rank {scale[1]['seconds']:.1f} s ({format_bytes(scale[1]['peak'])}), "
@@ -88,7 +134,9 @@ def main() -> int:
         sys.path.insert(0, str(ROOT))
         from tests.test_distributed_real import SPEC, run_real
 
-        vt = Table(title="prediction vs real gloo processes (deep MLP, AdamW, CPU): per-rank tracked peak")
+        vt = Table(
+            title="prediction vs real gloo processes (deep MLP, AdamW, CPU): per-rank tracked peak"
+        )
         for col in ("strategy", "ranks", "rank", "predicted", "real", "error"):
             vt.add_column(col, justify="right")
         for strategy in ("ddp", "zero1", "fsdp"):
@@ -98,13 +146,37 @@ def main() -> int:
                 for rank, (tracked, measured, *_) in sorted(run_real(world, strategy).items()):
                     want = per_rank[rank].peak_bytes
                     err = (want - tracked) / tracked
-                    verify.append({"strategy": strategy, "world": world, "rank": rank, "predicted": want,
-                                   "tracked": tracked, "profiler": measured, "error": err})
-                    vt.add_row(strategy, str(world), str(rank), format_bytes(want), format_bytes(tracked),
-                               f"{100 * err:+.3f} %")
+                    verify.append(
+                        {
+                            "strategy": strategy,
+                            "world": world,
+                            "rank": rank,
+                            "predicted": want,
+                            "tracked": tracked,
+                            "profiler": measured,
+                            "error": err,
+                        }
+                    )
+                    vt.add_row(
+                        strategy,
+                        str(world),
+                        str(rank),
+                        format_bytes(want),
+                        format_bytes(tracked),
+                        f"{100 * err:+.3f} %",
+                    )
         console.print(vt)
-    out = ROOT / "benchmarks" / "results" / f"distributed-{datetime.date.today()}-{platform.node() or 'host'}.json"
-    out.write_text(json.dumps({"llama2_7b_8gpu": rows, "scale_70b": scale, "verify": verify}, indent=1, default=str))
+    out = (
+        ROOT
+        / "benchmarks"
+        / "results"
+        / f"distributed-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    )
+    out.write_text(
+        json.dumps(
+            {"llama2_7b_8gpu": rows, "scale_70b": scale, "verify": verify}, indent=1, default=str
+        )
+    )
     console.print(f"[dim]wrote {out}[/dim]")
     return 0
 

@@ -43,7 +43,9 @@ MODELS = {
 }
 GPUS = ("a100-80gb", "h100-80gb")
 OPTIMIZERS = ("adamw", "adamw8bit", "sgd-momentum")
-TARGET_SECONDS = 60  # the issue: "a plan over hundreds of configurations of a 70B model ... about a minute"
+TARGET_SECONDS = (
+    60  # the issue: "a plan over hundreds of configurations of a 70B model ... about a minute"
+)
 
 
 def describe(answer: dict | None) -> str:
@@ -65,11 +67,24 @@ def main() -> int:
     args = parser.parse_args()
     console = Console(width=200)
     table = Table(title="fewest GPUs per optimizer (bf16-mixed, batch 1 x 4096, margin 2 GiB)")
-    for col in ("model", "GPU", "optimizer", "fewest GPUs", "without offload", "plan took", "configs", "traces"):
-        table.add_column(col, justify="right" if col in ("plan took", "configs", "traces") else "left")
+    for col in (
+        "model",
+        "GPU",
+        "optimizer",
+        "fewest GPUs",
+        "without offload",
+        "plan took",
+        "configs",
+        "traces",
+    ):
+        table.add_column(
+            col, justify="right" if col in ("plan took", "configs", "traces") else "left"
+        )
     rows = []
     for name in args.models.split(","):
-        spec = TrainingSpec(model=str(MODELS[name]), batch_size=1, seq_len=4096, precision="bf16-mixed")
+        spec = TrainingSpec(
+            model=str(MODELS[name]), batch_size=1, seq_len=4096, precision="bf16-mixed"
+        )
         for gpu_name in GPUS:
             start = time.perf_counter()
             result = plan(spec, resolve_gpu(gpu_name), optimizers=list(OPTIMIZERS)).to_dict()
@@ -85,7 +100,9 @@ def main() -> int:
                     str(result["configurations"]) if i == 0 else "",
                     str(result["traces"]) if i == 0 else "",
                 )
-            rows.append({"model": name, "gpu": gpu_name, "seconds": round(seconds, 1), "plan": result})
+            rows.append(
+                {"model": name, "gpu": gpu_name, "seconds": round(seconds, 1), "plan": result}
+            )
             console.print(f"llama-2-{name} on {gpu_name}: {seconds:.1f} s", style="dim")
     console.print(table)
     targeted = [r for r in rows if r["model"] == "70b"]
@@ -103,7 +120,12 @@ def main() -> int:
             f"{max(r['seconds'] for r in others):.1f} s): their ZeRO-1/2 re-estimates trace "
             "every layer"
         )
-    out = ROOT / "benchmarks" / "results" / f"plan-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    out = (
+        ROOT
+        / "benchmarks"
+        / "results"
+        / f"plan-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    )
     out.write_text(json.dumps(rows, indent=1))
     console.print(f"results: {out.relative_to(ROOT)}")
     return 0

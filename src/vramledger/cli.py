@@ -16,7 +16,7 @@ from rich.console import Console
 from .errors import InputError, VramledgerError
 from .precision import PRECISIONS
 from .sources import TASKS
-from .spec import TARGETS, TrainingSpec
+from .spec import ROUTINGS, TARGETS, TrainingSpec
 from .version import __version__
 
 # Options that set TrainingSpec fields, shared by every command that runs a training step.
@@ -75,6 +75,11 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
     "deepspeed": {
         "metavar": "ds_config.json",
         "help": "read ZeRO stage, offload, precision and batch from a DeepSpeed config",
+    },
+    "moe_routing": {
+        "choices": ROUTINGS,
+        "default": "balanced",
+        "help": "how MoE routers' choices are answered in a trace: balanced (default) or worst",
     },
 }
 
@@ -255,7 +260,8 @@ def _margin(args: argparse.Namespace) -> tuple[int, str]:
 
         margin, source = DEFAULT_MARGIN, MARGIN_SOURCE
     else:
-        margin, source = parse_bytes(args.margin, allow_zero=True), "given with --margin"
+        margin = parse_bytes(args.margin, allow_zero=True, option="--margin")
+        source = "given with --margin"
     if getattr(args, "margin_from", None):
         residual = read_rehearsal_residual(args.margin_from)
         margin += residual

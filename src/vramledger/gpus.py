@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .errors import InputError
-from .units import parse_bytes
+from .units import format_bytes, parse_bytes
 
 CATALOGUE_FILE = Path(__file__).parent / "data" / "gpus.json"
 
@@ -49,10 +49,12 @@ CATALOGUE: dict[str, Gpu] = load_catalogue()
 def resolve_gpu(name: str | None = None, memory: str | int | None = None) -> Gpu:
     """A catalogue GPU by name, or an anonymous one of ``memory`` ('24GiB', bytes)."""
     if memory is not None:
-        size = memory if isinstance(memory, int) else parse_bytes(memory)
+        size = memory if isinstance(memory, int) else parse_bytes(memory, option="--gpu-memory")
         base = CATALOGUE.get(name or "") if name else None
+        given = memory if isinstance(memory, int) else memory.strip().replace(" ", "")
         return Gpu(
-            name=name or f"gpu-{memory}",
+            # the name says how the size was read: 24GB is 22.35 GiB
+            name=name or f"gpu-{given} ({format_bytes(size)})",
             memory_bytes=size,
             compute_capability=base.compute_capability if base else (9, 0),
             source="given with --gpu-memory",

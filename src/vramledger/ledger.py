@@ -240,6 +240,11 @@ class Ledger:
     """The rank this ledger describes: the one with the largest allocated peak."""
     ranks: list[tuple[list[int], Ledger]] = field(default_factory=list, repr=False, compare=False)
     """One entry per distinct rank ledger: the ranks that share it, and the ledger."""
+    warnings: list[str] = field(default_factory=list)
+    """What about the request looks unintended (checks.py), said before the numbers."""
+    moe_routing_peaks: dict[str, int] = field(default_factory=dict)
+    """When the peak depends on how MoE routers route: the allocated peak under each routing
+    traced (trace/values.py); empty when it does not."""
 
     def __post_init__(self) -> None:
         assert sum(self.at_peak.values()) == self.peak_bytes
@@ -296,6 +301,8 @@ class Ledger:
             "spec": self.spec,
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
+            "moe_routing_peaks": dict(self.moe_routing_peaks),
+            "warnings": list(self.warnings),
         }
 
 

@@ -175,8 +175,10 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
             model = wrap_real(model, spec, recipe.precision.name)
         tracker = StorageTracker(module_names=module_names(model), device_type=torch_device.type)
         observer = TrackerObserver(tracker)
+        # Made before tracking, as in a trace: what the inputs function allocates on the way is
+        # not part of the step.
+        batch = recipe.make_batch(torch_device)
         with tracker:
-            batch = recipe.make_inputs(torch_device, recipe.shape)
             run = assemble(
                 model=model,
                 batch=batch,

@@ -106,9 +106,14 @@ def precision_policy(name: str) -> PrecisionPolicy:
 
 
 def cast_model(model: nn.Module, policy: PrecisionPolicy) -> None:
-    """Store floating-point parameters and buffers in the policy's dtype (in place)."""
-    if policy.param_dtype is not torch.float32:
+    """Store floating-point parameters and buffers in the policy's dtype (in place), whatever
+    dtype the model was built in: the precision mode decides it."""
+    if any(p.is_floating_point() and p.dtype != policy.param_dtype for p in model.parameters()):
         model.to(policy.param_dtype)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 @contextlib.contextmanager

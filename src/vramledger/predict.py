@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from .checks import request_warnings
 from .ledger import Ledger, build_ledger
 from .parallel.deepspeed import apply_deepspeed
 from .parallel.engines import zero1_partition
@@ -17,6 +18,8 @@ from .spec import TrainingSpec
 from .trace.cuda_policy import CudaPolicy
 from .trace.fake import trace
 from .trace.policy import CpuPolicy, DevicePolicy
+from .trace.values import CONCRETE_ROUTINGS
+from .units import format_bytes
 from .version import __version__
 
 
@@ -40,6 +43,7 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
     rank's.
     """
     spec, notes = apply_deepspeed(as_spec(spec, fields))
+    warnings = request_warnings(resolve(spec))
     groups = rank_groups(spec)
     ledgers = [(ranks, _estimate_rank(spec, ranks[0], notes)) for ranks in groups]
     ranks, worst = max(ledgers, key=lambda item: item[1].allocated_peak_bytes)
@@ -49,6 +53,7 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
         strategy=spec.strategy or "none",
         worst_rank=ranks[0],
         ranks=ledgers,
+        warnings=warnings,
     )
 
 
@@ -68,10 +73,42 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
 
 
 def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
+    """One rank's ledger. When the memory depends on how an MoE router routes (a value-dependent
+    operator read the routing), every routing is traced and the answer is the asked one's —
+    the largest for ``worst`` — with each routing's peak in ``moe_routing_peaks``."""
+    first = spec.moe_routing if spec.moe_routing in CONCRETE_ROUTINGS else "balanced"
+    ledger, dependent = _trace_ledger(spec, rank, notes, first)
+    if not dependent:
+        return ledger
+    ledgers = {first: ledger}
+    for routing in CONCRETE_ROUTINGS:
+        if routing not in ledgers:
+            ledgers[routing] = _trace_ledger(spec, rank, notes, routing)[0]
+    peaks = {r: ledgers[r].allocated_peak_bytes for r in CONCRETE_ROUTINGS}
+    chosen = max(peaks, key=peaks.get) if spec.moe_routing == "worst" else first
+    band = ", ".join(f"{r} {format_bytes(b)}" for r, b in peaks.items())
+    note = (
+        f"the peak depends on MoE routing ({', '.join(sorted(dependent))} read the experts' "
+        f"token counts): {band}; answered for {chosen}"
+        + (" (the largest: --moe-routing worst)" if spec.moe_routing == "worst" else "")
+    )
+    answer = ledgers[chosen]
+    return replace(answer, notes=[*answer.notes, note], moe_routing_peaks=peaks)
+
+
+def _trace_ledger(
+    spec: TrainingSpec, rank: int, notes: list[str], routing: str
+) -> tuple[Ledger, dict[str, str]]:
     policy = policy_for(spec.target)
     # Under ZeRO-1/2 a rank owns different parameters in each block: not identical blocks.
-    result = trace(spec, policy, rank=rank, extend_blocks=spec.strategy not in ("zero1", "zero2"))
-    return build_ledger(
+    result = trace(
+        spec,
+        policy,
+        rank=rank,
+        extend_blocks=spec.strategy not in ("zero1", "zero2"),
+        routing=routing,
+    )
+    ledger = build_ledger(
         result.timeline,
         target=spec.target,
         allocator=policy.allocator,
@@ -84,3 +121,4 @@ def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
         seconds=result.seconds,
         version=__version__,
     )
+    return ledger, result.routing_dependent

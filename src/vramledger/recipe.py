@@ -4,7 +4,6 @@ optimizer choice."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,8 +13,16 @@ from torch import nn
 from .checkpointing import checkpoint_modules, enable_hf_checkpointing
 from .errors import InputError, TraceError, VramledgerError
 from .optimizers import OptimizerChoice, resolve_optimizer
-from .precision import PrecisionPolicy, cast_model, precision_policy
-from .sources import BatchShape, LossFn, ModelSource, resolve_inputs, resolve_loss, resolve_model
+from .precision import PrecisionPolicy, cast_model, dtype_name, precision_policy
+from .sources import (
+    BatchShape,
+    Inputs,
+    LossFn,
+    ModelSource,
+    resolve_inputs,
+    resolve_loss,
+    resolve_model,
+)
 from .spec import TrainingSpec
 
 
@@ -23,7 +30,7 @@ from .spec import TrainingSpec
 class Recipe:
     spec: TrainingSpec
     source: ModelSource
-    make_inputs: Callable[[torch.device, BatchShape], Any]
+    make_inputs: Inputs
     loss_fn: LossFn
     precision: PrecisionPolicy
     optimizer: OptimizerChoice
@@ -54,8 +61,28 @@ class Recipe:
         if spec.checkpoint_modules:
             checkpoint_modules(model, spec.checkpoint_modules)
         cast_model(model, self.precision)
-        _check_positions(model, spec.seq_len)
+        if "seq_len" in self.make_inputs.uses:  # a default is checked only where it is used
+            _check_positions(model, spec.seq_len)
         return model
+
+    def make_batch(self, device: str | torch.device) -> Any:
+        """The batch, made with the spec's seed (the same values in a trace and a real run),
+        leaving the caller's random state as it was."""
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(self.spec.seed)
+            return self.make_inputs(torch.device(device), self.shape)
+
+    def dtype_note(self) -> str:
+        """Which dtype the parameters are stored in, and why."""
+        stored = dtype_name(self.precision.param_dtype)
+        note = f"parameters stored in {stored} (--precision {self.spec.precision})"
+        declared = self.source.declared_dtype
+        if declared is not None:
+            note += (
+                f"; the config's declared dtype {declared} is how its checkpoint is stored, "
+                "not the training precision"
+            )
+        return note
 
 
 def resolve(spec: TrainingSpec) -> Recipe:

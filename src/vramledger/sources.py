@@ -66,6 +66,10 @@ class ModelSource:
     skip_init: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
     """A context that skips weight initialisation (memory does not depend on the values)."""
     supports_hf_checkpointing: bool = False
+    declared_dtype: str | None = None
+    """The dtype a Hugging Face config declares (``"dtype"``, older ``"torch_dtype"``): how its
+    checkpoint is stored. It does not decide the training precision: models are built in fp32
+    and ``--precision`` casts them."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +77,19 @@ class BatchShape:
     batch_size: int
     seq_len: int
     image_size: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Inputs:
+    """Makes the batch: ``inputs(device, shape)``."""
+
+    make: Callable[[torch.device, BatchShape], Any]
+    uses: frozenset[str]
+    """The BatchShape fields the batch follows (an inputs function that makes its own sequence
+    length does not use ``seq_len``: the default must not be checked against the model)."""
+
+    def __call__(self, device: torch.device, shape: BatchShape) -> Any:
+        return self.make(device, shape)
 
 
 # -- code references --------------------------------------------------------------------------
@@ -217,7 +234,8 @@ def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
 
     def build() -> nn.Module:
         try:
-            model = auto_cls.from_config(copy.deepcopy(config))
+            # In fp32 whatever dtype the config declares; the precision mode casts afterwards.
+            model = auto_cls.from_config(copy.deepcopy(config), dtype=torch.float32)
         except ValueError as exc:
             raise InputError(
                 f"transformers has no {task} model for model_type {config.model_type!r}: "
@@ -235,7 +253,16 @@ def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
         config=config,
         skip_init=_hf_skip_init,
         supports_hf_checkpointing=True,
+        declared_dtype=declared_dtype(config),
     )
+
+
+def declared_dtype(config: Any) -> str | None:
+    """The checkpoint dtype a config declares, as a name ('bfloat16'), or None."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if value is None or value == "auto":
+        return None
+    return str(value).removeprefix("torch.")
 
 
 # -- resolution -------------------------------------------------------------------------------
@@ -304,8 +331,8 @@ def _module_instance_source(module: nn.Module) -> ModelSource:
 
 
 # -- inputs -----------------------------------------------------------------------------------
-def resolve_inputs(inputs: Any, source: ModelSource) -> Callable[[torch.device, BatchShape], Any]:
-    """A function ``(device, shape) -> batch``."""
+def resolve_inputs(inputs: Any, source: ModelSource) -> Inputs:
+    """What makes the batch: ``(device, shape) -> batch``."""
     if inputs is None:
         if source.config is None:
             raise InputError(
@@ -316,11 +343,14 @@ def resolve_inputs(inputs: Any, source: ModelSource) -> Callable[[torch.device, 
     fn = load_callable(inputs, "inputs function") if isinstance(inputs, str) else inputs
     params = inspect.signature(fn).parameters
     accepts_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+    uses = frozenset(
+        key for key in ("batch_size", "seq_len", "image_size") if key in params or accepts_any
+    )
 
     def make(device: torch.device, shape: BatchShape) -> Any:
         kwargs: dict[str, Any] = {"device": device}
-        for key in ("batch_size", "seq_len", "image_size"):
-            if (key in params or accepts_any) and getattr(shape, key) is not None:
+        for key in sorted(uses):
+            if getattr(shape, key) is not None:
                 kwargs[key] = getattr(shape, key)
         batch = _call_user(fn, "inputs function", **kwargs)
         if not _has_tensor(batch):
@@ -330,7 +360,7 @@ def resolve_inputs(inputs: Any, source: ModelSource) -> Callable[[torch.device, 
             )
         return batch
 
-    return make
+    return Inputs(make=make, uses=uses)
 
 
 def _has_tensor(obj: Any) -> bool:
@@ -343,7 +373,7 @@ def _has_tensor(obj: Any) -> bool:
     return False
 
 
-def partial_hf_inputs(source: ModelSource) -> Callable[[torch.device, BatchShape], Any]:
+def partial_hf_inputs(source: ModelSource) -> Inputs:
     config, task = source.config, source.task
 
     def make(device: torch.device, shape: BatchShape) -> dict[str, torch.Tensor]:
@@ -370,7 +400,9 @@ def partial_hf_inputs(source: ModelSource) -> Callable[[torch.device, BatchShape
             f"no default inputs for task {task!r}", hint="pass --inputs FILE.py:FUNCTION"
         )
 
-    return make
+    images = task == "image-classification"
+    uses = {"batch_size", "image_size"} if images else {"batch_size", "seq_len"}
+    return Inputs(make=make, uses=frozenset(uses))
 
 
 def _vocab_size(config: Any) -> int:
@@ -430,6 +462,19 @@ def default_loss(model: nn.Module, batch: Any) -> torch.Tensor:
             hint="pass --loss FILE.py:FUNCTION, called as loss(model, batch) and returning the scalar loss",
         )
     return loss
+
+
+def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``, through nested dicts, lists, tuples
+    and the containers ``torch.utils._pytree`` knows (other mappings, e.g. a tokenizer's
+    ``BatchEncoding``, become dicts)."""
+    from collections.abc import Mapping
+
+    from torch.utils import _pytree as pytree
+
+    if isinstance(obj, Mapping) and type(obj) not in pytree.SUPPORTED_NODES:
+        return {k: map_tensors(fn, v) for k, v in obj.items()}
+    return pytree.tree_map_only(torch.Tensor, fn, obj)
 
 
 def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:

@@ -13,6 +13,9 @@ from .errors import InputError
 from .precision import PRECISIONS, Precision
 from .sources import TASKS
 
+ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
+"""MoE routing policies (trace/values.py answers router choices by them)."""
+
 Target = Literal["cuda", "cpu"]
 TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
@@ -70,6 +73,10 @@ class TrainingSpec:
     deepspeed: str | None = None
     """A DeepSpeed JSON config: ZeRO stage, offload, bf16/fp16, micro-batch and gradient
     accumulation are read from it."""
+    moe_routing: str = "balanced"
+    """How a mixture-of-experts router's choices are answered in a trace (its values depend on
+    the weights): balanced (every expert the same number of tokens) or worst (the last k experts
+    take every token; an upper bound for a loop over experts). See trace/values.py."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -99,6 +106,10 @@ class TrainingSpec:
             raise InputError(
                 f"optimizer kwargs must be a JSON object, not {type(self.optimizer_kwargs).__name__}",
                 hint="write it like '{\"momentum\": 0.9}'",
+            )
+        if self.moe_routing not in ROUTINGS:
+            raise InputError(
+                f"unknown MoE routing {self.moe_routing!r}", hint=f"use {' or '.join(ROUTINGS)}"
             )
         object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
         self._check_parallel()

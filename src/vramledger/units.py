@@ -29,12 +29,19 @@ _UNITS = {
 _PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(text: str, *, allow_zero: bool = False) -> int:
-    """Parse '24GiB', '80 GB', '512MiB' or a plain integer of bytes."""
+def parse_bytes(text: str, *, allow_zero: bool = False, option: str | None = None) -> int:
+    """Parse '24GiB', '80 GB', '512MiB' or a plain integer of bytes. With ``option`` (a user's
+    command-line value) a unit is required: '24' is far more likely meant as 24 GiB than as
+    24 bytes, so it is refused rather than guessed."""
     match = _PATTERN.match(text)
     if not match:
         raise InputError(
             f"cannot read {text!r} as a memory size", hint="write it like 24GiB or 80GB"
+        )
+    if option is not None and not match.group(2) and float(match.group(1)) != 0:
+        raise InputError(
+            f"{option} {text} has no unit",
+            hint=f"write {text}GiB (1024-based) or {text}GB (1000-based, as GPU vendors quote)",
         )
     number, unit = float(match.group(1)), match.group(2).lower() or "b"
     if unit not in _UNITS:

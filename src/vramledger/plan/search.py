@@ -30,6 +30,7 @@ from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
 from ..ledger import replay, steady_peak, steady_reserved_peak
+from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
@@ -242,6 +243,8 @@ def plan(
         raise InputError(f"--workers must be at least 1, not {workers}")
     if not optimizers:
         raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
+    for name in optimizers:  # a misspelt name is refused before any tracing
+        resolve_optimizer(name, spec.optimizer_kwargs)
     if margin < 0 or margin >= gpu.memory_bytes:
         raise InputError(
             f"the margin ({format_bytes(margin)}) leaves nothing of {gpu.name}'s "

@@ -26,6 +26,10 @@ def _title(ledger: Ledger) -> str:
     parts.append(f"batch {spec.get('batch_size')}×{spec.get('seq_len')}")
     parts.append(str(spec.get("precision")))
     parts.append(f"optimizer {spec.get('optimizer')}")
+    if spec.get("strategy") not in (None, "none"):
+        parts.append(f"{spec['strategy']} × {spec.get('world_size', 1)} ranks")
+    if spec.get("offload") not in (None, "none"):
+        parts.append(f"offload {spec['offload']}")
     if spec.get("grad_checkpointing") or spec.get("checkpoint_modules"):
         parts.append("checkpointing")
     if spec.get("grad_accum", 1) > 1:
@@ -74,7 +78,9 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
                 format_bytes(ledger.phases[phase]),
                 format_bytes(ledger.allocated_phases.get(phase, 0)),
             )
-    parts: list = [Text(_title(ledger), style="bold"), breakdown, phases]
+    parts: list = [Text(_title(ledger), style="bold")]
+    parts += [Text(f"warning: {w}", style="yellow") for w in ledger.warnings]
+    parts += [breakdown, phases]
     if ledger.world_size > 1:
         parts.append(ranks_table(ledger))
     if ledger.top_modules:

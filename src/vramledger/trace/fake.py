@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,7 +25,7 @@ from ..optimizers import OptimizerChoice
 from ..parallel.engines import RankEngine, adapt_recipe, fake_world
 from ..parallel.strategy import OFFLOADED, apply_offload, master_shard_fraction
 from ..recipe import Recipe, count_parameters, module_names, resolve
-from ..sources import hf_source
+from ..sources import hf_source, map_tensors
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..training import assemble
@@ -41,11 +42,12 @@ from .blocks import (
     truncate,
 )
 from .dtensor_compat import untracked_sharding_propagation
-from .fake_corrections import CORRECTIONS
-from .hf_compat import ordinary_batches
+from .fake_corrections import CORRECTIONS, SUBSTITUTES
+from .hf_compat import hf_known_values, ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
+from .values import CONCRETE_ROUTINGS, KnownValues
 
 TRACE_DEVICE = torch.device("cpu")
 """Fake tensors carry the CPU device: CPU-only PyTorch cannot run autograd on fake CUDA tensors
@@ -62,6 +64,18 @@ class TraceResult:
     optimizer_state_method: str
     seconds: float
     notes: list[str] = field(default_factory=list)
+    routing_dependent: dict[str, str] = field(default_factory=dict)
+    """Value-dependent operators that read MoE routing values (operator -> module): the memory
+    depends on the routing policy (``trace/values.py``)."""
+
+
+@dataclass(kw_only=True)
+class TraceLog:
+    """What the traces of one estimate found besides the timeline."""
+
+    notes: list[str] = field(default_factory=list)
+    routing_dependent: dict[str, str] = field(default_factory=dict)
+    routing: str = "balanced"
 
 
 def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> None:
@@ -85,26 +99,37 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> Non
 
 
 def trace(
-    spec: TrainingSpec, policy: DevicePolicy, *, extend_blocks: bool = True, rank: int = 0
+    spec: TrainingSpec,
+    policy: DevicePolicy,
+    *,
+    extend_blocks: bool = True,
+    rank: int = 0,
+    routing: str | None = None,
 ) -> TraceResult:
     """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline.
 
     Models made of many identical blocks are traced with a few blocks and extended exactly
-    (``blocks.py``); if the extension cannot be verified, every block is traced.
+    (``blocks.py``); if the extension cannot be verified, every block is traced. ``routing``: the
+    MoE routing policy the trace answers routers with (default: the spec's, ``balanced`` for
+    ``worst``, which ``predict.py`` makes of several traces).
     """
     start = time.perf_counter()
+    if routing is None:
+        routing = spec.moe_routing if spec.moe_routing in CONCRETE_ROUTINGS else "balanced"
     resolved = resolve(spec)
     recipe = adapt_recipe(resolved)
-    notes: list[str] = []
+    log = TraceLog(notes=[recipe.dtype_note()])
+    notes = log.notes
     choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
     warm_library_caches(choice)
     if choice.package == "torchao":
         notes.append(TORCHAO_NOTE)
-    result = _extended(recipe, choice, policy, notes, rank) if extend_blocks else None
+    log.routing = routing
+    result = _extended(recipe, choice, policy, log, rank) if extend_blocks else None
     if result is None:
         model = recipe.build_model("meta")
         counts = count_parameters(model)
-        timeline = _run(recipe, choice, model, policy, notes, rank=rank)
+        timeline = _run(recipe, choice, model, policy, log, rank=rank)
     else:
         timeline, counts = result
     offloaded = OFFLOADED[spec.offload]
@@ -131,11 +156,12 @@ def trace(
         optimizer_state_method=choice.method,
         seconds=time.perf_counter() - start,
         notes=list(dict.fromkeys(policy.notes() + notes)),
+        routing_dependent=log.routing_dependent,
     )
 
 
 def _extended(
-    recipe: Recipe, choice: OptimizerChoice, policy: DevicePolicy, notes: list[str], rank: int = 0
+    recipe: Recipe, choice: OptimizerChoice, policy: DevicePolicy, log: TraceLog, rank: int = 0
 ) -> tuple[Timeline, tuple[int, int]] | None:
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
@@ -160,7 +186,7 @@ def _extended(
             truncate(models[d], stack, d)
     counts = {d: count_parameters(m) for d, m in models.items()}
     traced = {
-        d: _run(recipe, choice, models[d], policy, notes, stack=stack, rank=rank) for d in models
+        d: _run(recipe, choice, models[d], policy, log, stack=stack, rank=rank) for d in models
     }
     try:
         check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
@@ -168,9 +194,9 @@ def _extended(
             raise NotExtensible("the extended trace differs from the traced one")
         full_timeline = extend(traced[SMALL + 1], SMALL + 1, stack.length, stack.fqn)
     except NotExtensible as exc:
-        notes.append(f"traced every block of {stack.fqn} ({exc})")
+        log.notes.append(f"traced every block of {stack.fqn} ({exc})")
         return None
-    notes.append(
+    log.notes.append(
         f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in {stack.fqn} and "
         "extended the timeline to all of them (verified exact on the smaller pair)"
     )
@@ -193,7 +219,7 @@ def _run(
     choice: OptimizerChoice,
     model: nn.Module,
     policy: DevicePolicy,
-    notes: list[str],
+    log: TraceLog,
     *,
     stack: BlockStack | None = None,
     rank: int = 0,
@@ -203,7 +229,7 @@ def _run(
     world = fake_world(rank, spec.world_size) if distributed else contextlib.nullcontext()
     with world as mesh:
         return _run_rank(
-            recipe, choice, model, policy, notes, stack, RankEngine(spec=spec, rank=rank, mesh=mesh)
+            recipe, choice, model, policy, log, stack, RankEngine(spec=spec, rank=rank, mesh=mesh)
         )
 
 
@@ -212,14 +238,18 @@ def _run_rank(
     choice: OptimizerChoice,
     model: nn.Module,
     policy: DevicePolicy,
-    notes: list[str],
+    log: TraceLog,
     stack: BlockStack | None,
     engine: RankEngine,
 ) -> Timeline:
     spec = recipe.spec
+    notes = log.notes
     names = module_names(model)
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakeify(model, mode, TRACE_DEVICE)
+    values = KnownValues(mode, routing=log.routing)
+    values.seq_len_option = "seq_len" in recipe.make_inputs.uses
+    real_batch = recipe.make_batch(TRACE_DEVICE)
     blocks: list[nn.Module] = list(model.get_submodule(stack.fqn)) if stack is not None else []
     if spec.strategy != "none":
         shard_units = blocks or _block_modules(model)
@@ -229,11 +259,13 @@ def _run_rank(
         module_names=names,
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
+        substitutes=SUBSTITUTES,
         answer_optimizer_scalars=True,
         blocks={id(b): k for k, b in enumerate(blocks)},
         tensor_blocks={id(p): k for k, b in enumerate(blocks) for p in b.parameters()},
         op_categories=engine.op_categories,
         resize_category=engine.resize_category,
+        values=values,
     )
     observer = TrackerObserver(tracker, policy.host_resident)
     # torch.compile'd optimizer steps (torchao) run eagerly on fake tensors.
@@ -242,13 +274,14 @@ def _run_rank(
         mode,
         policy.context(),
         ordinary_batches(notes),
+        hf_known_values(values),
         untracked_sharding_propagation(),
         eager,
         tracker,
     ):
         tracker.label_blocks(blocks)
         try:
-            batch = recipe.make_inputs(TRACE_DEVICE, recipe.shape)
+            batch = fake_batch(real_batch, mode, values)
             run = assemble(
                 model=model,
                 batch=batch,
@@ -265,8 +298,15 @@ def _run_rank(
         except VramledgerError:
             raise
         except Exception as exc:
-            raise trace_error(exc, tracker) from exc
+            raise trace_error(exc, tracker, spec.target) from exc
     timeline = tracker.close()
+    log.routing_dependent.update(values.routing_dependent)
+    if values.routed_ops and not values.routing_dependent:  # else predict.py reports the band
+        notes.append(
+            f"MoE routers ({', '.join(sorted(values.routed_ops))}) answered with the "
+            f"{log.routing} routing; the memory does not depend on the routing (no "
+            "value-dependent operator read it)"
+        )
     notes.extend(n for n in engine.notes if n not in notes)
     if tracker.scalars_answered:
         notes.append(
@@ -283,26 +323,49 @@ _FAKE_LIMITS = (
 )
 
 
-def trace_error(exc: Exception, tracker: StorageTracker) -> TraceError:
-    """Say which operator failed in which module, and what to do instead."""
+def trace_error(exc: Exception, tracker: StorageTracker, target: str = "cuda") -> TraceError:
+    """Say which operator failed in which module, and what to do instead (a hint that is true for
+    this run: ``--target cpu`` is suggested only to a CUDA estimate, and only where the CPU path
+    could differ)."""
     where = tracker.module_of(exc) or "the training step"
-    hint = "try --target cpu, or run it for real with `vramledger measure` (--debug shows the traceback)"
+    measure = "run it for real with `vramledger measure` (--debug shows the traceback)"
+    hint = f"try --target cpu, or {measure}" if target == "cuda" else measure
     if isinstance(exc, _FAKE_LIMITS):
         op = getattr(exc, "func", None)
-        why = {
-            UnsupportedOperatorException: "has no fake-tensor implementation",
-            DataDependentOutputException: "needs tensor values, which fake tensors do not have",
-            DynamicOutputShapeException: "has an output shape that depends on tensor values",
-        }[type(exc)]
-        return TraceError(f"operator {op} {why} (in module {where})", hint=hint)
+        if isinstance(exc, UnsupportedOperatorException):
+            return TraceError(
+                f"operator {op} has no fake-tensor implementation (in module {where})", hint=hint
+            )
+        what = (
+            "has an output shape that depends on tensor values"
+            if isinstance(exc, DynamicOutputShapeException)
+            else "needs tensor values"
+        )
+        return TraceError(
+            f"operator {op} {what} (in module {where}), and these values are computed from the "
+            "model's parameters, which a fake-tensor trace does not have (values computed from "
+            "the batch alone are known)",
+            hint=measure,
+        )
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     if (
         "data-dependent" in text
         or "Data dependent" in text
         or "GuardOnDataDependent" in type(exc).__name__
     ):
-        return TraceError(f"data-dependent control flow in module {where}: {text}", hint=hint)
+        return TraceError(f"data-dependent control flow in module {where}: {text}", hint=measure)
     return TraceError(f"{type(exc).__name__} in module {where}: {text}", hint=hint)
+
+
+def fake_batch(batch: Any, mode: FakeTensorMode, values: KnownValues) -> Any:
+    """The real batch as fake tensors whose values are known."""
+
+    def convert(t: torch.Tensor) -> torch.Tensor:
+        fake = mode.from_tensor(t)
+        values.register(fake, t)
+        return fake
+
+    return map_tensors(convert, batch)
 
 
 def _block_modules(model: nn.Module) -> list[nn.Module]:

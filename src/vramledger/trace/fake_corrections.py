@@ -1,9 +1,11 @@
-"""Where a fake (meta) kernel's outputs differ in size from the real kernel's.
+"""Where a fake (meta) kernel differs from the real kernels.
 
-For the operators listed here the meta implementation returns outputs of a different dtype
-than the real CPU and CUDA kernels; the tracker replaces those outputs by fake tensors of the
-real dtype before anything sees them, so the ledger, the saved tensors and the backward all
-match a real run. Each entry is checked against a real CPU run in ``tests/test_ground_truth.py``.
+``CORRECTIONS``: for these operators the meta implementation returns outputs of a different
+dtype than the real CPU and CUDA kernels; the tracker replaces those outputs by fake tensors of
+the real dtype before anything sees them, so the ledger, the saved tensors and the backward all
+match a real run. ``SUBSTITUTES``: for these the meta implementation refuses inputs the real
+kernels accept; the tracker computes the output's shape itself. Each entry is checked against a
+real CPU run in ``tests/test_ground_truth.py``.
 """
 
 from __future__ import annotations
@@ -36,6 +38,43 @@ def _batch_norm_stats(args: Sequence[Any], out: Any) -> Any:
         if isinstance(stat, torch.Tensor) and stat.dtype in _HALF:
             fixed[i] = torch.empty(stat.shape, dtype=BATCH_NORM_STATS_DTYPE, device=stat.device)
     return type(out)(fixed)
+
+
+Substitute = Callable[..., Any]
+"""(func, *args, **kwargs) -> outputs as the real kernel returns them."""
+
+
+def _grouped_mm(func: Any, mat_a: Any, mat_b: Any, *args: Any, **kwargs: Any) -> Any:
+    """``torch._grouped_mm`` (mixture-of-experts layers) in any floating dtype.
+
+    The meta kernel (``_meta_grouped_mm_common`` in torch/_meta_registrations.py) copies the
+    checks of the CUDA fast path and refuses anything but bfloat16, but the real kernels take
+    other dtypes: the CPU kernel, and on CUDA ``_grouped_mm_cuda`` falls back to
+    ``_grouped_mm_fallback`` (a loop of ``mm_out`` into slices of the output) when the inputs are
+    not bfloat16 (aten/src/ATen/native/cuda/GroupedBlas.cpp, GroupedMMUtils.h). The output has
+    the meta kernel's shape and the inputs' dtype (or ``out_dtype``)."""
+    if mat_a.dtype == mat_b.dtype == torch.bfloat16:
+        return func(mat_a, mat_b, *args, **kwargs)
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    def proxy(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        dtype = torch.bfloat16 if t.is_floating_point() else t.dtype
+        return torch.empty_strided(t.shape, t.stride(), dtype=dtype, device="meta")
+
+    out_dtype = kwargs.pop("out_dtype", None) or mat_a.dtype
+    with unset_fake_temporarily():
+        shaped = func(
+            proxy(mat_a),
+            proxy(mat_b),
+            *map(proxy, args),
+            **{k: proxy(v) for k, v in kwargs.items()},
+        )
+    return torch.empty_strided(shaped.shape, shaped.stride(), dtype=out_dtype, device=mat_a.device)
+
+
+SUBSTITUTES: dict[Any, Substitute] = {aten._grouped_mm.default: _grouped_mm}
 
 
 CORRECTIONS: dict[Any, Correction] = {

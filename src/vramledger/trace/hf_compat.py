@@ -1,13 +1,17 @@
 """Where Hugging Face code branches on fake tensors differently from a real run.
 
 transformers treats a ``FakeTensor`` like a graph being compiled (``is_tracing``) and then
-skips checks that need tensor values, taking the safe, general path. One of those changes
-memory: ``masking_utils.find_packed_sequence_indices`` cannot tell whether the batch packs
-several sequences per row, so it returns a packed-sequence map, and the model then builds a
-full attention mask (and on CUDA the mask rules out flash attention). A real run on an ordinary
-batch finds no packing and uses ``is_causal`` with no mask. During a trace this module runs the
-real check (its tensors are allocated as in a real run) and answers its final, value-dependent
-question as an ordinary batch does — no packed sequences — and says so in the notes.
+skips checks that need tensor values, taking the safe, general path. Those checks change
+memory: whether a padding mask is all ones decides between ``is_causal`` and a full 4-D mask
+(which on CUDA also rules out flash attention), and ``masking_utils.find_packed_sequence_indices``
+decides whether the batch packs several sequences per row.
+
+Values computed from the batch alone are known during a trace (``values.py``), so
+:func:`hf_known_values` tells transformers that a fake tensor with known values is not being
+traced: its checks read the real values and take the branch the real run takes. Where the values
+are not known, :func:`ordinary_batches` runs the packed-sequence check (its tensors are allocated
+as in a real run) and answers its final question as an ordinary batch does — no packed
+sequences — and says so in the notes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,28 @@ from __future__ import annotations
 import contextlib
 import sys
 from collections.abc import Iterator
+
+from .values import KnownValues
+
+
+@contextlib.contextmanager
+def hf_known_values(values: KnownValues) -> Iterator[None]:
+    """transformers' ``is_tracing(tensor)`` is False for fake tensors whose values are known."""
+    utils = sys.modules.get("transformers.utils.import_utils")
+    original = getattr(utils, "is_fake_tensor", None)
+    if original is None:
+        yield
+        return
+
+    def is_fake_tensor(x) -> bool:
+        return original(x) and not values.known(x)
+
+    utils.is_fake_tensor = is_fake_tensor
+    try:
+        yield
+    finally:
+        utils.is_fake_tensor = original
+
 
 ASSUMPTION = "assumed batches do not pack several sequences per row (transformers' packed-sequence check needs values)"
 

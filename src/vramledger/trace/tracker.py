@@ -31,6 +31,7 @@ from torch.utils._python_dispatch import (
 from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
+from .values import KnownValues
 
 OpObserver = Callable[[Any, tuple[Any, ...], Any, "StorageTracker"], None]
 """Called after each operator, before its outputs are recorded: (func, args, outputs, tracker).
@@ -85,12 +86,14 @@ class StorageTracker(TorchDispatchMode):
         module_names: dict[int, str] | None = None,
         op_observer: OpObserver | None = None,
         corrections: dict[Any, Callable[[Any, Any], Any]] | None = None,
+        substitutes: dict[Any, Callable[..., Any]] | None = None,
         answer_optimizer_scalars: bool = False,
         blocks: dict[int, int] | None = None,
         tensor_blocks: dict[int, int] | None = None,
         device_type: str | None = None,
         op_categories: dict[str, Category] | None = None,
         resize_category: Category | None = None,
+        values: KnownValues | None = None,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -108,6 +111,7 @@ class StorageTracker(TorchDispatchMode):
         self._hook_handles: list[Any] = []
         self._op: Any = None
         self._corrections = corrections or {}
+        self._substitutes = substitutes or {}
         # Storages made by these operators, or brought to life by resize_ (FSDP2's unsharded
         # parameters), get these categories.
         self._op_categories = op_categories or {}
@@ -124,6 +128,10 @@ class StorageTracker(TorchDispatchMode):
         self._block_stack: list[int | None] = []
         self._inherit: Any = None  # block(s) the current op's outputs inherit (other phases)
         self._transients: list[int] = []  # kernel scratch of the current op, freed after it
+        # Real values of tensors computed from the batch alone (trace/values.py).
+        self.values = values
+        if values is not None:
+            values.module = lambda: self.current_module
         self.failure: tuple[BaseException, str] | None = None
         self._module_failure: tuple[BaseException, str] | None = None
         """The last exception an operator raised and the innermost module running then."""
@@ -135,8 +143,13 @@ class StorageTracker(TorchDispatchMode):
                 # Let tensor subclasses (DTensor, torchao's quantized states) run first: their
                 # inner operators then come back through this mode and are seen.
                 return NotImplemented
+        substitute = self._substitutes.get(func)
+        run = func if substitute is None else partial(substitute, func)
         try:
-            out = func(*args, **(kwargs or {}))
+            if self.values is None:
+                out = run(*args, **(kwargs or {}))
+            else:
+                out = self.values.call(func, args, kwargs or {}, run)
         except Exception as exc:
             if self._answers(func, exc):
                 self.scalars_answered += 1
@@ -151,6 +164,13 @@ class StorageTracker(TorchDispatchMode):
             self._inherit = self._inherited_blocks(args, out)
         if self._op_observer is not None:
             self._op_observer(func, args, out, self)
+        if self.values is not None and self.values.pending_scratch:
+            self.add_transient(
+                self.values.pending_scratch,
+                f"{func} index tensors from boolean masks",
+                Category.TEMPORARIES,
+            )
+            self.values.pending_scratch = 0
         if isinstance(out, torch.Tensor):
             self._see(out)
         elif isinstance(out, (tuple, list)):
