@@ -128,7 +128,7 @@ def test_plan_rejects_a_margin_larger_than_the_gpu():
 def test_advise_first_fitting_change_really_fits(short_mib):
     spec = replace(SMALL, batch_size=8, seq_len=128, optimizer="adamw")
     peak = estimate(spec).reserved_peak_bytes
-    gpu = resolve_gpu(memory=str(peak - short_mib * MIB))
+    gpu = resolve_gpu(memory=peak - short_mib * MIB)
     advice = advise(spec, gpu, margin=0)
     assert not advice.fits and advice.first_fit, advice.to_dict()
 
