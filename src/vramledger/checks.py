@@ -8,12 +8,8 @@ hint never suggests what the user already did.
 
 from __future__ import annotations
 
-from typing import Any
-
 from .recipe import Recipe
-
-POSITION_LIMIT_ATTRS = ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length")
-"""Config attributes that state the longest sequence a model was built for."""
+from .tasks import position_limit
 
 
 def request_warnings(recipe: Recipe) -> list[str]:
@@ -22,11 +18,11 @@ def request_warnings(recipe: Recipe) -> list[str]:
     out: list[str] = []
     config = recipe.source.config
     if config is not None and "seq_len" in recipe.make_inputs.uses:
-        limit = _position_limit(config)
+        limit = position_limit(config)
         if limit is not None and spec.seq_len > limit:
             out.append(
-                f"seq-len {spec.seq_len:,} exceeds the {limit:,} positions the config declares "
-                f"({_limit_name(config)}): the model was not trained for it (rotary scaling aside); "
+                f"seq-len {spec.seq_len:,} exceeds the {limit:,} positions the config declares: "
+                "the model was not trained for it (rotary scaling aside); "
                 f"the estimate runs it as asked — pass --seq-len {limit} or less for its own range"
             )
     single = spec.world_size == 1 and spec.offload == "none"
@@ -36,20 +32,3 @@ def request_warnings(recipe: Recipe) -> list[str]:
             "pass --world-size N (or --nodes and --gpus-per-node) for the ranks it shards over"
         )
     return out
-
-
-def _position_limit(config: Any) -> int | None:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for attr in POSITION_LIMIT_ATTRS:
-        value = getattr(text, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def _limit_name(config: Any) -> str:
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for attr in POSITION_LIMIT_ATTRS:
-        if isinstance(getattr(text, attr, None), int):
-            return attr
-    return "its position limit"

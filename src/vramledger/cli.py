@@ -15,8 +15,8 @@ from rich.console import Console
 
 from .errors import InputError, VramledgerError
 from .precision import PRECISIONS
-from .sources import TASKS
 from .spec import ROUTINGS, TARGETS, TrainingSpec
+from .tasks import TASKS
 from .version import __version__
 
 # Options that set TrainingSpec fields, shared by every command that runs a training step.

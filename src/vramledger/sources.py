@@ -18,35 +18,14 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
 from .errors import InputError
 from .jsonfile import read_json_object
-
-Task = Literal[
-    "causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "sequence-classification"
-]
-TASKS: tuple[str, ...] = Task.__args__  # type: ignore[attr-defined]
-
-# Suffixes of Hugging Face ``architectures`` entries and the task each implies.
-_ARCHITECTURE_TASKS: tuple[tuple[str, str], ...] = (
-    ("ForCausalLM", "causal-lm"),
-    ("LMHeadModel", "causal-lm"),
-    ("ForMaskedLM", "masked-lm"),
-    ("ForSeq2SeqLM", "seq2seq-lm"),
-    ("ForImageClassification", "image-classification"),
-    ("ForSequenceClassification", "sequence-classification"),
-)
-_AUTO_CLASSES = {
-    "causal-lm": "AutoModelForCausalLM",
-    "masked-lm": "AutoModelForMaskedLM",
-    "seq2seq-lm": "AutoModelForSeq2SeqLM",
-    "image-classification": "AutoModelForImageClassification",
-    "sequence-classification": "AutoModelForSequenceClassification",
-}
+from .tasks import KINDS, TASKS, infer_task, model_class
 
 InputsFn = Callable[..., Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -87,6 +66,8 @@ class Inputs:
     uses: frozenset[str]
     """The BatchShape fields the batch follows (an inputs function that makes its own sequence
     length does not use ``seq_len``: the default must not be checked against the model)."""
+    note: str | None = None
+    """What a default batch leaves out, for the notes."""
 
     def __call__(self, device: torch.device, shape: BatchShape) -> Any:
         return self.make(device, shape)
@@ -193,22 +174,6 @@ def hf_config_from_dict(data: dict[str, Any], *, origin: str = "config") -> Any:
         raise InputError(f"{origin}: transformers rejected the config: {exc}") from exc
 
 
-def infer_task(config: Any) -> str:
-    for arch in getattr(config, "architectures", None) or ():
-        if arch.endswith("ForConditionalGeneration") and getattr(
-            config, "is_encoder_decoder", False
-        ):
-            return "seq2seq-lm"
-        for suffix, task in _ARCHITECTURE_TASKS:
-            if arch.endswith(suffix):
-                return task
-    raise InputError(
-        f"cannot tell the task of this {config.model_type} config from its architectures "
-        f"{getattr(config, 'architectures', None)}",
-        hint=f"pass --task (one of {', '.join(TASKS)})",
-    )
-
-
 def _hf_skip_init() -> contextlib.AbstractContextManager:
     _require_transformers()
     for where in ("transformers.initialization", "transformers.modeling_utils"):
@@ -225,12 +190,12 @@ def _hf_skip_init() -> contextlib.AbstractContextManager:
 def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
     transformers = _require_transformers()
     task = task or infer_task(config)
-    if task not in _AUTO_CLASSES:
+    if task not in KINDS:
         raise InputError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
     if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
         # Decoder models find the last token through pad_token_id; a batch > 1 needs one.
         config.pad_token_id = 0
-    auto_cls = getattr(transformers, _AUTO_CLASSES[task])
+    auto_cls = getattr(transformers, KINDS[task].auto_class)
 
     def build() -> nn.Module:
         try:
@@ -374,47 +339,14 @@ def _has_tensor(obj: Any) -> bool:
 
 
 def partial_hf_inputs(source: ModelSource) -> Inputs:
-    config, task = source.config, source.task
+    """The default batch of the source's task (``tasks.py``)."""
+    config, kind = source.config, KINDS[source.task]
+    cls = model_class(config, source.task)
 
     def make(device: torch.device, shape: BatchShape) -> dict[str, torch.Tensor]:
-        b, s = shape.batch_size, shape.seq_len
-        if task == "image-classification":
-            size = shape.image_size or getattr(config, "image_size", None) or 224
-            channels = getattr(config, "num_channels", 3)
-            return {
-                "pixel_values": torch.randn(b, channels, size, size, device=device),
-                "labels": torch.randint(0, config.num_labels, (b,), device=device),
-            }
-        vocab = _vocab_size(config)
-        ids = torch.randint(0, vocab, (b, s), device=device)
-        if task in ("causal-lm", "masked-lm"):
-            return {"input_ids": ids, "labels": torch.randint(0, vocab, (b, s), device=device)}
-        if task == "seq2seq-lm":
-            return {"input_ids": ids, "labels": torch.randint(0, vocab, (b, s), device=device)}
-        if task == "sequence-classification":
-            return {
-                "input_ids": ids,
-                "labels": torch.randint(0, config.num_labels, (b,), device=device),
-            }
-        raise InputError(
-            f"no default inputs for task {task!r}", hint="pass --inputs FILE.py:FUNCTION"
-        )
+        return kind.make(config, cls, device, shape)
 
-    images = task == "image-classification"
-    uses = {"batch_size", "image_size"} if images else {"batch_size", "seq_len"}
-    return Inputs(make=make, uses=frozenset(uses))
-
-
-def _vocab_size(config: Any) -> int:
-    vocab = getattr(config, "vocab_size", None)
-    if vocab is None and hasattr(config, "get_text_config"):
-        vocab = getattr(config.get_text_config(), "vocab_size", None)
-    if not vocab:
-        raise InputError(
-            f"the {config.model_type} config has no vocab_size for default token inputs",
-            hint="pass --inputs FILE.py:FUNCTION",
-        )
-    return int(vocab)
+    return Inputs(make=make, uses=kind.uses, note=kind.note)
 
 
 # -- loss -------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from .errors import InputError
 from .precision import PRECISIONS, Precision
-from .sources import TASKS
+from .tasks import TASKS
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 """MoE routing policies (trace/values.py answers router choices by them)."""

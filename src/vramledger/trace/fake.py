@@ -119,6 +119,8 @@ def trace(
     resolved = resolve(spec)
     recipe = adapt_recipe(resolved)
     log = TraceLog(notes=[recipe.dtype_note()])
+    if recipe.make_inputs.note:
+        log.notes.append(recipe.make_inputs.note)
     notes = log.notes
     choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
     warm_library_caches(choice)

@@ -1,0 +1,307 @@
+"""Hugging Face tasks: which model head a config is trained as, and its default batch.
+
+A task is read from the config's ``architectures`` by looking the class name up in transformers'
+own auto mappings (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES`` ...), so every architecture transformers
+knows is trained as what it is. Each task builds the model through its auto class and makes a
+default batch from ``--batch-size`` and ``--seq-len`` (``--image-size``): the inputs the model's
+forward takes (by its ``main_input_name``) and labels its loss accepts.
+
+``--seq-len`` is the sequence the model's transformer sees: tokens for text; for raw-audio
+models (wav2vec2 family) the frames the convolutional feature encoder produces, the waveform
+being as long as that takes; for Whisper-style encoders the audio window is fixed by the config
+(``2 * max_source_positions`` mel frames) and ``--seq-len`` is the decoder's tokens. An
+image-text-to-text model's default batch is text only (its vision tower's parameters, gradients
+and optimizer state are counted, its activations are not); pass ``--inputs`` for image batches.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from .errors import InputError
+
+Task = Literal[
+    "causal-lm",
+    "masked-lm",
+    "seq2seq-lm",
+    "sequence-classification",
+    "token-classification",
+    "image-classification",
+    "audio-classification",
+    "ctc",
+    "speech-seq2seq",
+    "image-text-to-text",
+]
+TASKS: tuple[str, ...] = Task.__args__  # type: ignore[attr-defined]
+
+Shape = Any  # sources.BatchShape (batch_size, seq_len, image_size)
+Make = Callable[[Any, Any, torch.device, Shape], dict[str, torch.Tensor]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskKind:
+    name: str
+    auto_class: str
+    """transformers auto class that builds the model."""
+    mapping: str
+    """transformers' architecture table for it (``modeling_auto.<mapping>``)."""
+    make: Make
+    """(config, model class, device, shape) -> the default batch."""
+    uses: frozenset[str]
+    """BatchShape fields the default batch follows."""
+    note: str | None = None
+    """What the default batch leaves out, said in the notes."""
+
+
+# -- default batches ------------------------------------------------------------------------------
+def text_config(config: Any) -> Any:
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def vocab_size(config: Any) -> int:
+    vocab = getattr(config, "vocab_size", None) or getattr(text_config(config), "vocab_size", None)
+    if not vocab:
+        raise InputError(
+            f"the {config.model_type} config has no vocab_size for default token inputs",
+            hint="pass --inputs FILE.py:FUNCTION",
+        )
+    return int(vocab)
+
+
+def _ids(config: Any, device: torch.device, b: int, s: int) -> torch.Tensor:
+    return torch.randint(0, vocab_size(config), (b, s), device=device)
+
+
+def _classes(config: Any, device: torch.device, *shape: int) -> torch.Tensor:
+    return torch.randint(0, int(getattr(config, "num_labels", 2)), shape, device=device)
+
+
+def _lm(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str, torch.Tensor]:
+    b, s = shape.batch_size, shape.seq_len
+    return {"input_ids": _ids(config, device, b, s), "labels": _ids(config, device, b, s)}
+
+
+def _sequence_classes(config: Any, cls: Any, device: torch.device, shape: Shape):
+    b, s = shape.batch_size, shape.seq_len
+    return {"input_ids": _ids(config, device, b, s), "labels": _classes(config, device, b)}
+
+
+def _token_classes(config: Any, cls: Any, device: torch.device, shape: Shape):
+    b, s = shape.batch_size, shape.seq_len
+    return {"input_ids": _ids(config, device, b, s), "labels": _classes(config, device, b, s)}
+
+
+def _images(config: Any, cls: Any, device: torch.device, shape: Shape):
+    size = shape.image_size or getattr(config, "image_size", None) or 224
+    if isinstance(size, (list, tuple)):
+        size = size[0]
+    channels = getattr(config, "num_channels", 3)
+    b = shape.batch_size
+    return {
+        "pixel_values": torch.randn(b, channels, size, size, device=device),
+        "labels": _classes(config, device, b),
+    }
+
+
+def _conv_input_length(config: Any, frames: int) -> int:
+    """Waveform samples the convolutional feature encoder turns into ``frames`` frames:
+    ``L_out = floor((L_in - kernel) / stride) + 1`` per layer, inverted."""
+    length = frames
+    for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride, strict=True))):
+        length = (length - 1) * stride + kernel
+    return length
+
+
+def _audio(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str, torch.Tensor]:
+    """The audio input of ``cls`` (by its ``main_input_name``) for ``shape.seq_len`` frames."""
+    b, s = shape.batch_size, shape.seq_len
+    name = getattr(cls, "main_input_name", "input_values")
+    if getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None):
+        return {name: torch.randn(b, _conv_input_length(config, s), device=device)}
+    if getattr(config, "num_mel_bins", None) and getattr(config, "max_source_positions", None):
+        # Whisper-style: the encoder takes exactly its window of mel frames (two stride-1/2 convs)
+        frames = 2 * config.max_source_positions
+        return {name: torch.randn(b, config.num_mel_bins, frames, device=device)}
+    if getattr(config, "num_mel_bins", None) and getattr(config, "max_length", None):
+        # spectrogram transformers (AST): frames x mel bins
+        return {name: torch.randn(b, config.max_length, config.num_mel_bins, device=device)}
+    if getattr(config, "input_feat_per_channel", None):
+        features = config.input_feat_per_channel * getattr(config, "input_channels", 1)
+        layers = len(getattr(config, "conv_kernel_sizes", (5, 5)))
+        return {name: torch.randn(b, s * 2**layers, features, device=device)}
+    if getattr(config, "num_mel_bins", None):
+        return {name: torch.randn(b, config.num_mel_bins, s, device=device)}
+    raise InputError(
+        f"no default audio inputs for the {config.model_type} config",
+        hint="pass --inputs FILE.py:FUNCTION making its input_features / input_values",
+    )
+
+
+def _audio_classes(config: Any, cls: Any, device: torch.device, shape: Shape):
+    return {
+        **_audio(config, cls, device, shape),
+        "labels": _classes(config, device, shape.batch_size),
+    }
+
+
+CTC_LABEL_FRACTION = 4
+"""CTC targets are a quarter as long as the frames (CTC needs at most one label per frame)."""
+
+
+def _ctc(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str, torch.Tensor]:
+    b, s = shape.batch_size, shape.seq_len
+    length = max(1, s // CTC_LABEL_FRACTION)
+    # label 0 is the blank / pad token of the wav2vec2 family's vocabulary
+    labels = torch.randint(1, vocab_size(config), (b, length), device=device)
+    return {**_audio(config, cls, device, shape), "labels": labels}
+
+
+def _speech_seq2seq(config: Any, cls: Any, device: torch.device, shape: Shape):
+    b, s = shape.batch_size, shape.seq_len
+    return {**_audio(config, cls, device, shape), "labels": _ids(config, device, b, s)}
+
+
+TEXT = frozenset({"batch_size", "seq_len"})
+KINDS: dict[str, TaskKind] = {
+    kind.name: kind
+    for kind in (
+        TaskKind(
+            name="causal-lm",
+            auto_class="AutoModelForCausalLM",
+            mapping="MODEL_FOR_CAUSAL_LM_MAPPING_NAMES",
+            make=_lm,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="masked-lm",
+            auto_class="AutoModelForMaskedLM",
+            mapping="MODEL_FOR_MASKED_LM_MAPPING_NAMES",
+            make=_lm,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="seq2seq-lm",
+            auto_class="AutoModelForSeq2SeqLM",
+            mapping="MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+            make=_lm,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="sequence-classification",
+            auto_class="AutoModelForSequenceClassification",
+            mapping="MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES",
+            make=_sequence_classes,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="token-classification",
+            auto_class="AutoModelForTokenClassification",
+            mapping="MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES",
+            make=_token_classes,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="image-classification",
+            auto_class="AutoModelForImageClassification",
+            mapping="MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES",
+            make=_images,
+            uses=frozenset({"batch_size", "image_size"}),
+        ),
+        TaskKind(
+            name="audio-classification",
+            auto_class="AutoModelForAudioClassification",
+            mapping="MODEL_FOR_AUDIO_CLASSIFICATION_MAPPING_NAMES",
+            make=_audio_classes,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="ctc",
+            auto_class="AutoModelForCTC",
+            mapping="MODEL_FOR_CTC_MAPPING_NAMES",
+            make=_ctc,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="speech-seq2seq",
+            auto_class="AutoModelForSpeechSeq2Seq",
+            mapping="MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES",
+            make=_speech_seq2seq,
+            uses=TEXT,
+        ),
+        TaskKind(
+            name="image-text-to-text",
+            auto_class="AutoModelForImageTextToText",
+            mapping="MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES",
+            make=_lm,
+            uses=TEXT,
+            note="default batch is text only: the vision tower's parameters, gradients and "
+            "optimizer state are counted, its activations are not (pass --inputs for images)",
+        ),
+    )
+}
+assert tuple(KINDS) == TASKS
+
+_INFERENCE_ORDER = (
+    "causal-lm",
+    "seq2seq-lm",
+    "speech-seq2seq",
+    "image-text-to-text",
+    "masked-lm",
+    "ctc",
+    "audio-classification",
+    "image-classification",
+    "sequence-classification",
+    "token-classification",
+)
+"""When an architecture appears in several tables, the first of these wins."""
+
+
+def infer_task(config: Any) -> str:
+    """The task of the first of the config's ``architectures`` that transformers' auto mappings
+    place (``GPT2LMHeadModel`` -> causal-lm, ``WhisperForConditionalGeneration`` ->
+    speech-seq2seq, ``Gemma3ForConditionalGeneration`` -> image-text-to-text)."""
+    from transformers.models.auto import modeling_auto
+
+    for arch in getattr(config, "architectures", None) or ():
+        for name in _INFERENCE_ORDER:
+            table = getattr(modeling_auto, KINDS[name].mapping, {})
+            if arch in _class_names(table):
+                return name
+    raise InputError(
+        f"cannot tell the task of this {config.model_type} config from its architectures "
+        f"{getattr(config, 'architectures', None)} (no head that transformers maps to a task)",
+        hint=f"pass --task (one of {', '.join(TASKS)})",
+    )
+
+
+def _class_names(table: dict[str, Any]) -> set[str]:
+    out: set[str] = set()
+    for value in table.values():
+        out.update(value if isinstance(value, (list, tuple)) else (value,))
+    return out
+
+
+def model_class(config: Any, task: str) -> Any:
+    """The class the task's auto class builds for ``config`` (None if it has none)."""
+    import transformers
+
+    auto = getattr(transformers, KINDS[task].auto_class)
+    try:
+        return auto._model_mapping[type(config)]
+    except (KeyError, ValueError, AttributeError):
+        return None
+
+
+def position_limit(config: Any) -> int | None:
+    """Sequence limit a text config declares (``max_position_embeddings`` ...), if any."""
+    text = text_config(config)
+    for attr in ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length"):
+        value = getattr(text, attr, None)
+        if isinstance(value, int) and value > 0 and not math.isinf(value):
+            return value
+    return None
