@@ -199,3 +199,59 @@ def test_sequence_past_the_declared_positions_warns():
 def test_a_sharding_strategy_on_one_rank_warns():
     ledger = estimate(model=TINY, seq_len=32, strategy="zero3")
     assert any("on 1 rank shards nothing" in w for w in ledger.warnings)
+
+
+# -- 4. the held-out cases: Mamba (slow path) and a small ViT -----------------------------------
+HELD_OUT = {
+    "mamba-fp32-adamw": dict(model=str(HUB / "mamba-tiny"), batch_size=2, seq_len=64),
+    "mamba-bf16-autocast": dict(
+        model=str(HUB / "mamba-tiny"), batch_size=2, seq_len=64, precision="bf16-autocast"
+    ),
+    "vit-bf16-autocast-sgd-momentum": dict(
+        model=str(HUB / "vit-4l-256"), precision="bf16-autocast", optimizer="sgd-momentum"
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(HELD_OUT))
+def test_held_out_cases_match_the_real_run(name):
+    error, m = _real_error(**HELD_OUT[name])
+    assert abs(error) < 1e-4, (m.measured_peak_bytes, m.estimate.peak_bytes)
+
+
+def test_an_earlier_runs_garbage_freed_inside_the_step_is_not_subtracted(monkeypatch):
+    """The held-out misses were in the measurement: c10's profiled CPU allocator reports the free
+    of a block allocated under an earlier profiling session, so an earlier run's model collected
+    by the cyclic GC inside the measured step was subtracted from this step's count."""
+    import gc
+
+    import vramledger.measure as vm
+    from vramledger.categories import Phase
+    from vramledger.trace.tracker import StorageTracker
+
+    spec = HELD_OUT["mamba-fp32-adamw"]
+    assemble = vm.assemble
+
+    def cyclic(**kwargs):  # the earlier run's model ends up in a reference cycle
+        run = assemble(**kwargs)
+        run.model.__dict__["_cycle"] = run.model
+        return run
+
+    set_phase = StorageTracker.set_phase
+
+    def collect_in_step_2(self, step, phase):
+        set_phase(self, step, phase)
+        if step == 2 and phase is Phase.FORWARD and self._device_type == "cpu":
+            gc.collect()
+
+    gc.disable()
+    try:
+        monkeypatch.setattr(vm, "assemble", cyclic)
+        vm.measure(target="cpu", **spec)
+        monkeypatch.setattr(vm, "assemble", assemble)
+        monkeypatch.setattr(StorageTracker, "set_phase", collect_in_step_2)
+        m = vm.measure(target="cpu", compare=True, **spec)
+    finally:
+        gc.enable()
+    assert m.measured_peak_bytes >= m.ledger.peak_bytes  # never below the tensors it holds
+    assert abs(m.error()) < 1e-4

@@ -15,6 +15,7 @@ which no dispatch-level tracker sees.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -118,6 +119,9 @@ def measure(
         if device == "cuda":
             torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     start = time.perf_counter()
+    # Garbage of earlier work in this process (models in reference cycles) must not die inside
+    # the measured steps: on CPU its frees would be subtracted, on CUDA it is counted until then.
+    gc.collect()
     if device == "cpu":
         with recording() as prof:
             ledger, steps = _run(spec, device)

@@ -50,8 +50,12 @@ def _describe(a: Any) -> Any:
     return a if isinstance(a, (int, float, bool, str, type(None), torch.dtype)) else repr(a)
 
 
-def _key(func: Any, args: tuple[Any, ...]) -> tuple[Any, ...]:
-    return (str(func), *(_describe(a) for a in args))
+def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    return (
+        str(func),
+        *(_describe(a) for a in args),
+        *((k, _describe(v)) for k, v in sorted(kwargs.items())),
+    )
 
 
 def _real(a: Any) -> Any:
@@ -77,32 +81,43 @@ class CpuScratchProbe:
         self.cache: dict[tuple[Any, ...], int] = {}
         self.skipped: set[str] = set()
 
-    def __call__(self, func: Any, args: tuple[Any, ...], out: Any, tracker: StorageTracker) -> None:
+    def __call__(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        tracker: StorageTracker,
+    ) -> None:
         if not isinstance(func, torch._ops.OpOverload):
             return
-        key = _key(func, args)
+        key = _key(func, args, kwargs)
         if key not in self.cache:
-            self.cache[key] = self._probe(func, args, out) if probed(func, args) else 0
+            self.cache[key] = self._probe(func, args, kwargs, out) if probed(func, args) else 0
         if self.cache[key] > 0:
             tracker.add_transient(self.cache[key], f"{func} CPU kernel scratch")
 
-    def _probe(self, func: Any, args: tuple[Any, ...], out: Any) -> int:
+    def _probe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
         outs = [
             o
             for o in (out if isinstance(out, (tuple, list)) else (out,))
             if isinstance(o, torch.Tensor)
         ]
-        needed = sum(_tensor_bytes(a) for a in _flat_tensors(args))
+        needed = sum(_tensor_bytes(a) for a in _flat_tensors([*args, *kwargs.values()]))
         needed += sum(_tensor_bytes(o) for o in outs)
         if needed > PROBE_LIMIT_BYTES:
             self.skipped.add(str(func))
             return 0
         with _disable_current_modes(), torch.no_grad():
             real_args = [_real(a) for a in args]
-            inputs = {t.untyped_storage()._cdata for t in _flat_tensors(real_args)}
+            real_kwargs = {k: _real(v) for k, v in kwargs.items()}
+            inputs = {
+                t.untyped_storage()._cdata
+                for t in _flat_tensors([*real_args, *real_kwargs.values()])
+            }
             try:
                 with recording() as prof:
-                    result = func(*real_args)
+                    result = func(*real_args, **real_kwargs)
             except Exception:  # e.g. values that zeros make invalid; the trace itself ran
                 return 0
             results = [
@@ -112,7 +127,7 @@ class CpuScratchProbe:
             ]
             new = {r.untyped_storage()._cdata: _tensor_bytes(r) for r in results}
             kept = sum(b for k, b in new.items() if k not in inputs)
-            del result, results, real_args
+            del result, results, real_args, real_kwargs
         return max(0, peak_of(memory_events(prof)) - kept)
 
     def notes(self) -> list[str]:

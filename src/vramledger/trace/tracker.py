@@ -33,8 +33,9 @@ from ..timeline import Timeline
 from ..training import optimizer_state_tensors
 from .values import KnownValues
 
-OpObserver = Callable[[Any, tuple[Any, ...], Any, "StorageTracker"], None]
-"""Called after each operator, before its outputs are recorded: (func, args, outputs, tracker).
+OpObserver = Callable[[Any, tuple[Any, ...], dict[str, Any], Any, "StorageTracker"], None]
+"""Called after each operator, before its outputs are recorded:
+(func, args, kwargs, outputs, tracker).
 It may add transient allocations (kernel scratch) or synthetic ones (library workspaces)."""
 
 
@@ -163,7 +164,7 @@ class StorageTracker(TorchDispatchMode):
         if self._blocks and self.phase not in _TIMED_PHASES:
             self._inherit = self._inherited_blocks(args, out)
         if self._op_observer is not None:
-            self._op_observer(func, args, out, self)
+            self._op_observer(func, args, kwargs or {}, out, self)
         if self.values is not None and self.values.pending_scratch:
             self.add_transient(
                 self.values.pending_scratch,
