@@ -15,7 +15,7 @@ from rich.console import Console
 
 from .errors import InputError, VramledgerError
 from .precision import PRECISIONS
-from .spec import ROUTINGS, TARGETS, TrainingSpec
+from .spec import OFFLOADS, ROUTINGS, STRATEGIES, TARGETS, TrainingSpec
 from .tasks import TASKS
 from .version import __version__
 
@@ -62,11 +62,11 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
     "seed": {"type": int, "default": 0, "help": "seed for real runs (default 0)"},
     "world_size": {"type": int, "default": 1, "help": "data-parallel ranks (default 1)"},
     "strategy": {
-        "choices": ("ddp", "zero1", "zero2", "zero3", "fsdp"),
+        "choices": STRATEGIES[1:],
         "help": "how the ranks share the work (default ddp on several ranks)",
     },
     "offload": {
-        "choices": ("none", "optimizer", "params", "both"),
+        "choices": OFFLOADS,
         "default": "none",
         "help": "what to keep in host memory (default none)",
     },

@@ -42,6 +42,9 @@ class Replay:
 
     step_peaks: dict[int, PeakPoint]
     phase_peaks: dict[tuple[int, Phase], int]
+    phase_peak_events: dict[tuple[int, Phase], int]
+    """Index into ``Timeline.events`` where each (step, phase) reached its peak (-1: at its
+    start); ``breakdown_at`` gives the categories there."""
     step_start: dict[int, int]
     """Live bytes when each step begins (what the step inherits)."""
     host_peak: int
@@ -77,6 +80,7 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
     # Per step: (total, snapshot of current, phase, event) of its largest total.
     best: dict[int, tuple[int, list[int], Phase, int]] = {}
     phase_peaks: dict[tuple[int, Phase], int] = {}
+    phase_events: dict[tuple[int, Phase], int] = {}
     step_start: dict[int, int] = {}
     marks = timeline.marks
     last_step = timeline.steps
@@ -105,6 +109,7 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
                 best[step] = (total, list(current), phase, i)
             if total > phase_best:
                 phase_best = phase_peaks[(step, phase)] = total
+                phase_events[(step, phase)] = i - 1
             m += 1
         if ev >= 0:
             if host[ev]:
@@ -120,6 +125,7 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
                 best[step] = (total, list(current), phase, i)
             if total > phase_best:
                 phase_best = phase_peaks[(step, phase)] = total
+                phase_events[(step, phase)] = i
             if is_state[c]:
                 state += n
                 if state > state_best:
@@ -148,12 +154,41 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
     return Replay(
         step_peaks=step_peaks,
         phase_peaks=phase_peaks,
+        phase_peak_events=phase_events,
         step_start=step_start,
         host_peak=host_peak,
         reserved_peaks=reserved_peaks,
         model_state_peaks=model_state_peaks,
         activations_by_module=forward_end_modules,
     )
+
+
+def live_at(timeline: Timeline, event: int) -> set[int]:
+    """Storages alive (device and host) just after ``timeline.events[event]`` (-1: before any)."""
+    alive: set[int] = set()
+    for ev in timeline.events[: event + 1]:
+        if ev >= 0:
+            alive.add(ev)
+        else:
+            alive.discard(~ev)
+    return alive
+
+
+def breakdown_at(timeline: Timeline, event: int) -> dict[Category, int]:
+    """Device bytes by category just after ``timeline.events[event]``."""
+    out = dict.fromkeys(CATEGORY_PRIORITY, 0)
+    for sid in live_at(timeline, event):
+        if not timeline.on_host[sid]:
+            out[timeline.category(sid)] += timeline.nbytes[sid]
+    return out
+
+
+def steady_phase_point(r: Replay, phase: Phase) -> tuple[int, int] | None:
+    """(peak bytes, event index) of ``phase``'s largest peak in the steady state (steps >= 2)."""
+    points = [
+        (v, r.phase_peak_events[k]) for k, v in r.phase_peaks.items() if k[0] >= 2 and k[1] is phase
+    ]
+    return max(points, default=None)
 
 
 def _activations_by_module(timeline: Timeline, live: set[int]) -> dict[str, int]:

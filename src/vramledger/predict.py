@@ -12,7 +12,7 @@ from typing import Any
 from .checks import request_warnings
 from .ledger import Ledger, build_ledger
 from .parallel.deepspeed import apply_deepspeed
-from .parallel.engines import zero1_partition
+from .parallel.engines import DataParallel, zero1_partition
 from .recipe import resolve
 from .spec import TrainingSpec
 from .trace.cuda_policy import CudaPolicy
@@ -107,6 +107,7 @@ def _trace_ledger(
         rank=rank,
         extend_blocks=spec.strategy not in ("zero1", "zero2"),
         routing=routing,
+        engine=DataParallel(spec),
     )
     ledger = build_ledger(
         result.timeline,

@@ -14,6 +14,13 @@ from .precision import PRECISIONS, Precision
 from .tasks import TASKS
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
+
+Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
+"""How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
+Offload = Literal["none", "optimizer", "params", "both"]
+OFFLOADS: tuple[str, ...] = Offload.__args__  # type: ignore[attr-defined]
+"""What is kept in host memory."""
 """MoE routing policies (trace/values.py answers router choices by them)."""
 
 Target = Literal["cuda", "cpu"]
@@ -115,8 +122,6 @@ class TrainingSpec:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        from .parallel.strategy import OFFLOADS, STRATEGIES
-
         for name in ("world_size", "nodes", "gpus_per_node"):
             value = getattr(self, name)
             if value is not None and (

@@ -20,7 +20,15 @@ from ..errors import InputError
 from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
-from .strategy import DDP_STRATEGIES, FSDP_STRATEGIES
+from ..timeline import Timeline
+from ..trace.blocks import find_block_stack
+from .strategy import (
+    DDP_STRATEGIES,
+    FSDP_STRATEGIES,
+    OFFLOADED,
+    apply_offload,
+    master_shard_fraction,
+)
 
 DDP_FIRST_BUCKET_BYTES = 1024**2
 """``dist._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket is capped at 1 MiB."""
@@ -76,9 +84,51 @@ def adapt_recipe(recipe: Recipe) -> Recipe:
     return replace(recipe, precision=fsdp_precision)
 
 
+class DataParallel:
+    """The ``trace.engine.Engine`` of a data-parallel strategy (or of none, with offload):
+    each traced run is one rank on a fake process group of ``spec.world_size`` ranks."""
+
+    def __init__(self, spec: TrainingSpec) -> None:
+        self.spec = spec
+
+    def adapt(self, recipe: Recipe) -> Recipe:
+        return adapt_recipe(recipe)
+
+    @contextlib.contextmanager
+    def rank(self, rank: int) -> Iterator[RankEngine]:
+        if self.spec.strategy in (None, "none"):
+            yield RankEngine(spec=self.spec, rank=rank)
+            return
+        with fake_world(rank, self.spec.world_size) as mesh:
+            yield RankEngine(spec=self.spec, rank=rank, mesh=mesh)
+
+    def finish(self, timeline: Timeline, recipe: Recipe) -> list[str]:
+        """Offload: what the setting keeps in host memory (``strategy.py``)."""
+        spec = self.spec
+        offloaded = OFFLOADED[spec.offload]
+        if not offloaded:
+            return []
+        notes = []
+        fraction = master_shard_fraction(spec.strategy, recipe.precision)
+        apply_offload(timeline, spec.offload, half_shard_fraction=fraction)
+        if fraction is not None and spec.offload == "optimizer":
+            notes.append(
+                f"offload optimizer under {spec.strategy}: DeepSpeed ZeRO-3 offload_optimizer "
+                "layout: the fp32 shards (master weights) in host memory, a half-precision copy "
+                "of each on the GPU"
+            )
+        notes.append(
+            f"offload {spec.offload}: {', '.join(sorted(c.value for c in offloaded))} kept in host "
+            "memory, and the optimizer step's temporaries when it runs there (staging buffers of "
+            "the transfers not modelled)"
+        )
+        return notes
+
+
 @dataclass
 class RankEngine:
-    """What a strategy does to one rank's model, optimizer and memory."""
+    """What a strategy does to one rank's model, optimizer and memory
+    (a ``trace.engine.RankEngine``)."""
 
     spec: TrainingSpec
     rank: int
@@ -101,9 +151,15 @@ class RankEngine:
         return Category.ALL_GATHER_BUFFERS if self.strategy in FSDP_STRATEGIES else None
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
+        """FSDP2 ``fully_shard`` on each unit (the traced block stack, else the largest stack of
+        identical blocks) and the root."""
         if self.strategy not in FSDP_STRATEGIES:
             return model
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        if not blocks:
+            stack = find_block_stack(model, min_blocks=1)
+            blocks = list(model.get_submodule(stack.fqn)) if stack is not None else []
 
         mp = MixedPrecisionPolicy()
         if precision_name in ("bf16-mixed", "fp16-mixed"):

@@ -35,16 +35,10 @@ shards in host memory, nothing persistent on the GPU.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Literal
 
 from ..categories import Category, Phase
 from ..precision import PrecisionPolicy
 from ..timeline import Timeline
-
-Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
-STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3", "fsdp")
-Offload = Literal["none", "optimizer", "params", "both"]
-OFFLOADS: tuple[str, ...] = ("none", "optimizer", "params", "both")
 
 FP32_ITEMSIZE = 4
 FSDP_STRATEGIES = frozenset({"zero3", "fsdp"})

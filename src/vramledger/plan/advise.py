@@ -17,7 +17,7 @@ from typing import Any
 
 from ..categories import Category
 from ..gpus import Gpu
-from ..ledger import Ledger, replay, steady_peak
+from ..ledger import Ledger, live_at, replay, steady_peak
 from ..predict import estimate
 from ..spec import TrainingSpec
 from .search import DEFAULT_MARGIN
@@ -159,13 +159,7 @@ def stray_temporaries(ledger: Ledger) -> list[dict[str, Any]]:
     tl = ledger.timeline
     if tl is None:
         return []
-    point = steady_peak(replay(tl))
-    alive: set[int] = set()
-    for ev in tl.events[: point.event + 1]:
-        if ev >= 0:
-            alive.add(ev)
-        else:
-            alive.discard(~ev)
+    alive = live_at(tl, steady_peak(replay(tl)).event)
     temps = [s for s in alive if tl.category(s) is Category.TEMPORARIES and not tl.on_host[s]]
     temps.sort(key=lambda s: -tl.nbytes[s])
     return [

@@ -22,6 +22,7 @@ import torch
 
 from ..categories import STEP_PHASES, Category, Phase
 from ..errors import InputError
+from ..ledger import breakdown_at, replay, steady_phase_point
 from ..measure import measure
 from ..predict import estimate
 from ..recipe import resolve
@@ -79,25 +80,11 @@ def fit(points: Sequence[tuple[float, float]], ys: Sequence[float], terms: Seque
 
 def phase_breakdown(tl: Timeline, phase: Phase) -> tuple[int, dict[str, int]]:
     """Device bytes by category at the largest total of ``phase`` in the steady-state steps."""
-    marks = sorted(tl.marks)
-    current: dict[Category, int] = dict.fromkeys(Category, 0)
-    total, best, snapshot = 0, -1, dict(current)
-    m, step, now = 0, 0, Phase.SETUP
-    for i, ev in enumerate(tl.events):
-        while m < len(marks) and marks[m][0] == i:
-            _, step, now = marks[m]
-            m += 1
-            if step >= 2 and now is phase and total > best:
-                best, snapshot = total, dict(current)
-        sid = ev if ev >= 0 else ~ev
-        if tl.on_host[sid]:
-            continue
-        n = tl.nbytes[sid] if ev >= 0 else -tl.nbytes[sid]
-        current[tl.category(sid)] += n
-        total += n
-        if step >= 2 and now is phase and total > best:
-            best, snapshot = total, dict(current)
-    return best, {c.value: b for c, b in snapshot.items() if b}
+    point = steady_phase_point(replay(tl), phase)
+    if point is None:
+        return -1, {}
+    total, event = point
+    return total, {c.value: b for c, b in breakdown_at(tl, event).items() if b}
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,15 +16,12 @@ import multiprocessing
 import os
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-
-if TYPE_CHECKING:
-    from .search import Configuration
 
 WORKER_MIN_TRACE_SECONDS = 1.0
 """Workers start only when the first trace took at least this long: starting one costs about a
@@ -53,15 +50,12 @@ def available_cpus() -> int:
 class Runner:
     """Traces and memoised re-estimates (reserved peak bytes) for one plan."""
 
-    def __init__(
-        self, base: TrainingSpec, compute_capability: tuple[int, int], workers: int | None
-    ):
+    def __init__(self, compute_capability: tuple[int, int], workers: int | None):
         """``workers``: processes to use; None: one per CPU if the first trace is slow enough."""
-        self.base = base
         self.compute_capability = compute_capability
         self.workers = workers
-        self._values: dict[Configuration, int] = {}
-        self._pending: dict[Configuration, Future[int]] = {}
+        self._values: dict[Hashable, int] = {}
+        self._pending: dict[Hashable, tuple[TrainingSpec, Future[int]]] = {}
         self._pool: ProcessPoolExecutor | None = None
 
     # -- traces ------------------------------------------------------------------------------
@@ -84,29 +78,28 @@ class Runner:
             )
 
     # -- re-estimates ------------------------------------------------------------------------
-    def ahead(self, configs: Iterable[Configuration]) -> None:
-        """Start these re-estimates in the workers, in this order (nothing without workers)."""
-        for config in configs:
-            if config not in self._values and config not in self._pending:
-                future = self._submit(reserved_peak, config.spec(self.base))
+    def ahead(self, items: Iterable[tuple[Hashable, TrainingSpec]]) -> None:
+        """Start these re-estimates (a key and its spec) in the workers, in this order (nothing
+        without workers)."""
+        for key, spec in items:
+            if key not in self._values and key not in self._pending:
+                future = self._submit(reserved_peak, spec)
                 if future is not None:
-                    self._pending[config] = future
+                    self._pending[key] = (spec, future)
 
-    def reserved(self, config: Configuration) -> int:
-        """Reserved peak bytes of ``config`` on its worst GPU, estimated once."""
-        if config not in self._values:
-            future = self._pending.pop(config, None)
+    def reserved(self, key: Hashable, spec: TrainingSpec) -> int:
+        """Reserved peak bytes of ``spec`` on its worst GPU, estimated once per ``key``."""
+        if key not in self._values:
+            _, future = self._pending.pop(key, (spec, None))
             if future is None and self._pool is not None:
                 # With workers the CPUs are theirs: run it there, before what runs ahead.
-                queued = [c for c, f in self._pending.items() if f.cancel()]
-                for c in queued:
-                    del self._pending[c]
-                future = self._submit(reserved_peak, config.spec(self.base))
+                queued = [(k, sf[0]) for k, sf in self._pending.items() if sf[1].cancel()]
+                for k, _ in queued:
+                    del self._pending[k]
+                future = self._submit(reserved_peak, spec)
                 self.ahead(queued)
-            self._values[config] = (
-                future.result() if future else reserved_peak(config.spec(self.base))
-            )
-        return self._values[config]
+            self._values[key] = future.result() if future else reserved_peak(spec)
+        return self._values[key]
 
     @property
     def estimates(self) -> int:

@@ -32,7 +32,7 @@ from ..gpus import Gpu
 from ..ledger import replay, steady_peak, steady_reserved_peak
 from ..optimizers import resolve_optimizer
 from ..recipe import resolve
-from ..spec import TrainingSpec
+from ..spec import STRATEGIES, TrainingSpec
 from ..timeline import Timeline
 from ..trace.blocks import find_block_stack
 from ..units import GIB, format_bytes
@@ -48,9 +48,10 @@ RECOMPUTE_FRACTION = 1 / 3
 """Activation checkpointing recomputes the forward pass: about a third more compute."""
 NUMERICS = {"bf16-pure": "bf16 weights and optimizer state, no fp32 master copy"}
 """Precision modes that change what training computes beyond mixed precision's usual rounding."""
-STRATEGIES = ("none", "ddp", "zero1", "zero2", "zero3")
-OFFLOADS = ("none", "optimizer")
-STRATEGY_RANK = {s: i for i, s in enumerate(STRATEGIES)}
+PLANNED_STRATEGIES = tuple(s for s in STRATEGIES if s != "fsdp")
+"""Strategies the plan searches (fsdp is zero3's layout under another name)."""
+PLANNED_OFFLOADS = ("none", "optimizer")
+STRATEGY_RANK = {s: i for i, s in enumerate(PLANNED_STRATEGIES)}
 
 Progress = Callable[[str, int, int], None]
 
@@ -229,7 +230,7 @@ def plan(
     margin_source: str = MARGIN_SOURCE,
     precisions: Sequence[str] | None = None,
     checkpointing: Sequence[bool] = (False, True),
-    offloads: Sequence[str] = OFFLOADS,
+    offloads: Sequence[str] = PLANNED_OFFLOADS,
     verify: bool = True,
     workers: int | None = None,
     progress: Progress | None = None,
@@ -283,7 +284,7 @@ def plan(
         for ckpt in checkpointing
         for micro_batch, accum in micro
     ]
-    with Runner(spec, policy_cc, workers) as runner:
+    with Runner(policy_cc, workers) as runner:
         for base, timeline in runner.traces(bases):
             optimizer, precision, ckpt = base.optimizer, base.precision, base.grad_checkpointing
             micro_batch, accum = base.batch_size, base.grad_accum
@@ -293,7 +294,7 @@ def plan(
             traces += 1
             if progress is not None:
                 progress("traces", traces, len(bases))
-            for strategy in STRATEGIES:
+            for strategy in PLANNED_STRATEGIES:
                 for offload in offloads:
                     configurations += 1
                     peaks = DerivedPeaks(timeline, facts, strategy, offload)
@@ -336,7 +337,7 @@ def plan(
             ]
         if verify:
             runner.ahead(
-                config
+                (config, config.spec(spec))
                 for _, _, ranked in tasks
                 for config in _likely_counts(ranked[0].configuration if ranked else None, max_gpus)
             )
@@ -355,7 +356,7 @@ def plan(
                         if progress is not None:
                             progress("re-estimating answers", len(verified), len(verified) + 1)
                         verified[candidate.configuration] = _verified(
-                            candidate, capacity, max_gpus, derived, notes, runner
+                            candidate, capacity, max_gpus, derived, notes, runner, spec
                         )
                     checked = verified[candidate.configuration]
                     if checked.method == "estimated" and (
@@ -481,6 +482,7 @@ def _verified(
     derived_peaks: dict[tuple[str, str, bool, int, str, str], DerivedPeaks],
     notes: list[str],
     runner: Runner,
+    base: TrainingSpec,
 ) -> Candidate:
     """Re-estimate a derived answer with the real engines (reserved bytes, as the caching
     allocator holds them) and move its GPU count until it fits and one fewer does not.
@@ -502,7 +504,8 @@ def _verified(
     ]
 
     def peak_at(n: int) -> int:
-        return runner.reserved(replace(cfg, gpus=n))  # memoised for every answer of the plan
+        at_n = replace(cfg, gpus=n)
+        return runner.reserved(at_n, at_n.spec(base))  # memoised for every answer of the plan
 
     known: dict[int, int] = {cfg.gpus: peak_at(cfg.gpus)}
     if scalable:

@@ -5,7 +5,6 @@ initialisation, no memory), its parameters become fake CPU tensors, and the step
 
 from __future__ import annotations
 
-import contextlib
 import time
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,8 +21,6 @@ from torch._subclasses.fake_tensor import (
 from ..categories import Category
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
-from ..parallel.engines import RankEngine, adapt_recipe, fake_world
-from ..parallel.strategy import OFFLOADED, apply_offload, master_shard_fraction
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import hf_source, map_tensors
 from ..spec import TrainingSpec
@@ -42,6 +39,7 @@ from .blocks import (
     truncate,
 )
 from .dtensor_compat import untracked_sharding_propagation
+from .engine import Engine, RankEngine, SingleDevice
 from .fake_corrections import CORRECTIONS, SUBSTITUTES
 from .hf_compat import hf_known_values, ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
@@ -105,19 +103,22 @@ def trace(
     extend_blocks: bool = True,
     rank: int = 0,
     routing: str | None = None,
+    engine: Engine | None = None,
 ) -> TraceResult:
     """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline.
 
     Models made of many identical blocks are traced with a few blocks and extended exactly
     (``blocks.py``); if the extension cannot be verified, every block is traced. ``routing``: the
     MoE routing policy the trace answers routers with (default: the spec's, ``balanced`` for
-    ``worst``, which ``predict.py`` makes of several traces).
+    ``worst``, which ``predict.py`` makes of several traces). ``engine``: what the step runs
+    under (``trace/engine.py``; ``parallel/`` has the data-parallel ones), default one device.
     """
     start = time.perf_counter()
     if routing is None:
         routing = spec.moe_routing if spec.moe_routing in CONCRETE_ROUTINGS else "balanced"
+    engine = engine or SingleDevice()
     resolved = resolve(spec)
-    recipe = adapt_recipe(resolved)
+    recipe = engine.adapt(resolved)
     log = TraceLog(notes=[recipe.dtype_note()])
     if recipe.make_inputs.note:
         log.notes.append(recipe.make_inputs.note)
@@ -127,28 +128,14 @@ def trace(
     if choice.package == "torchao":
         notes.append(TORCHAO_NOTE)
     log.routing = routing
-    result = _extended(recipe, choice, policy, log, rank) if extend_blocks else None
+    result = _extended(recipe, choice, policy, log, engine, rank) if extend_blocks else None
     if result is None:
         model = recipe.build_model("meta")
         counts = count_parameters(model)
-        timeline = _run(recipe, choice, model, policy, log, rank=rank)
+        timeline = _run(recipe, choice, model, policy, log, engine, rank=rank)
     else:
         timeline, counts = result
-    offloaded = OFFLOADED[spec.offload]
-    if offloaded:
-        fraction = master_shard_fraction(spec.strategy, resolved.precision)
-        apply_offload(timeline, spec.offload, half_shard_fraction=fraction)
-        if fraction is not None and spec.offload == "optimizer":
-            notes.append(
-                f"offload optimizer under {spec.strategy}: DeepSpeed ZeRO-3 offload_optimizer "
-                "layout: the fp32 shards (master weights) in host memory, a half-precision copy "
-                "of each on the GPU"
-            )
-        notes.append(
-            f"offload {spec.offload}: {', '.join(sorted(c.value for c in offloaded))} kept in host "
-            "memory, and the optimizer step's temporaries when it runs there (staging buffers of the "
-            "transfers not modelled)"
-        )
+    notes.extend(engine.finish(timeline, resolved))
     return TraceResult(
         timeline=timeline,
         model_name=recipe.source.name,
@@ -163,7 +150,12 @@ def trace(
 
 
 def _extended(
-    recipe: Recipe, choice: OptimizerChoice, policy: DevicePolicy, log: TraceLog, rank: int = 0
+    recipe: Recipe,
+    choice: OptimizerChoice,
+    policy: DevicePolicy,
+    log: TraceLog,
+    engine: Engine,
+    rank: int = 0,
 ) -> tuple[Timeline, tuple[int, int]] | None:
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
@@ -188,7 +180,8 @@ def _extended(
             truncate(models[d], stack, d)
     counts = {d: count_parameters(m) for d, m in models.items()}
     traced = {
-        d: _run(recipe, choice, models[d], policy, log, stack=stack, rank=rank) for d in models
+        d: _run(recipe, choice, models[d], policy, log, engine, stack=stack, rank=rank)
+        for d in models
     }
     try:
         check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
@@ -222,17 +215,13 @@ def _run(
     model: nn.Module,
     policy: DevicePolicy,
     log: TraceLog,
+    engine: Engine,
     *,
     stack: BlockStack | None = None,
     rank: int = 0,
 ) -> Timeline:
-    spec = recipe.spec
-    distributed = spec.strategy != "none"
-    world = fake_world(rank, spec.world_size) if distributed else contextlib.nullcontext()
-    with world as mesh:
-        return _run_rank(
-            recipe, choice, model, policy, log, stack, RankEngine(spec=spec, rank=rank, mesh=mesh)
-        )
+    with engine.rank(rank) as rank_engine:
+        return _run_rank(recipe, choice, model, policy, log, stack, rank_engine)
 
 
 def _run_rank(
@@ -253,10 +242,8 @@ def _run_rank(
     values.seq_len_option = "seq_len" in recipe.make_inputs.uses
     real_batch = recipe.make_batch(TRACE_DEVICE)
     blocks: list[nn.Module] = list(model.get_submodule(stack.fqn)) if stack is not None else []
-    if spec.strategy != "none":
-        shard_units = blocks or _block_modules(model)
-        with mode:
-            model = engine.wrap(model, shard_units, recipe.precision.name)
+    with mode:
+        model = engine.wrap(model, blocks, recipe.precision.name)
     tracker = StorageTracker(
         module_names=names,
         op_observer=policy.op_observer(),
@@ -368,10 +355,3 @@ def fake_batch(batch: Any, mode: FakeTensorMode, values: KnownValues) -> Any:
         return fake
 
     return map_tensors(convert, batch)
-
-
-def _block_modules(model: nn.Module) -> list[nn.Module]:
-    """Units to shard one by one when the model has no long stack of identical blocks: the
-    largest ModuleList of identical blocks, if any."""
-    stack = find_block_stack(model, min_blocks=1)
-    return list(model.get_submodule(stack.fqn)) if stack is not None else []
