@@ -85,15 +85,21 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> Non
             if p is None:
                 continue
             if id(p) not in memo:
-                fake = converter.from_meta_and_device(mode, p.detach(), device)
+                fake = converter.from_meta_and_device(mode, _meta(p.detach()), device)
                 memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
             module._parameters[name] = memo[id(p)]
         for name, b in module._buffers.items():
             if b is None:
                 continue
             if id(b) not in memo:
-                memo[id(b)] = converter.from_meta_and_device(mode, b, device)
+                memo[id(b)] = converter.from_meta_and_device(mode, _meta(b), device)
             module._buffers[name] = memo[id(b)]
+
+
+def _meta(t: torch.Tensor) -> torch.Tensor:
+    """On the meta device: a few models make parameters with factories the device context does
+    not reach (``torch.normal(mean, std, size=...)`` in DiffLlama)."""
+    return t if t.is_meta else t.to("meta")
 
 
 def trace(

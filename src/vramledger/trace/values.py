@@ -258,6 +258,9 @@ class KnownValues:
         if _is_view(func) or not _outputs(fake_out):
             if _written(func, args, kwargs):
                 self._run_real(func, args, kwargs)  # in place on known values: keep them current
+            elif any(not self.known(o) for o in _outputs(fake_out)):
+                # a view of a real constant becomes a new fake storage (``lift_fresh``)
+                self._register_outputs(fake_out, self._run_real(func, args, kwargs), routed)
             return fake_out
         if sum(o.nbytes for o in _outputs(fake_out)) > KNOWN_VALUE_CAP_BYTES:
             for t in _written(func, args, kwargs):
