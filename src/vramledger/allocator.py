@@ -47,31 +47,31 @@ def round_up(n: int, multiple: int) -> int:
 
 
 @dataclass
-class _Block:
+class Block:
     addr: int
     size: int
     small: bool
     """Belongs to the small pool (its segment is a small-pool segment)."""
     free: bool = True
-    prev: _Block | None = None
-    next: _Block | None = None
+    prev: Block | None = None
+    next: Block | None = None
 
 
 @dataclass
 class _Pool:
     free: list[tuple[int, int]] = field(default_factory=list)  # sorted (size, addr)
-    by_addr: dict[int, _Block] = field(default_factory=dict)
+    by_addr: dict[int, Block] = field(default_factory=dict)
 
-    def insert(self, block: _Block) -> None:
+    def insert(self, block: Block) -> None:
         bisect.insort(self.free, (block.size, block.addr))
         self.by_addr[block.addr] = block
 
-    def remove(self, block: _Block) -> None:
+    def remove(self, block: Block) -> None:
         i = bisect.bisect_left(self.free, (block.size, block.addr))
         del self.free[i]
         del self.by_addr[block.addr]
 
-    def best_fit(self, size: int) -> _Block | None:
+    def best_fit(self, size: int) -> Block | None:
         i = bisect.bisect_left(self.free, (size, -1))
         if i == len(self.free):
             return None
@@ -86,8 +86,12 @@ class CudaCachingAllocatorSim:
         self.allocated = 0
         self.reserved = 0
         self._next_addr = 0
+        self.segments: list[tuple[int, int, bool]] = []
+        """(address, size, small pool) of every segment taken from the device, in order."""
+        self.heads: dict[int, Block] = {}
+        """The first block of each segment, by address (walk ``next`` for its blocks)."""
 
-    def malloc(self, nbytes: int) -> _Block:
+    def malloc(self, nbytes: int) -> Block:
         size = max(CUDA_MIN_BLOCK, round_up(nbytes, CUDA_MIN_BLOCK))
         small = size <= SMALL_SIZE
         pool = self.small if small else self.large
@@ -101,12 +105,14 @@ class CudaCachingAllocatorSim:
                 segment = LARGE_BUFFER
             else:
                 segment = round_up(size, ROUND_LARGE)
-            block = _Block(addr=self._next_addr, size=segment, small=small)
+            block = Block(addr=self._next_addr, size=segment, small=small)
+            self.segments.append((block.addr, segment, small))
+            self.heads[block.addr] = block
             self._next_addr += segment
             self.reserved += segment
         remaining = block.size - size
         if (small and remaining >= CUDA_MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = _Block(
+            rest = Block(
                 addr=block.addr + size, size=remaining, small=small, prev=block, next=block.next
             )
             if block.next is not None:
@@ -118,7 +124,7 @@ class CudaCachingAllocatorSim:
         self.allocated += block.size
         return block
 
-    def free(self, block: _Block) -> None:
+    def free(self, block: Block) -> None:
         pool = self.small if block.small else self.large
         self.allocated -= block.size
         block.free = True
@@ -153,7 +159,7 @@ class AllocatorModel:
             return list(nbytes), []
         sim = CudaCachingAllocatorSim()
         sizes = [0] * len(nbytes)
-        blocks: dict[int, _Block] = {}
+        blocks: dict[int, Block] = {}
         reserved: list[int] = []
         for ev in events:
             sid = ev if ev >= 0 else ~ev
