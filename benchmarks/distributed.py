@@ -1,14 +1,19 @@
-"""Per-GPU memory of Llama-2-7B on 8 GPUs under every strategy, and how estimates scale.
+"""Per-GPU memory of Llama-2-7B on 8 GPUs under every strategy, the ZeRO paper's table per rank,
+and how estimates scale.
 
-    python benchmarks/distributed.py            # ~2 minutes on 2 cores
+    python benchmarks/distributed.py            # ~10 minutes on 2 cores
     python benchmarks/distributed.py --verify   # also real gloo runs on CPU, 2 and 4 processes
 
 Llama-2-7B shape (32 layers, hidden 4096), batch 1 x 4096, bf16-mixed AdamW with activation
 checkpointing, target cuda, 8 ranks: per-rank GPU bytes by category (worst rank), host bytes
-for offload, and the time each estimate took; then a Llama-3-70B-shaped model on 1 and 1024
-ranks (FSDP) to show that ranks are not simulated one by one. ``--verify`` compares each
-rank's prediction with real multi-process runs of DDP, ZeroRedundancyOptimizer and FSDP2
-(tests/test_distributed_real.py). Results go to benchmarks/results/distributed-<date>-<host>.json.
+for offload, and the time each estimate took (zero1/zero2 run DeepSpeed's own engine,
+zero1-torch PyTorch's ZeroRedundancyOptimizer). Then the ZeRO paper's Figure 1 (a GPT-style
+7.5B config, mixed-precision Adam, 64 GPUs): the worst and best rank's model states against
+the paper's per-GPU figures. Then a Llama-3-70B-shaped model on 1 and 1024 ranks (FSDP) to show
+that ranks are not simulated one by one. ``--verify`` compares each rank's prediction with real
+multi-process runs of DDP, ZeroRedundancyOptimizer and FSDP2 (tests/test_distributed_real.py)
+and of DeepSpeed ZeRO-1/2 (tests/test_deepspeed_real.py: the CPU allocator's own count).
+Results go to benchmarks/results/distributed-<date>-<host>.json.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ ARGS = dict(
 )
 CASES = [
     ("ddp", "none"),
+    ("zero1-torch", "none"),
     ("zero1", "none"),
     ("zero2", "none"),
     ("zero3", "none"),
@@ -69,8 +75,71 @@ SHOWN = [
 ]
 
 
+GPT_7_5B = ROOT / "tests" / "fixtures" / "gpt-7.5b.json"
+K = 12
+PAPER_BYTES_PER_PARAM = {
+    "ddp": 2 + 2 + K,
+    "zero1-torch": 2 + 2 + K / 64,
+    "zero1": 2 + 2 + K / 64,
+    "zero2": 2 + (2 + K) / 64,
+    "zero3": (2 + 2 + K) / 64,
+}
+"""ZeRO (Rajbhandari et al. 2020), Figure 1: model states per GPU, bytes per parameter."""
+
+
 def gib(n: int) -> str:
     return f"{n / 2**30:.2f}"
+
+
+def paper_table(console: Console) -> list[dict]:
+    """The ZeRO paper's per-GPU model states against every rank's, 7.5B GPT on 64 ranks."""
+    table = Table(
+        title="ZeRO paper, Figure 1: GPT-style 7.5B, mixed-precision Adam, 64 GPUs; model "
+        "states per rank, bytes/parameter"
+    )
+    for col in ("strategy", "paper", "worst rank", "vs paper", "best rank", "ranks traced", "s"):
+        table.add_column(col, justify="right")
+    rows = []
+    for strategy in PAPER_BYTES_PER_PARAM:
+        start = time.perf_counter()
+        ledger = estimate(
+            model=str(GPT_7_5B),
+            batch_size=1,
+            seq_len=64,
+            precision="bf16-mixed",
+            optimizer="adam",
+            world_size=64,
+            strategy=strategy,
+        )
+        seconds = time.perf_counter() - start
+        per_rank = {
+            r: led.model_state_bytes / ledger.parameters for ids, led in ledger.ranks for r in ids
+        }
+        worst = max(per_rank.values())
+        paper = PAPER_BYTES_PER_PARAM[strategy]
+        rows.append(
+            {
+                "strategy": strategy,
+                "parameters": ledger.parameters,
+                "paper_bytes_per_param": paper,
+                "bytes_per_param_by_rank": per_rank,
+                "worst_rank": ledger.worst_rank,
+                "ranks_traced": len(ledger.ranks),
+                "estimate_seconds": seconds,
+            }
+        )
+        table.add_row(
+            strategy,
+            f"{paper:.3f}",
+            f"{worst:.3f}",
+            f"{100 * (worst / paper - 1):+.2f} %",
+            f"{min(per_rank.values()):.3f}",
+            str(len(ledger.ranks)),
+            f"{seconds:.0f}",
+        )
+        console.print(f"[dim]paper {strategy}: {worst:.3f} B/param in {seconds:.1f} s[/dim]")
+    console.print(table)
+    return rows
 
 
 def main() -> int:
@@ -117,6 +186,8 @@ def main() -> int:
         )
     console.print(table)
 
+    paper = paper_table(console)
+
     scale = {}
     for world in (1, 1024):
         start = time.perf_counter()
@@ -139,7 +210,7 @@ def main() -> int:
         )
         for col in ("strategy", "ranks", "rank", "predicted", "real", "error"):
             vt.add_column(col, justify="right")
-        for strategy in ("ddp", "zero1", "fsdp"):
+        for strategy in ("ddp", "zero1-torch", "fsdp"):
             for world in (2, 4):
                 predicted = estimate(world_size=world, strategy=strategy, **SPEC)
                 per_rank = {r: ledger for ids, ledger in predicted.ranks for r in ids}
@@ -166,6 +237,7 @@ def main() -> int:
                         f"{100 * err:+.3f} %",
                     )
         console.print(vt)
+        verify += deepspeed_verify(console)
     out = (
         ROOT
         / "benchmarks"
@@ -174,11 +246,66 @@ def main() -> int:
     )
     out.write_text(
         json.dumps(
-            {"llama2_7b_8gpu": rows, "scale_70b": scale, "verify": verify}, indent=1, default=str
+            {"llama2_7b_8gpu": rows, "zero_paper": paper, "scale_70b": scale, "verify": verify},
+            indent=1,
+            default=str,
         )
     )
     console.print(f"[dim]wrote {out}[/dim]")
     return 0
+
+
+def deepspeed_verify(console: Console) -> list[dict]:
+    """DeepSpeed ZeRO-1/2 on gloo against each rank's prediction (tests/test_deepspeed_real.py):
+    the peak of every rank as the CPU allocator counts it."""
+    import tempfile
+
+    from tests.test_deepspeed_real import CASES as DS_CASES
+    from tests.test_deepspeed_real import _configs, _spec
+    from tests.test_deepspeed_real import run_real as run_deepspeed
+
+    table = Table(
+        title="DeepSpeed ZeRO-1/2 vs real gloo processes (wide-vocabulary Llama, bf16-mixed "
+        "AdamW, CPU): per-rank peak, CPU allocator's count"
+    )
+    for col in ("case", "ranks", "rank", "predicted", "real", "error", "traced as"):
+        table.add_column(col, justify="right")
+    out = []
+    with tempfile.TemporaryDirectory() as folder:
+        configs = _configs(Path(folder))
+        for world in (2, 4):
+            real = run_deepspeed(world, configs)
+            for case in DS_CASES:
+                predicted = estimate(_spec(case, world, configs))
+                owner = {r: ids[0] for ids, _ in predicted.ranks for r in ids}
+                per_rank = {r: led for ids, led in predicted.ranks for r in ids}
+                for rank, (tracked, counted, phases) in sorted(real[case].items()):
+                    want = per_rank[rank].peak_bytes
+                    err = (want - counted) / counted
+                    out.append(
+                        {
+                            "strategy": f"deepspeed {case}",
+                            "world": world,
+                            "rank": rank,
+                            "predicted": want,
+                            "tracked": tracked,
+                            "counted": counted,
+                            "counted_phases": phases,
+                            "traced_as": owner[rank],
+                            "error": err,
+                        }
+                    )
+                    table.add_row(
+                        case,
+                        str(world),
+                        str(rank),
+                        f"{want:,}",
+                        f"{counted:,}",
+                        f"{100 * err:+.3f} %",
+                        "itself" if owner[rank] == rank else f"rank {owner[rank]}",
+                    )
+    console.print(table)
+    return out
 
 
 if __name__ == "__main__":

@@ -109,16 +109,19 @@ def test_attention_kernel_follows_the_target():
     kwargs = dict(
         model=fixture("tiny-llama.json"), precision="bf16-mixed", batch_size=1, seq_len=32
     )
-    cuda = _ops(estimate(target="cuda", **kwargs))
+    cuda = _ops(estimate(target="cuda", gpu="a100-80gb", **kwargs))
+    default = _ops(estimate(target="cuda", **kwargs))  # compute capability 9.0: cuDNN first
     cpu = _ops(estimate(target="cpu", **kwargs))
     assert "aten._scaled_dot_product_flash_attention.default" in cuda
     assert "aten._scaled_dot_product_flash_attention_backward.default" in cuda
+    assert "aten._scaled_dot_product_cudnn_attention_backward.default" in default
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" in cpu
 
 
 def test_attention_dropout_keeps_flash_on_cuda_but_not_on_cpu():
     """GPT-2 trains with attention dropout: CPU falls back to the math path (an S×S matrix),
-    CUDA's flash kernel supports dropout."""
+    CUDA's flash kernel supports dropout (cuDNN, first on sm90, does not take 0.1: its dropout
+    resolution is 1/16)."""
     kwargs = dict(model=fixture("tiny-gpt2.json"), precision="bf16-mixed", batch_size=1, seq_len=64)
     cuda, cpu = estimate(target="cuda", **kwargs), estimate(target="cpu", **kwargs)
     assert "aten._scaled_dot_product_flash_attention.default" in _ops(cuda)
@@ -127,25 +130,28 @@ def test_attention_dropout_keeps_flash_on_cuda_but_not_on_cpu():
 
 
 def test_backend_selection_rules():
+    """On an A100 (sm80: no cuDNN attention by default); per-architecture rules are in
+    test_gpu_kinds.py."""
+
     def t(*shape, dtype=torch.bfloat16):
         return torch.empty(*shape, dtype=dtype, device="meta")
 
+    def select_backend(*args, **kwargs):
+        return sdpa_cuda.select_backend(*args, **kwargs, compute_capability=(8, 0))
+
     q, kv = t(2, 8, 128, 64), t(2, 2, 128, 64)
-    assert sdpa_cuda.select_backend(q, q, q, is_causal=True) == "flash"
-    assert sdpa_cuda.select_backend(q, kv, kv, enable_gqa=True) == "flash"
-    assert sdpa_cuda.select_backend(q, kv, kv, enable_gqa=False) == "math"
+    assert select_backend(q, q, q, is_causal=True) == "flash"
+    assert select_backend(q, kv, kv, enable_gqa=True) == "flash"
+    assert select_backend(q, kv, kv, enable_gqa=False) == "math"
     mask = torch.empty(128, 128, dtype=torch.bool, device="meta")
-    assert sdpa_cuda.select_backend(q, q, q, attn_mask=mask) == "efficient"
+    assert select_backend(q, q, q, attn_mask=mask) == "efficient"
     q32 = t(2, 8, 128, 64, dtype=torch.float32)
-    assert sdpa_cuda.select_backend(q32, q32, q32) == "efficient"
-    assert (
-        sdpa_cuda.select_backend(t(2, 8, 128, 512), t(2, 8, 128, 512), t(2, 8, 128, 512))
-        == "efficient"
-    )
+    assert select_backend(q32, q32, q32) == "efficient"
+    assert select_backend(t(2, 8, 128, 512), t(2, 8, 128, 512), t(2, 8, 128, 512)) == "efficient"
     q_odd = t(2, 8, 128, 36, dtype=torch.float32)
-    assert sdpa_cuda.select_backend(q_odd, q_odd, q_odd) == "efficient"
+    assert select_backend(q_odd, q_odd, q_odd) == "efficient"
     q_bad = t(2, 8, 128, 30, dtype=torch.float32)
-    assert sdpa_cuda.select_backend(q_bad, q_bad, q_bad) == "math"
+    assert select_backend(q_bad, q_bad, q_bad) == "math"
 
 
 def test_cuda_target_holds_two_cublas_workspaces_and_host_step_counters():
@@ -159,5 +165,6 @@ def test_cuda_target_holds_two_cublas_workspaces_and_host_step_counters():
     assert ledger.at_peak[Category.WORKSPACE] >= 2 * CUBLAS_WORKSPACE_HOPPER
     assert ledger.host_bytes > 0  # Adam's step counters
     assert any("foreach" in n for n in ledger.notes)
+    assert any("no --gpu given" in n and "9.0" in n for n in ledger.notes)
     assert ledger.allocated_peak_bytes > ledger.peak_bytes  # 512-byte blocks
     assert ledger.peak_phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)

@@ -9,17 +9,18 @@ from vramledger.gpus import CATALOGUE, resolve_gpu
 from vramledger.ledger import replay, steady_peak
 from vramledger.measure import measure
 from vramledger.plan.advise import advise
+from vramledger.plan.candidates import Configuration
 from vramledger.plan.derive import derive
 from vramledger.plan.narrow import narrow_config
 from vramledger.plan.rehearse import rehearse
-from vramledger.plan.search import Configuration, _facts, plan
+from vramledger.plan.search import model_facts, plan
 from vramledger.recipe import resolve
 from vramledger.spec import TrainingSpec
 from vramledger.trace.cuda_policy import CudaPolicy
 from vramledger.trace.fake import trace
 from vramledger.units import MIB
 
-from .conftest import fixture
+from .conftest import MODELS_PY, fixture
 
 SMALL = TrainingSpec(
     model=fixture("small-llama.json"), batch_size=1, seq_len=64, precision="bf16-mixed"
@@ -111,7 +112,9 @@ def test_derived_rank_peak_is_close_to_the_real_engines(strategy, offload, gpus,
     ZeRO-1/2 on two ranks split this model evenly; FSDP's gather and free order is modelled."""
     spec = replace(SMALL, seq_len=128, optimizer="adamw", target="cuda")
     timeline = trace(spec, CudaPolicy(compute_capability=(9, 0))).timeline
-    derived = steady_peak(replay(derive(timeline, _facts(spec), strategy, gpus, offload))).total
+    derived = steady_peak(
+        replay(derive(timeline, model_facts(spec), strategy, gpus, offload))
+    ).total
     real = estimate(replace(spec, world_size=gpus, strategy=strategy, offload=offload)).peak_bytes
     assert derived == pytest.approx(real, rel=tolerance)
 
@@ -124,7 +127,7 @@ def test_plan_rejects_a_margin_larger_than_the_gpu():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("short_mib", [24, 100])
+@pytest.mark.parametrize("short_mib", [24])
 def test_advise_first_fitting_change_really_fits(short_mib):
     spec = replace(SMALL, batch_size=8, seq_len=128, optimizer="adamw")
     peak = estimate(spec).reserved_peak_bytes
@@ -143,12 +146,58 @@ def test_advise_first_fitting_change_really_fits(short_mib):
     for name in advice.first_fit if len(advice.first_fit) > 1 else []:  # each one is needed
         assert peak_with([n for n in advice.first_fit if n != name]) > advice.budget_bytes
     names = [c.name for c in advice.changes]
-    # Least harm to convergence first; every change listed, each with what it saves alone.
+    # Least harm first: what leaves training unchanged, then compression by its measured loss
+    # gap (8-bit AdamW's is smaller than momentum SGD's in benchmarks/lowbit.py).
     assert names[0] == "activation checkpointing"
-    assert names.index("free stray intermediates") < names.index("momentum SGD")
-    assert names.index("momentum SGD") < names.index("8-bit AdamW states")
-    assert all(c.saves_bytes is not None for c in advice.changes if c.fields)
-    assert advice.stray_temporaries and advice.stray_temporaries[0]["bytes"] > 0
+    assert names.index("fused AdamW") < names.index("8-bit AdamW states")
+    assert names.index("8-bit AdamW states") < names.index("momentum SGD")
+    assert all(c.peak_bytes is not None for c in advice.changes)
+    for change in advice.changes:  # alternatives: each one's own peak, re-estimated
+        if change.name in ("8-bit AdamW states", "activation checkpointing"):
+            alone = estimate(replace(spec, **change.fields)).reserved_peak_bytes
+            assert change.peak_bytes == alone and change.fits == (alone <= advice.budget_bytes)
+    # the training step itself keeps nothing of the forward alive after backward
+    assert advice.stray_temporaries == []
+    assert any("no stray intermediates" in n for n in advice.notes)
+
+
+@pytest.mark.slow
+def test_advise_more_gpus_is_the_fewest_that_fit():
+    """More GPUs is an answer too: the fewest that fit with ZeRO-3, and one fewer does not."""
+    spec = replace(SMALL, optimizer="adamw")
+    peak = estimate(spec).reserved_peak_bytes
+    advice = advise(spec, resolve_gpu(memory=peak * 3 // 4), margin=0)
+    more = next(c for c in advice.changes if c.name.endswith("GPUs with ZeRO-3 / FSDP"))
+    n = more.fields["world_size"]
+    assert more.fits and more.peak_bytes <= advice.budget_bytes
+    if n > 2:
+        fewer = estimate(replace(spec, world_size=n - 1, strategy="zero3"))
+        assert fewer.reserved_peak_bytes > advice.budget_bytes
+
+
+def test_advise_names_tensors_the_training_code_keeps_alive():
+    spec = replace(
+        SMALL,
+        model=f"{MODELS_PY}:mlp",
+        inputs=f"{MODELS_PY}:mlp_inputs",
+        loss=f"{MODELS_PY}:hoarding_loss",
+    )
+    peak = estimate(spec).reserved_peak_bytes
+    advice = advise(spec, resolve_gpu(memory=peak - MIB), margin=0)
+    kept = advice.stray_temporaries
+    assert kept and kept[0]["module"] == "head" and kept[0]["phase"] == "forward"
+    assert not any(t["op"] and "foreach" in t["op"] for t in kept)  # not the optimizer's scratch
+
+
+def test_offload_needs_host_memory_per_node():
+    spec = replace(SMALL, precision="bf16-mixed", world_size=2, strategy="zero2", seq_len=64)
+    peak = estimate(spec).reserved_peak_bytes
+    gpu = resolve_gpu(memory=peak - MIB)
+    roomy = advise(spec, gpu, margin=0)
+    offload = next(c for c in roomy.changes if c.name == "offload optimizer to CPU")
+    assert offload.host_bytes_per_node > 0
+    tight = advise(spec, gpu, margin=0, host_memory=offload.host_bytes_per_node - 1)
+    assert not next(c for c in tight.changes if c.name == "offload optimizer to CPU").fits
 
 
 @pytest.mark.slow

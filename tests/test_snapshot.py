@@ -63,4 +63,3 @@ def test_a_cpu_prediction_has_no_cuda_snapshot():
     ledger = estimate(model=fixture("tiny-llama.json"), seq_len=16, target="cpu")
     with pytest.raises(InputError, match="CUDA"):
         memory_snapshot(ledger)
-

@@ -4,6 +4,7 @@ the library computes, and ``render/`` draws."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import os
@@ -13,7 +14,9 @@ from typing import Any
 
 from rich.console import Console
 
+from .adapters import QUANTIZE
 from .errors import InputError, VramledgerError
+from .plan.fit import MAXIMIZE, SEQ_STEP
 from .precision import PRECISIONS
 from .spec import OFFLOADS, ROUTINGS, STRATEGIES, TARGETS, TrainingSpec
 from .tasks import TASKS
@@ -76,16 +79,81 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
         "metavar": "ds_config.json",
         "help": "read ZeRO stage, offload, precision and batch from a DeepSpeed config",
     },
+    "shard_modules": {
+        "metavar": "CLASSNAME",
+        "action": "append",
+        "default": [],
+        "help": "FSDP unit: fully_shard every submodule of this class (repeatable; default: "
+        "each block of the model's block stack)",
+    },
+    "shard_min_params": {
+        "type": int,
+        "metavar": "N",
+        "help": "FSDP units by size: every submodule with more than N parameters",
+    },
+    "reshard_after_forward": {
+        "type": lambda text: _reshard_after_forward(text),
+        "metavar": "true|false|N",
+        "help": "FSDP2 reshard_after_forward for each unit (default FSDP2's: true)",
+    },
+    "accelerate_config": {
+        "metavar": "FILE.yaml",
+        "help": "read FSDP2 wrap policy, offload, resharding, checkpointing, precision and "
+        "processes from an accelerate config",
+    },
     "moe_routing": {
         "choices": ROUTINGS,
         "default": "balanced",
-        "help": "how MoE routers' choices are answered in a trace: balanced (default) or worst",
+        "help": "how MoE routers' choices are answered in a trace when the memory depends on it: "
+        "balanced (default), first, last, or worst (the largest)",
+    },
+    "lora": {
+        "metavar": "r=R,alpha=A,targets=M1,M2[,dropout=P]",
+        "help": "LoRA adapters through peft (targets=all-linear for every linear layer); the base "
+        "is frozen",
+    },
+    "quantize": {
+        "choices": QUANTIZE,
+        "help": "bitsandbytes base weights: nf4/fp4 (QLoRA, double quantization) or int8",
+    },
+    "freeze": {
+        "metavar": "PATTERN",
+        "action": "append",
+        "default": [],
+        "help": "freeze parameters whose names match this fnmatch pattern (repeatable)",
+    },
+    "gpu": {
+        "metavar": "NAME",
+        "help": "GPU from the catalogue (a100-80gb, h100-80gb, v100-32gb, ...): CUDA's decisions "
+        "for its compute capability, and whether the step fits (default: compute capability 9.0, "
+        "no verdict)",
+    },
+    "gpu_memory": {
+        "metavar": "SIZE",
+        "help": "memory of a GPU not in the catalogue (e.g. 24GiB; with --gpu, that GPU's kind)",
+    },
+    "margin": {
+        "metavar": "SIZE",
+        "help": "memory kept back for the CUDA context, NCCL and fragmentation (default 2GiB)",
     },
 }
 
 
-PARALLEL_OPTIONS = ("world_size", "strategy", "offload", "nodes", "gpus_per_node", "deepspeed")
+PARALLEL_OPTIONS = (
+    "world_size",
+    "strategy",
+    "offload",
+    "nodes",
+    "gpus_per_node",
+    "deepspeed",
+    "shard_modules",
+    "shard_min_params",
+    "reshard_after_forward",
+    "accelerate_config",
+)
 """Spec options that ``plan`` searches itself and ``rehearse`` (one device) does not take."""
+GPU_OPTIONS = ("gpu", "gpu_memory", "margin")
+"""Spec options of the GPU predicted for, which commands that run on a real device do not take."""
 
 
 def _add_spec_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] = ()) -> None:
@@ -97,22 +165,37 @@ def _add_spec_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] 
             parser.add_argument("--" + name.replace("_", "-"), dest=name, **kwargs)
 
 
-def _add_output_options(parser: argparse.ArgumentParser) -> None:
+def _add_output_options(parser: argparse.ArgumentParser, *, html: bool = True) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    if html:
+        parser.add_argument(
+            "--html",
+            metavar="FILE.html",
+            help="also write a self-contained HTML report (charts, breakdown, notes)",
+        )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and library logs")
 
 
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     values = {name: getattr(args, name, None) for name in SPEC_OPTIONS}
     values["optimizer_kwargs"] = parse_json_object(values["optimizer_kwargs"], "--optimizer-kwargs")
-    values["checkpoint_modules"] = tuple(
-        part.strip()
-        for item in values["checkpoint_modules"] or ()
-        for part in item.split(",")
-        if part.strip()
-    )
+    values["freeze"] = tuple(values["freeze"] or ())
+    for name in ("checkpoint_modules", "shard_modules"):
+        values[name] = tuple(
+            part.strip() for item in values[name] or () for part in item.split(",") if part.strip()
+        )
     values = {k: v for k, v in values.items() if v is not None}
     return TrainingSpec(model=args.model, **values)
+
+
+def _reshard_after_forward(text: str) -> bool | int:
+    lowered = text.strip().lower()
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    try:
+        return int(lowered)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not true, false or an integer") from None
 
 
 def parse_json_object(text: str | None, option: str) -> dict[str, Any]:
@@ -149,10 +232,19 @@ def _report(
     table: Callable[[Any], Any],
     plot: Callable[[Any, str], Any] | None = None,
 ) -> int:
-    """Write the plot if asked, then print JSON or the terminal table."""
+    """Write the plot, HTML report and memory snapshot if asked, then print JSON or the
+    terminal table."""
     plotted = plot is not None and getattr(args, "plot", None)
     if plotted:
         plot(result, args.plot)
+    if getattr(args, "html", None):
+        from .render.html import write_html
+
+        write_html(result, args.html)
+    if getattr(args, "memory_snapshot", None):
+        from .render.snapshot import write_memory_snapshot
+
+        write_memory_snapshot(result, args.memory_snapshot)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
@@ -252,12 +344,10 @@ def _gpu(args: argparse.Namespace) -> Any:
 
 def _margin(args: argparse.Namespace) -> tuple[int, str]:
     """The explicit margin, plus a rehearsal's residual when --margin-from gives one."""
-    from .plan.search import MARGIN_SOURCE
     from .units import format_bytes, parse_bytes
+    from .verdict import DEFAULT_MARGIN, MARGIN_SOURCE
 
     if args.margin is None:
-        from .plan.search import DEFAULT_MARGIN
-
         margin, source = DEFAULT_MARGIN, MARGIN_SOURCE
     else:
         margin = parse_bytes(args.margin, allow_zero=True, option="--margin")
@@ -310,19 +400,56 @@ def cmd_plan(args: argparse.Namespace) -> int:
             offloads=("none",) if args.no_offload else ("none", "optimizer"),
             verify=not args.no_verify,
             workers=args.workers,
+            host_memory=_host_memory(args),
+            gpus_per_node=args.plan_gpus_per_node,
             progress=progress,
         ),
     )
     return _report(args, result, plan_table)
 
 
+def _host_memory(args: argparse.Namespace) -> int | None:
+    from .units import parse_bytes
+
+    return parse_bytes(args.host_memory, option="--host-memory") if args.host_memory else None
+
+
 def cmd_advise(args: argparse.Namespace) -> int:
-    from .plan.advise import advise
+    from .plan.advise import DEFAULT_GPUS_PER_NODE, advise
     from .render.planning import advice_table
 
     gpu = _gpu(args)
     margin, _ = _margin(args)
-    return _report(args, advise(spec_from_args(args), gpu, margin=margin), advice_table)
+    advice = advise(
+        spec_from_args(args),
+        gpu,
+        margin=margin,
+        host_memory=_host_memory(args),
+        gpus_per_node=args.gpus_per_node or DEFAULT_GPUS_PER_NODE,
+    )
+    return _report(args, advice, advice_table)
+
+
+def cmd_fit(args: argparse.Namespace) -> int:
+    from .plan.fit import fit
+    from .render.planning import fit_table
+
+    spec = spec_from_args(args)
+    gpu = spec.gpu_kind()
+    if gpu is None:
+        raise InputError("fit needs a GPU", hint="pass --gpu NAME or --gpu-memory SIZE")
+    checkpointing = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
+    optimizers = _names(args.optimizers, "--optimizers") if args.optimizers else None
+    result = fit(
+        spec,
+        gpu,
+        maximize=args.maximize,
+        optimizers=optimizers,
+        checkpointing=checkpointing,
+        margin=spec.margin_bytes,
+        seq_step=args.seq_step,
+    )
+    return _report(args, result, fit_table)
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
@@ -356,14 +483,11 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 
 
 def _add_gpu_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--gpu", help="GPU kind from the catalogue (e.g. a100-80gb, h100-80gb)")
+    """plan's and advise's own options beside the spec's --gpu, --gpu-memory and --margin."""
     parser.add_argument(
-        "--gpu-memory", metavar="SIZE", help="memory of one GPU not in the catalogue (e.g. 24GiB)"
-    )
-    parser.add_argument(
-        "--margin",
+        "--host-memory",
         metavar="SIZE",
-        help="memory kept back for the CUDA context, NCCL and fragmentation (default 2GiB)",
+        help="host memory of one node (e.g. 512GiB): answers that offload more do not fit",
     )
     parser.add_argument(
         "--margin-from",
@@ -376,19 +500,31 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="vramledger",
         description="Will this training step fit, where does the memory go, and what would make it fit.",
+        allow_abbrev=False,
     )
     parser.add_argument("--version", action="version", version=f"vramledger {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    # no abbreviations: `--gpu` must never be read as `--gpus-per-node`, nor `--gpus 8` as it
+    sub = parser.add_subparsers(
+        dest="command",
+        required=True,
+        parser_class=functools.partial(argparse.ArgumentParser, allow_abbrev=False),
+    )
 
     p = sub.add_parser(
         "estimate", help="predict the peak memory of a training step (fake tensors, no GPU)"
     )
     _add_spec_options(p)
+    p.add_argument(
+        "--memory-snapshot",
+        metavar="FILE.pickle",
+        help="also write the predicted step as a PyTorch CUDA memory snapshot "
+        "(open it at pytorch.org/memory_viz)",
+    )
     _add_output_options(p)
     p.set_defaults(func=cmd_estimate)
 
     p = sub.add_parser("measure", help="run the training step for real and measure it")
-    _add_spec_options(p)
+    _add_spec_options(p, exclude=GPU_OPTIONS)
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
     )
@@ -399,7 +535,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "compare", help="train with several optimizers and compare loss curves and memory"
     )
-    _add_spec_options(p, exclude=("optimizer", "steps", "target"))
+    _add_spec_options(p, exclude=("optimizer", "steps", "target", *GPU_OPTIONS))
     p.add_argument(
         "--optimizers",
         required=True,
@@ -422,7 +558,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present, else cpu")
     p.add_argument("--plot", metavar="FILE.png", help="write loss curves and memory bars")
-    _add_output_options(p)
+    _add_output_options(p, html=False)
     p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser(
@@ -448,6 +584,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-gpus", type=int, default=1024, help="largest GPU count (default 1024)")
     p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
     p.add_argument(
+        "--gpus-per-node",
+        dest="plan_gpus_per_node",
+        type=int,
+        default=8,
+        metavar="N",
+        help="GPUs sharing one node's host memory when offloading (default 8)",
+    )
+    p.add_argument(
         "--no-verify",
         action="store_true",
         help="skip re-estimating the answers with the real engines (faster, approximate)",
@@ -471,6 +615,37 @@ def build_parser() -> argparse.ArgumentParser:
     _add_output_options(p)
     p.set_defaults(func=cmd_advise)
 
+    p = sub.add_parser("fit", help="the largest micro-batch and/or sequence length that fits a GPU")
+    _add_spec_options(p, exclude=("target", "steps"))
+    p.add_argument(
+        "--max",
+        dest="maximize",
+        choices=MAXIMIZE,
+        default="batch-size",
+        help="what to maximise: batch-size (default), seq-len, or both (the longest sequence "
+        "at each power-of-two micro-batch)",
+    )
+    p.add_argument(
+        "--optimizers",
+        metavar="A,B,...",
+        help="optimizers to answer for (default: --optimizer)",
+    )
+    p.add_argument(
+        "--seq-step",
+        type=int,
+        default=SEQ_STEP,
+        metavar="N",
+        help=f"sequence lengths in multiples of N tokens (default {SEQ_STEP})",
+    )
+    p.add_argument(
+        "--checkpointing",
+        choices=("both", "on", "off"),
+        default="both",
+        help="answer with activation checkpointing on, off or both (default both)",
+    )
+    _add_output_options(p)
+    p.set_defaults(func=cmd_fit)
+
     p = sub.add_parser(
         "rehearse",
         help="run shallow (with --widths also narrower) copies of the model for real, fit their "
@@ -478,7 +653,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_spec_options(
         p,
-        exclude=("target", *PARALLEL_OPTIONS),
+        exclude=("target", *PARALLEL_OPTIONS, *GPU_OPTIONS),
     )
     p.add_argument(
         "--depths",
@@ -496,7 +671,7 @@ def build_parser() -> argparse.ArgumentParser:
         "dividing every head count; e.g. 0.25,0.5,0.75): every depth at every width",
     )
     p.add_argument("--plot", metavar="FILE.png", help="write measured points and fitted lines")
-    _add_output_options(p)
+    _add_output_options(p, html=False)
     p.set_defaults(func=cmd_rehearse)
     return parser
 

@@ -15,6 +15,7 @@ from typing import Any
 from .allocator import AllocatorModel
 from .categories import CATEGORY_PRIORITY, MODEL_STATE_CATEGORIES, Category, Phase
 from .timeline import Timeline
+from .verdict import Verdict
 
 _NCAT = len(CATEGORY_PRIORITY)
 TOP_MODULES = 10
@@ -163,6 +164,53 @@ def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Repla
     )
 
 
+@dataclass(frozen=True, kw_only=True)
+class Series:
+    """Device bytes by category over a run, for a chart: ``points`` samples of the event stream,
+    each the largest total of its stretch of events (so no peak is lost) with its breakdown."""
+
+    events: list[int]
+    """Index into ``Timeline.events`` of each sample."""
+    by_category: dict[Category, list[int]]
+    totals: list[int]
+    phases: list[tuple[int, int, Phase]]
+    """(sample index, step, phase) where each phase begins."""
+
+
+def series(timeline: Timeline, points: int = 1200) -> Series:
+    """Sample the live device bytes by category (raw tensor bytes) over the run."""
+    cats = list(CATEGORY_PRIORITY)
+    index = {c: i for i, c in enumerate(cats)}
+    current = [0] * len(cats)
+    total = 0
+    n = len(timeline.events)
+    stretch = max(1, -(-n // points))
+    samples: list[tuple[int, int, list[int]]] = []
+    best: tuple[int, int, list[int]] | None = None
+    marks = {i: (step, phase) for i, step, phase in timeline.marks}
+    phases: list[tuple[int, int, Phase]] = []
+    for i, ev in enumerate(timeline.events):
+        if i in marks:
+            step, phase = marks[i]
+            phases.append((len(samples), step, phase))
+        sid = ev if ev >= 0 else ~ev
+        if not timeline.on_host[sid]:
+            delta = timeline.nbytes[sid] if ev >= 0 else -timeline.nbytes[sid]
+            current[index[timeline.category(sid)]] += delta
+            total += delta
+        if best is None or total > best[1]:
+            best = (i, total, list(current))
+        if (i + 1) % stretch == 0 or i == n - 1:
+            samples.append(best)
+            best = None
+    return Series(
+        events=[s[0] for s in samples],
+        by_category={c: [s[2][index[c]] for s in samples] for c in cats},
+        totals=[s[1] for s in samples],
+        phases=phases,
+    )
+
+
 def live_at(timeline: Timeline, event: int) -> set[int]:
     """Storages alive (device and host) just after ``timeline.events[event]`` (-1: before any)."""
     alive: set[int] = set()
@@ -280,6 +328,9 @@ class Ledger:
     moe_routing_peaks: dict[str, int] = field(default_factory=dict)
     """When the peak depends on how MoE routers route: the allocated peak under each routing
     traced (trace/values.py); empty when it does not."""
+    verdict: Verdict | None = None
+    """Whether the step fits the GPU asked for (``--gpu``/``--gpu-memory``), with the margin;
+    None when no GPU was given."""
 
     def __post_init__(self) -> None:
         assert sum(self.at_peak.values()) == self.peak_bytes
@@ -304,6 +355,11 @@ class Ledger:
             cpu_bytes=self.host_bytes,
             ranks=[{"rank_ids": ids, **ledger._core_dict()} for ids, ledger in self.ranks]
             or [{"rank_ids": [self.worst_rank], **self._core_dict()}],
+        )
+        out.update(
+            self.verdict.to_dict()
+            if self.verdict
+            else {"gpu": None, "margin_bytes": None, "fits": None, "headroom_bytes": None}
         )
         return out
 

@@ -4,10 +4,13 @@ The run is recorded twice, independently:
 
 - the storage tracker (the one tracing uses) gives the Timeline, so the measured ledger has the
   same categories, phases and modules as a prediction;
-- the allocator's own count gives the measured total: on CPU, ``torch.profiler`` memory events
-  (``profile_memory=True``; the profiler starts before the model is built, so nothing is
-  missed on this thread); on CUDA, ``torch.cuda.max_memory_allocated()`` after
-  ``reset_peak_memory_stats()`` at the start of each step.
+- the allocator's own count gives the measured total: on CPU in one process, ``torch.profiler``
+  memory events (``profile_memory=True``; the profiler starts before the model is built, so
+  nothing is missed on this thread); on CPU under several processes, ``cpu_allocator_count`` (a
+  wrapper of the CPU allocator that sees the frees gloo makes on its own threads, which the
+  profiler misses); on CUDA, ``torch.cuda.max_memory_allocated()`` after
+  ``reset_peak_memory_stats()`` at the start of each step. ``zero1``/``zero2`` run DeepSpeed's
+  engine (``parallel/real.py: measure_deepspeed``).
 
 The difference between the two totals is memory that operators allocate inside their kernels,
 which no dispatch-level tracker sees.
@@ -25,11 +28,13 @@ import torch.distributed as dist
 from torch.profiler import profile, record_function
 
 from .allocator_events import memory_events, ranges, recording
-from .categories import Category, Phase
+from .categories import CATEGORY_PRIORITY, Category, Phase
 from .errors import InputError
 from .ledger import Ledger, build_ledger
+from .parallel.accelerate import apply_accelerate
 from .parallel.engines import adapt_recipe
-from .parallel.real import check_world, gather_peaks, real_optimizer, wrap_real
+from .parallel.real import check_world, gather_peaks, measure_deepspeed, real_optimizer, wrap_real
+from .parallel.strategy import DEEPSPEED_STRATEGIES
 from .predict import as_spec, policy_for
 from .recipe import count_parameters, module_names, resolve
 from .spec import TrainingSpec
@@ -77,6 +82,18 @@ class Measurement:
         )
         return (predicted - self.measured_peak_bytes) / self.measured_peak_bytes
 
+    def by_category(self) -> list[tuple[Category, int, int]]:
+        """(category, estimated, measured) bytes at each one's steady-state peak, for every
+        category either has, in the vocabulary's order (the measured side is the tracker's view
+        of the real run: the same categories)."""
+        if self.estimate is None:
+            return []
+        return [
+            (c, self.estimate.at_peak.get(c, 0), self.ledger.at_peak.get(c, 0))
+            for c in CATEGORY_PRIORITY
+            if self.estimate.at_peak.get(c, 0) or self.ledger.at_peak.get(c, 0)
+        ]
+
     def to_dict(self) -> dict[str, Any]:
         out = self.ledger.to_dict()
         out.update(
@@ -92,6 +109,9 @@ class Measurement:
         if self.estimate is not None:
             out["estimate"] = self.estimate.to_dict()
             out["estimate_error"] = self.error()
+            out["estimate_by_category"] = {
+                c.value: {"estimate": e, "measured": m} for c, e, m in self.by_category()
+            }
         return out
 
 
@@ -104,7 +124,7 @@ def measure(
     **fields: Any,
 ) -> Measurement:
     """Run ``spec`` for real on ``device`` ('cpu' or 'cuda') and measure it."""
-    spec = as_spec(spec, fields)
+    spec, _ = apply_accelerate(as_spec(spec, fields))
     if device not in ("cpu", "cuda"):
         raise InputError(f"unknown device {device!r}", hint="measure on cpu or cuda")
     if device == "cuda" and not torch.cuda.is_available():
@@ -122,7 +142,15 @@ def measure(
     # Garbage of earlier work in this process (models in reference cycles) must not die inside
     # the measured steps: on CPU its frees would be subtracted, on CUDA it is counted until then.
     gc.collect()
-    if device == "cpu":
+    if spec.world_size > 1 and spec.strategy in DEEPSPEED_STRATEGIES:
+        run = measure_deepspeed(spec, device)
+        ledger, peaks = run.ledger, run.counted_step_peaks
+        method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
+    elif device == "cpu" and spec.world_size > 1:
+        # gloo frees on its own threads, which the profiler misses: count every thread
+        ledger, steps, peaks = _run_counted(spec)
+        method = COUNTED
+    elif device == "cpu":
         with recording() as prof:
             ledger, steps = _run(spec, device)
         peaks = _profiler_step_peaks(prof, steps)
@@ -241,6 +269,27 @@ def _profiler_step_peaks(prof: profile, steps: int) -> dict[int, int]:
             peaks[step] = sum(d for ts, d in memory if ts < lo)
     assert set(peaks) == set(range(1, steps + 1)), peaks
     return peaks
+
+
+COUNTED = "cpu_allocator_count: every CPU allocation on every thread, per step"
+
+
+def _run_counted(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:
+    """A CPU run counted by the allocator wrapper (``cpu_allocator_count``), step by step."""
+    from . import cpu_allocator_count
+
+    cpu_allocator_count.install()
+    base = cpu_allocator_count.live()
+    peaks: dict[int, int] = {}
+
+    def per_step(step: int, when: str) -> None:
+        if when == "start":
+            cpu_allocator_count.reset_peak()
+        else:
+            peaks[step] = cpu_allocator_count.peak() - base
+
+    ledger, steps = _run(spec, "cpu", per_step)
+    return ledger, steps, peaks
 
 
 def _run_cuda(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:

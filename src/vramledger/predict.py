@@ -1,7 +1,8 @@
 """``estimate``: the peak memory of a training step, predicted by tracing it on fake tensors.
 
 On several ranks, each distinct rank is traced once (ranks are symmetric under DDP and FSDP;
-ZeRO-1's partitions differ) and the worst rank's ledger is returned with all of them in ``ranks``.
+ZeRO-1/2's partitions differ) and the worst rank's ledger is returned with all of them in
+``ranks``.
 """
 
 from __future__ import annotations
@@ -10,9 +11,13 @@ from dataclasses import replace
 from typing import Any
 
 from .checks import request_warnings
+from .gpus import modelled_compute_capability, precision_warnings
 from .ledger import Ledger, build_ledger
+from .parallel.accelerate import apply_accelerate
 from .parallel.deepspeed import apply_deepspeed
+from .parallel.deepspeed_engine import DeepSpeedZero
 from .parallel.engines import DataParallel, zero1_partition
+from .parallel.strategy import DEEPSPEED_STRATEGIES
 from .recipe import resolve
 from .spec import TrainingSpec
 from .trace.cuda_policy import CudaPolicy
@@ -20,11 +25,21 @@ from .trace.fake import trace
 from .trace.policy import CpuPolicy, DevicePolicy
 from .trace.values import CONCRETE_ROUTINGS
 from .units import format_bytes
+from .verdict import verdict
 from .version import __version__
 
 
-def policy_for(target: str) -> DevicePolicy:
-    return CudaPolicy() if target == "cuda" else CpuPolicy()
+def policy_for(spec: TrainingSpec | str) -> DevicePolicy:
+    """The decisions of ``spec``'s target: on CUDA those of its GPU's compute capability
+    (``spec.gpu``; 9.0 when none is given, said in the notes; AMD GPUs are refused). A bare
+    target name (``measure``'s real device) gets the default."""
+    target = spec if isinstance(spec, str) else spec.target
+    if target != "cuda":
+        return CpuPolicy()
+    gpu = None if isinstance(spec, str) else spec.gpu_kind()
+    if gpu is None:
+        return CudaPolicy()
+    return CudaPolicy(compute_capability=modelled_compute_capability(gpu), gpu=gpu.name)
 
 
 def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:
@@ -43,7 +58,12 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
     rank's.
     """
     spec, notes = apply_deepspeed(as_spec(spec, fields))
+    spec, read = apply_accelerate(spec)
+    notes = [*notes, *read]
     warnings = request_warnings(resolve(spec))
+    gpu = spec.gpu_kind()
+    if gpu is not None:
+        warnings += precision_warnings(gpu, spec.precision)
     groups = rank_groups(spec)
     ledgers = [(ranks, _estimate_rank(spec, ranks[0], notes)) for ranks in groups]
     ranks, worst = max(ledgers, key=lambda item: item[1].allocated_peak_bytes)
@@ -54,22 +74,44 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
         worst_rank=ranks[0],
         ranks=ledgers,
         warnings=warnings,
+        verdict=verdict(gpu, worst.reserved_peak_bytes, spec.margin_bytes) if gpu else None,
     )
 
 
 def rank_groups(spec: TrainingSpec) -> list[list[int]]:
-    """Ranks that share one ledger. Only ZeRO-1/2's partitions make ranks differ."""
+    """Ranks that share one ledger. Only ZeRO-1/2's partitions make ranks differ: DeepSpeed's
+    (``zero1``, ``zero2``) by the sizes its partitioning gives each rank (its own code on meta
+    tensors, ``deepspeed_layout.py``), ZeroRedundancyOptimizer's (``zero1-torch``) by the
+    parameters each rank owns. The first rank of each group is the one traced."""
     everyone = list(range(spec.world_size))
-    if spec.strategy not in ("zero1", "zero2"):
+    if spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"}:
         return [everyone]
     model = resolve(spec).build_model("meta")
     params = [p for p in model.parameters() if p.requires_grad]
+    if spec.strategy in DEEPSPEED_STRATEGIES:
+        from .parallel.deepspeed_engine import deepspeed_config
+        from .parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
+        from .parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
+
+        zero = deepspeed_config(spec)["zero_optimization"]
+        return deepspeed_rank_groups(
+            [p.numel() for p in params],
+            spec.world_size,
+            stage=zero["stage"],
+            reduce_bucket_size=int(zero.get("reduce_bucket_size", REDUCE_BUCKET_ELEMENTS)),
+            round_robin=bool(zero.get("round_robin_gradients", False)),
+        )
     partition = zero1_partition(params, spec.world_size)
     groups: dict[tuple[tuple[int, ...], ...], list[int]] = {}
     for rank, owned in enumerate(partition):
         signature = tuple(sorted(tuple(params[i].shape) for i in owned))
         groups.setdefault(signature, []).append(rank)
     return list(groups.values())
+
+
+def _engine(spec: TrainingSpec) -> DataParallel:
+    """DeepSpeed's engine for zero1/zero2; torch.distributed's for the others."""
+    return DeepSpeedZero(spec) if spec.strategy in DEEPSPEED_STRATEGIES else DataParallel(spec)
 
 
 def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
@@ -99,15 +141,15 @@ def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
 def _trace_ledger(
     spec: TrainingSpec, rank: int, notes: list[str], routing: str
 ) -> tuple[Ledger, dict[str, str]]:
-    policy = policy_for(spec.target)
+    policy = policy_for(spec)
     # Under ZeRO-1/2 a rank owns different parameters in each block: not identical blocks.
     result = trace(
         spec,
         policy,
         rank=rank,
-        extend_blocks=spec.strategy not in ("zero1", "zero2"),
+        extend_blocks=spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"},
         routing=routing,
-        engine=DataParallel(spec),
+        engine=_engine(spec),
     )
     ledger = build_ledger(
         result.timeline,

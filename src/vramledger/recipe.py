@@ -10,6 +10,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from .adapters import (
+    apply_lora,
+    freeze,
+    logical_numel,
+    parse_lora,
+    prepare_for_kbit_training,
+    quantize_linears,
+)
 from .checkpointing import checkpoint_modules, enable_hf_checkpointing
 from .errors import InputError, TraceError, VramledgerError
 from .optimizers import OptimizerChoice, resolve_optimizer
@@ -51,19 +59,38 @@ class Recipe:
                 model = _build(source)
         model.train()
         if spec.grad_checkpointing:
-            if source.supports_hf_checkpointing:
+            # Hugging Face models, and Python code returning one (or a peft model around one)
+            if source.supports_hf_checkpointing or getattr(
+                model, "supports_gradient_checkpointing", False
+            ):
                 enable_hf_checkpointing(model)
             elif not spec.checkpoint_modules:
                 raise InputError(
-                    "--grad-checkpointing uses the Hugging Face switch, and this model is Python code",
+                    "--grad-checkpointing uses the Hugging Face switch, and this model is "
+                    "Python code without it",
                     hint="name the blocks to checkpoint with --checkpoint-modules CLASSNAME",
                 )
         if spec.checkpoint_modules:
             checkpoint_modules(model, spec.checkpoint_modules)
         cast_model(model, self.precision)
+        if spec.quantize is not None:
+            quantize_linears(model, spec.quantize, self.compute_dtype, torch.device(device))
+            prepare_for_kbit_training(model)
+        if spec.lora is not None:
+            model = apply_lora(model, parse_lora(spec.lora))
+        if spec.freeze:
+            freeze(model, spec.freeze)
         if "seq_len" in self.make_inputs.uses:  # a default is checked only where it is used
             _check_positions(model, spec.seq_len)
         return model
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype the model computes in (what quantized weights are dequantized to)."""
+        policy = self.precision
+        if policy.param_dtype is not torch.float32:
+            return policy.param_dtype
+        return policy.autocast_dtype or torch.float32
 
     def make_batch(self, device: str | torch.device) -> Any:
         """The batch, made with the spec's seed (the same values in a trace and a real run),
@@ -99,8 +126,13 @@ def resolve(spec: TrainingSpec) -> Recipe:
 
 
 def count_parameters(model: nn.Module) -> tuple[int, int]:
+    """(all, trainable) parameter counts; tied parameters once, quantized ones by the elements
+    they stand for (as peft's ``print_trainable_parameters``)."""
     params = list(model.parameters())  # shared (tied) parameters appear once
-    return sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+    return (
+        sum(logical_numel(p) for p in params),
+        sum(p.numel() for p in params if p.requires_grad),
+    )
 
 
 def module_names(model: nn.Module) -> dict[int, str]:

@@ -16,7 +16,7 @@ import importlib.util
 import inspect
 import sys
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,15 @@ from torch import nn
 
 from .errors import InputError
 from .jsonfile import read_json_object
-from .tasks import KINDS, TASKS, infer_task, model_class
+from .tasks import (
+    KINDS,
+    TASKS,
+    TEXT_ONLY_SPEECH,
+    has_audio_inputs,
+    infer_task,
+    model_class,
+    text_config,
+)
 
 InputsFn = Callable[..., Any]
 LossFn = Callable[[nn.Module, Any], torch.Tensor]
@@ -168,6 +176,10 @@ def hf_config_from_dict(data: dict[str, Any], *, origin: str = "config") -> Any:
             f"{transformers.__version__}",
             hint="upgrade transformers, or give the model as Python code (FILE.py:FUNCTION)",
         ) from exc
+    # save_pretrained writes non-finite floats as {"__float__": "Infinity"}; decode as it reads
+    decode = getattr(config_cls, "_decode_special_floats", None)
+    if decode is not None:
+        data = decode(data)
     try:
         return config_cls(**data)
     except Exception as exc:
@@ -192,15 +204,21 @@ def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
     task = task or infer_task(config)
     if task not in KINDS:
         raise InputError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
-    if task == "sequence-classification" and getattr(config, "pad_token_id", None) is None:
-        # Decoder models find the last token through pad_token_id; a batch > 1 needs one.
-        config.pad_token_id = 0
+    if task in ("sequence-classification", "masked-lm"):
+        # Decoder classifiers find each row's last token through pad_token_id (a batch > 1 needs
+        # one) and masked LMs (ESM) mask padding with it; the default batch has no padding.
+        for part in {id(c): c for c in (config, text_config(config))}.values():
+            if getattr(part, "pad_token_id", None) is None:
+                part.pad_token_id = 0
     auto_cls = getattr(transformers, KINDS[task].auto_class)
 
     def build() -> nn.Module:
+        built = copy.deepcopy(config)
+        if built.architectures is None:  # auto classes with several heads iterate over it
+            built.architectures = []
         try:
             # In fp32 whatever dtype the config declares; the precision mode casts afterwards.
-            model = auto_cls.from_config(copy.deepcopy(config), dtype=torch.float32)
+            model = auto_cls.from_config(built, dtype=torch.float32)
         except ValueError as exc:
             raise InputError(
                 f"transformers has no {task} model for model_type {config.model_type!r}: "
@@ -342,6 +360,9 @@ def partial_hf_inputs(source: ModelSource) -> Inputs:
     """The default batch of the source's task (``tasks.py``)."""
     config, kind = source.config, KINDS[source.task]
     cls = model_class(config, source.task)
+    if source.task == "speech-seq2seq" and not has_audio_inputs(config):
+        # speech LLMs (Voxtral, Granite Speech ...) take a text-only batch as well
+        kind = replace(KINDS["causal-lm"], note=TEXT_ONLY_SPEECH)
 
     def make(device: torch.device, shape: BatchShape) -> dict[str, torch.Tensor]:
         return kind.make(config, cls, device, shape)

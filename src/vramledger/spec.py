@@ -6,16 +6,20 @@ option is named after the field it sets.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
+from .adapters import QUANTIZE, parse_lora
 from .errors import InputError
+from .gpus import Gpu, modelled_compute_capability, resolve_gpu
 from .precision import PRECISIONS, Precision
 from .tasks import TASKS
+from .units import parse_bytes
+from .verdict import DEFAULT_MARGIN, check_margin
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 
-Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp"]
+Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch"]
 STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
 """How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
 Offload = Literal["none", "optimizer", "params", "both"]
@@ -69,7 +73,8 @@ class TrainingSpec:
     world_size: int = 1
     """Data-parallel ranks (GPUs) the step is spread over."""
     strategy: str | None = None
-    """ddp, zero1, zero2, zero3 or fsdp (default: none on one rank, ddp on several)."""
+    """ddp, zero1, zero2 (DeepSpeed's engine), zero3, fsdp, or zero1-torch (PyTorch's
+    ZeroRedundancyOptimizer) (default: none on one rank, ddp on several)."""
     offload: str = "none"
     """Keep in host memory: optimizer (state, fp32 masters and their gradients), params
     (sharded parameters), both, or none."""
@@ -80,10 +85,47 @@ class TrainingSpec:
     deepspeed: str | None = None
     """A DeepSpeed JSON config: ZeRO stage, offload, bf16/fp16, micro-batch and gradient
     accumulation are read from it."""
+    shard_modules: tuple[str, ...] = ()
+    """FSDP units (zero3/fsdp): fully_shard every submodule that is an instance of a class of
+    these names, children before parents, then the root (default: each block of the model's
+    stack of identical blocks, then the root). See parallel/fsdp_units.py."""
+    shard_min_params: int | None = None
+    """FSDP units by size (accelerate's SIZE_BASED_WRAP): every submodule other than the root
+    holding more than this many parameters, its submodules' included."""
+    reshard_after_forward: bool | int | None = None
+    """FSDP2's ``reshard_after_forward`` for each unit: True frees gathered parameters after a
+    unit's forward and gathers them again in backward, False keeps them, an int N keeps a copy
+    sharded over N ranks (a divisor of world_size). Default (None): FSDP2's own, True for the
+    units; the root always keeps FSDP2's default (False)."""
+    accelerate_config: str | None = None
+    """An accelerate config (YAML or JSON, as ``accelerate config`` writes it): distributed
+    type, FSDP2 wrap policy, offload, reshard_after_forward, activation checkpointing, mixed
+    precision and process count are read from it, and the model is wrapped as accelerate does
+    (parallel/accelerate.py)."""
     moe_routing: str = "balanced"
     """How a mixture-of-experts router's choices are answered in a trace (its values depend on
-    the weights): balanced (every expert the same number of tokens) or worst (the last k experts
-    take every token; an upper bound for a loop over experts). See trace/values.py."""
+    the weights): balanced (every expert the same number of tokens), first / last (every expert
+    runs, the first / last k take the other tokens) or worst (the largest of the three). Only
+    traced when a value-dependent operator reads the routing. See trace/values.py."""
+    lora: str | None = None
+    """LoRA adapters through peft: ``r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]`` or
+    ``targets=all-linear``; the base is frozen (adapters.py)."""
+    quantize: str | None = None
+    """Quantized base weights through bitsandbytes: nf4 or fp4 (QLoRA, double quantization) or
+    int8 (LLM.int8)."""
+    freeze: tuple[str, ...] = ()
+    """Freeze parameters whose names match these fnmatch patterns."""
+    gpu: str | Gpu | None = None
+    """The GPU to predict, from the catalogue (gpus.py: a100-80gb, h100-80gb, v100-32gb, ...;
+    from Python also a ``Gpu``): its compute capability selects CUDA's decisions in the trace
+    (cuBLAS workspace, attention kernel) and the ledger says whether the step fits its memory.
+    Default: none (compute capability 9.0 assumed, no verdict)."""
+    gpu_memory: str | int | None = None
+    """Memory of a GPU not in the catalogue ('24GiB', '80GB', or bytes from Python): a verdict
+    against it, compute capability 9.0 assumed; with ``gpu``, that GPU with this memory."""
+    margin: str | int | None = None
+    """Memory kept back from the GPU's for what no trace sees (CUDA context, NCCL buffers,
+    fragmentation): '2GiB', or bytes from Python. Default 2 GiB (verdict.py)."""
 
     def __post_init__(self) -> None:
         for name in ("batch_size", "seq_len", "grad_accum"):
@@ -119,6 +161,18 @@ class TrainingSpec:
                 f"unknown MoE routing {self.moe_routing!r}", hint=f"use {' or '.join(ROUTINGS)}"
             )
         object.__setattr__(self, "checkpoint_modules", tuple(self.checkpoint_modules))
+        object.__setattr__(self, "freeze", tuple(self.freeze))
+        if self.quantize is not None and self.quantize not in QUANTIZE:
+            raise InputError(
+                f"unknown --quantize {self.quantize!r}", hint=f"use {', '.join(QUANTIZE)}"
+            )
+        if self.lora is not None:
+            parse_lora(self.lora)  # a malformed --lora is refused before anything is built
+        self._check_gpu()
+        units = self.shard_modules
+        object.__setattr__(
+            self, "shard_modules", (units,) if isinstance(units, str) else tuple(units)
+        )
         self._check_parallel()
 
     def _check_parallel(self) -> None:
@@ -149,13 +203,82 @@ class TrainingSpec:
         if strategy == "none" and self.world_size > 1:
             raise InputError(
                 f"world-size {self.world_size} needs a --strategy",
-                hint="ddp, zero1, zero2, zero3 or fsdp",
+                hint=f"use one of {', '.join(STRATEGIES[1:])}",
             )
         object.__setattr__(self, "strategy", strategy)
         if self.offload not in OFFLOADS:
             raise InputError(
                 f"unknown offload {self.offload!r}", hint=f"use one of {', '.join(OFFLOADS)}"
             )
+        self._check_shard_units()
+
+    def _check_shard_units(self) -> None:
+        given = [
+            "--" + name.replace("_", "-")
+            for name in ("shard_modules", "shard_min_params", "reshard_after_forward")
+            if getattr(self, name) not in ((), None)
+        ]
+        if not given:
+            return
+        if self.strategy not in ("zero3", "fsdp") and self.accelerate_config is None:
+            raise InputError(
+                f"{' and '.join(given)} set FSDP units, and the strategy is {self.strategy}",
+                hint="add --strategy fsdp (or zero3)",
+            )
+        if self.shard_modules and self.shard_min_params is not None:
+            raise InputError(
+                "give FSDP units by class (--shard-modules) or by size (--shard-min-params), not both"
+            )
+        n = self.shard_min_params
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0):
+            raise InputError(f"shard-min-params must be a non-negative integer, not {n!r}")
+        r = self.reshard_after_forward
+        if (
+            r is not None
+            and not isinstance(r, bool)
+            and (not isinstance(r, int) or r < 1 or self.world_size % r)
+        ):
+            raise InputError(
+                f"reshard-after-forward {r!r} is not true, false or a divisor of the world "
+                f"size {self.world_size}",
+                hint="an integer N keeps each unit's parameters sharded over N ranks after forward",
+            )
+
+    def _check_gpu(self) -> None:
+        """Sizes to bytes; a GPU needs the CUDA target, a modelled (NVIDIA) kind and a margin
+        that leaves some of its memory."""
+        for name, option in (("gpu_memory", "--gpu-memory"), ("margin", "--margin")):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                value = parse_bytes(value, allow_zero=name == "margin", option=option)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise InputError(f"{option} must be a size like 24GiB, not {value!r}")
+        if isinstance(self.margin, str):
+            object.__setattr__(self, "margin", parse_bytes(self.margin, allow_zero=True))
+        gpu = self.gpu_kind()
+        if gpu is None:
+            return
+        if self.target != "cuda":
+            raise InputError(
+                f"--gpu {gpu.name} predicts a CUDA GPU, and the target is {self.target}",
+                hint="drop --target cpu",
+            )
+        modelled_compute_capability(gpu)
+        check_margin(gpu, self.margin_bytes)
+
+    def gpu_kind(self) -> Gpu | None:
+        """The GPU the step is predicted for (``gpu``/``gpu_memory``), None when not given."""
+        if isinstance(self.gpu, Gpu):
+            if self.gpu_memory is None:
+                return self.gpu
+            return replace(self.gpu, memory_bytes=resolve_gpu(memory=self.gpu_memory).memory_bytes)
+        if self.gpu is None and self.gpu_memory is None:
+            return None
+        return resolve_gpu(self.gpu, self.gpu_memory)
+
+    @property
+    def margin_bytes(self) -> int:
+        return DEFAULT_MARGIN if self.margin is None else int(self.margin)
 
     def summary(self) -> dict[str, Any]:
         """The spec as plain JSON-ready values (code objects by name)."""
@@ -166,6 +289,8 @@ class TrainingSpec:
                 value = getattr(value, "__name__", type(value).__name__)
             elif key in ("inputs", "loss", "optimizer") and callable(value):
                 value = getattr(value, "__name__", repr(value))
+            elif isinstance(value, Gpu):
+                value = value.name
             elif isinstance(value, tuple):
                 value = list(value)
             elif isinstance(value, dict):

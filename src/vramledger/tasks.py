@@ -88,7 +88,12 @@ def _lm(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str, 
 
 def _sequence_classes(config: Any, cls: Any, device: torch.device, shape: Shape):
     b, s = shape.batch_size, shape.seq_len
-    return {"input_ids": _ids(config, device, b, s), "labels": _classes(config, device, b)}
+    ids = _ids(config, device, b, s)
+    eos = getattr(config, "eos_token_id", None)
+    if getattr(config, "is_encoder_decoder", False) and isinstance(eos, int):
+        # encoder-decoder classifiers (BART, T5) pool the last <eos> of every row
+        ids[:, -1] = eos
+    return {"input_ids": ids, "labels": _classes(config, device, b)}
 
 
 def _token_classes(config: Any, cls: Any, device: torch.device, shape: Shape):
@@ -96,11 +101,24 @@ def _token_classes(config: Any, cls: Any, device: torch.device, shape: Shape):
     return {"input_ids": _ids(config, device, b, s), "labels": _classes(config, device, b, s)}
 
 
+DEFAULT_IMAGE_SIZE = 224
+"""Side of a default image when the config names none (ImageNet's crop)."""
+
+
+def _vision_attr(config: Any, name: str) -> Any:
+    """An image attribute of the config, or of its vision part (CLIP-style models)."""
+    value = getattr(config, name, None)
+    vision = getattr(config, "vision_config", None)
+    if value is None and vision is not None:
+        value = getattr(vision, name, None)
+    return value
+
+
 def _images(config: Any, cls: Any, device: torch.device, shape: Shape):
-    size = shape.image_size or getattr(config, "image_size", None) or 224
+    size = shape.image_size or _vision_attr(config, "image_size") or DEFAULT_IMAGE_SIZE
     if isinstance(size, (list, tuple)):
         size = size[0]
-    channels = getattr(config, "num_channels", 3)
+    channels = _vision_attr(config, "num_channels") or 3
     b = shape.batch_size
     return {
         "pixel_values": torch.randn(b, channels, size, size, device=device),
@@ -115,6 +133,22 @@ def _conv_input_length(config: Any, frames: int) -> int:
     for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride, strict=True))):
         length = (length - 1) * stride + kernel
     return length
+
+
+def has_audio_inputs(config: Any) -> bool:
+    """Whether ``_audio`` can make this config's audio input."""
+    return bool(
+        (getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None))
+        or getattr(config, "num_mel_bins", None)
+        or getattr(config, "input_feat_per_channel", None)
+    )
+
+
+TEXT_ONLY_SPEECH = (
+    "default batch is text only (this speech model's audio input is not one vramledger makes): "
+    "its audio encoder's parameters, gradients and optimizer state are counted, its activations "
+    "are not (pass --inputs for audio batches)"
+)
 
 
 def _audio(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str, torch.Tensor]:

@@ -4,9 +4,13 @@ Read: ``zero_optimization.stage`` (0 -> ddp, 1 -> zero1, 2 -> zero2, 3 -> zero3)
 ``zero_optimization.offload_optimizer.device`` and ``offload_param.device`` ("cpu"; "none"),
 ``bf16.enabled`` (bf16-mixed), ``fp16.enabled`` (fp16-mixed), ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, and ``train_batch_size`` (checked against the other two and the
-world size). Keys that only tune speed (bucket sizes, overlap, logging) are accepted and
-ignored; any other key is an error naming it, so a setting that changes memory is never
-silently dropped.
+world size). Under stages 1 and 2, which run DeepSpeed's own engine
+(``deepspeed_engine.py``), the ``zero_optimization`` keys that shape its buffers and steps
+(bucket sizes, overlap, contiguous gradients, round robin, reduce-scatter) and gradient
+clipping are given to the engine as they are (``deepspeed_engine.PASSED_ZERO_KEYS``). Other
+accepted keys only tune speed or logging and are ignored (the ``optimizer`` section too: the
+optimizer is ``--optimizer``); any other key is an error naming it, so a setting that changes
+memory is never silently dropped.
 """
 
 from __future__ import annotations

@@ -21,7 +21,6 @@ from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from ..trace.blocks import find_block_stack
 from .strategy import (
     DDP_STRATEGIES,
     FSDP_STRATEGIES,
@@ -34,8 +33,6 @@ DDP_FIRST_BUCKET_BYTES = 1024**2
 """``dist._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket is capped at 1 MiB."""
 DDP_BUCKET_CAP_BYTES = 25 * 1024**2
 """``_DEFAULT_BUCKET_CAP_MB = 25`` in torch/nn/parallel/distributed.py."""
-DEEPSPEED_REDUCE_BUCKET_ELEMENTS = 500_000_000
-"""DeepSpeed's ``zero_optimization.reduce_bucket_size`` default (elements)."""
 
 # Outputs of these operators are sharding buffers (FSDP2's copy-in kernels, torch.ops.fsdp).
 FSDP_OP_CATEGORIES: dict[str, Category] = {
@@ -151,43 +148,26 @@ class RankEngine:
         return Category.ALL_GATHER_BUFFERS if self.strategy in FSDP_STRATEGIES else None
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
-        """FSDP2 ``fully_shard`` on each unit (the traced block stack, else the largest stack of
-        identical blocks) and the root."""
+        """FSDP2 ``fully_shard`` on each unit and the root (``fsdp_units.py``: the traced block
+        stack, else the largest stack of identical blocks, else the units the spec names;
+        named units that are not the traced ``blocks`` raise NotExtensible)."""
         if self.strategy not in FSDP_STRATEGIES:
             return model
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+        from .fsdp_units import apply_fully_shard
 
-        if not blocks:
-            stack = find_block_stack(model, min_blocks=1)
-            blocks = list(model.get_submodule(stack.fqn)) if stack is not None else []
-
-        mp = MixedPrecisionPolicy()
-        if precision_name in ("bf16-mixed", "fp16-mixed"):
-            half = torch.bfloat16 if precision_name == "bf16-mixed" else torch.float16
-            mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-        for block in blocks:
-            fully_shard(block, mesh=self.mesh, mp_policy=mp)
-        fully_shard(model, mesh=self.mesh, mp_policy=mp)
-        how = "FSDP2 fully_shard"
+        units = apply_fully_shard(model, self.spec, self.mesh, precision_name, blocks)
         self.notes.append(
-            f"{self.strategy}: traced with {how} on a fake process group of "
-            f"{self.spec.world_size} ranks"
-            + (f", each of {len(blocks)} blocks and the root" if blocks else "")
+            f"{self.strategy}: traced with FSDP2 fully_shard on a fake process group of "
+            f"{self.spec.world_size} ranks, on {units}"
         )
         return model
 
     def owned(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
-        """The parameters this rank's optimizer steps (ZeRO-1/2: its partition). Under ZeRO-2 the
-        gradients of the others are reduced to their owners and freed as soon as they are made."""
-        if self.strategy not in ("zero1", "zero2"):
+        """The parameters this rank's optimizer steps (``zero1-torch``: its partition, by
+        ZeroRedundancyOptimizer's own partitioning)."""
+        if self.strategy != "zero1-torch":
             return params
-        mine = [params[i] for i in zero1_partition(params, self.spec.world_size)[self.rank]]
-        if self.strategy == "zero2":
-            keep = {id(p) for p in mine}
-            for p in params:
-                if id(p) not in keep:
-                    p.register_post_accumulate_grad_hook(_drop_grad)
-        return mine
+        return [params[i] for i in zero1_partition(params, self.spec.world_size)[self.rank]]
 
     def add_buckets(self, model: nn.Module, track: Any) -> None:
         """DDP's gradient buckets: one flat buffer per bucket of its own bucket assignment,
@@ -195,19 +175,6 @@ class RankEngine:
         if self.strategy not in DDP_STRATEGIES:
             return
         params = [p for p in model.parameters() if p.requires_grad]
-        if self.strategy == "zero2":
-            # DeepSpeed reduces through one bucket of reduce_bucket_size elements.
-            numel = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, sum(p.numel() for p in params))
-            buffer = torch.empty(numel, dtype=params[0].dtype)
-            self.keep.append(buffer)
-            track([buffer], Category.GRADIENT_BUCKETS)
-            self.notes.append(
-                "zero2: DeepSpeed ZeRO-2 layout (full half-precision parameters; gradients and "
-                "optimizer state of this rank's partition, partitioned by whole parameters as "
-                "ZeroRedundancyOptimizer does; a reduce bucket of "
-                f"{DEEPSPEED_REDUCE_BUCKET_ELEMENTS:,} elements); DeepSpeed's engine cannot run here"
-            )
-            return
         for dtype in dict.fromkeys(p.dtype for p in params):
             group = [p for p in params if p.dtype is dtype]
             for bucket in ddp_buckets(group):
@@ -219,10 +186,6 @@ class RankEngine:
             f"{self.strategy}: DDP gradient buckets from DDP's own bucket assignment "
             "(dist._compute_bucket_assignment_by_size); its reducer cannot run on fake tensors"
         )
-
-
-def _drop_grad(p: torch.Tensor) -> None:
-    p.grad = None
 
 
 def ddp_buckets(params: list[torch.Tensor]) -> list[list[int]]:

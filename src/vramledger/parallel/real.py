@@ -1,29 +1,34 @@
 """Real data-parallel runs: wrap a real model with the real engine of a strategy, in a process
 group that torchrun (or a test) started — gloo on CPU, NCCL on GPUs.
 
-========  ==================================================================================
-ddp       ``DistributedDataParallel``
-zero1     ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer`` over the optimizer class
-zero3     ``fully_shard`` (FSDP2) on each block of the largest stack of identical blocks and on
-fsdp      the root
-zero2     not measurable here: it is DeepSpeed's engine (the estimate models its layout)
-========  ==================================================================================
+=============  ==============================================================================
+ddp            ``DistributedDataParallel``
+zero1-torch    ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer`` over the optimizer class
+zero3, fsdp    ``fully_shard`` (FSDP2) on the units the estimate shards (``fsdp_units.py``: each
+               block of the largest stack of identical blocks, or the named units) and the root
+zero1, zero2   DeepSpeed's own engine (``deepspeed_engine.py``), built by the same code as the
+               estimate's: :func:`measure_deepspeed` (``vramledger measure`` does not build it)
+=============  ==============================================================================
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..categories import Category, Phase
 from ..errors import InputError
+from ..ledger import Ledger
 from ..optimizers import OptimizerChoice
 from ..spec import TrainingSpec
-from ..trace.blocks import find_block_stack
+from ..trace.tracker import TrackerObserver
+from .strategy import DDP_STRATEGIES, DEEPSPEED_STRATEGIES
 
 
 def check_world(spec: TrainingSpec) -> None:
@@ -36,44 +41,32 @@ def check_world(spec: TrainingSpec) -> None:
         raise InputError(
             f"--world-size {spec.world_size} but the process group has {dist.get_world_size()} ranks"
         )
-    if spec.strategy == "zero2":
+    if spec.precision.endswith("-mixed") and spec.strategy == "zero1-torch":
         raise InputError(
-            "zero2 is DeepSpeed's engine, which is not run here",
-            hint="measure zero1, zero3 or fsdp",
-        )
-    if spec.precision.endswith("-mixed") and spec.strategy == "zero1":
-        raise InputError(
-            "measuring zero1 with master weights is not supported", hint="use fsdp, or fp32"
+            "measuring zero1-torch with master weights is not supported", hint="use fsdp, or fp32"
         )
 
 
 def wrap_real(model: nn.Module, spec: TrainingSpec, precision_name: str) -> nn.Module:
-    if spec.strategy in ("ddp", "zero1"):
+    if spec.strategy in DDP_STRATEGIES:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model)
     if spec.strategy in ("zero3", "fsdp"):
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from .fsdp_units import apply_fully_shard
 
         device = "cuda" if next(model.parameters()).is_cuda else "cpu"
         mesh = init_device_mesh(device, (spec.world_size,))
-        mp = MixedPrecisionPolicy()
-        if precision_name in ("bf16-mixed", "fp16-mixed"):
-            half = torch.bfloat16 if precision_name == "bf16-mixed" else torch.float16
-            mp = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)
-        stack = find_block_stack(model, min_blocks=1)
-        if stack is not None:
-            for block in model.get_submodule(stack.fqn):
-                fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+        apply_fully_shard(model, spec, mesh, precision_name)  # as the estimate wraps it
         return model
     return model
 
 
 def real_optimizer(choice: OptimizerChoice, spec: TrainingSpec) -> OptimizerChoice:
-    """ZeRO-1: the user's optimizer inside a ZeroRedundancyOptimizer."""
-    if spec.strategy != "zero1":
+    """zero1-torch: the user's optimizer inside a ZeroRedundancyOptimizer."""
+    if spec.strategy != "zero1-torch":
         return choice
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -122,3 +115,133 @@ def shut_down_group() -> None:
     gc.collect()
     dist.barrier()
     dist.destroy_process_group()
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedMeasurement:
+    """One rank's real run of DeepSpeed's engine."""
+
+    ledger: Ledger
+    """From the storage tracker (the estimate's categories and phases)."""
+    counted_step_peaks: dict[int, int]
+    """Per step, the peak of the CPU allocator's own count (every thread; ``cpu_allocator_count``;
+    on CUDA ``max_memory_allocated``), counted from the start of the run."""
+    counted_phase_peaks: dict[tuple[int, str], int]
+    """The same per (step, phase)."""
+
+    @property
+    def counted_peak_bytes(self) -> int:
+        """Steady-state peak (steps >= 2) of the allocator's count."""
+        return max(v for k, v in self.counted_step_peaks.items() if k >= 2)
+
+
+def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasurement:
+    """Run ``spec`` (``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
+    process group, tracked by the storage tracker and counted by the allocator.
+
+    On CPU the allocator count is ``cpu_allocator_count`` (installed here, so it counts from
+    before the model is built); DeepSpeed's shared-memory collectives, which serve only its
+    ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
+    """
+    import gc
+
+    from .. import cpu_allocator_count
+    from ..ledger import build_ledger
+    from ..predict import policy_for
+    from ..recipe import count_parameters, module_names, resolve
+    from ..trace.tracker import StorageTracker
+    from ..version import __version__
+    from .deepspeed import apply_deepspeed
+    from .deepspeed_engine import build_run
+    from .deepspeed_runtime import real_deepspeed
+
+    spec, _ = apply_deepspeed(spec)
+    if spec.strategy not in DEEPSPEED_STRATEGIES:
+        raise InputError(f"measure_deepspeed runs zero1 or zero2, not {spec.strategy}")
+    if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
+        raise InputError(f"measure_deepspeed needs a process group of {spec.world_size} ranks")
+    cuda = device == "cuda"
+    # What earlier work in this process left for the collector must not be freed (and counted)
+    # inside the run; counts are from here on.
+    gc.collect()
+    if not cuda:
+        cpu_allocator_count.install()
+    base = torch.cuda.memory_allocated() if cuda else cpu_allocator_count.live()
+    counted: dict[tuple[int, str], int] = {}
+
+    def count_start() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            cpu_allocator_count.reset_peak()
+
+    def count_end() -> int:
+        if cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+        return cpu_allocator_count.peak() - base
+
+    torch.manual_seed(spec.seed)
+    recipe = resolve(spec)
+    torch_device = torch.device(device)
+    with real_deepspeed(skip_shared_memory_ops=not cuda):
+        model = recipe.build_model(torch_device)
+        parameters, trainable = count_parameters(model)
+        tracker = StorageTracker(module_names=module_names(model), device_type=torch_device.type)
+        observer = _CountingObserver(tracker, count_start, count_end, counted)
+        batch = recipe.make_batch(torch_device)
+        with tracker:
+            run, notes = build_run(
+                model=model,
+                batch=batch,
+                loss_fn=recipe.loss_fn,
+                optimizer=recipe.optimizer,
+                precision=recipe.precision,
+                spec=spec,
+                observer=observer,
+                fake=False,
+            )
+            for step in range(1, spec.steps + 1):
+                run.step(step, observer)
+            observer.close()
+    timeline = tracker.close()
+    ledger = build_ledger(
+        timeline,
+        target=device,
+        allocator=policy_for(device).allocator,
+        parameters=parameters,
+        trainable_parameters=trainable,
+        optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
+        optimizer_state_method="measured",
+        spec=spec.summary(),
+        notes=["measured", *notes],
+        version=__version__,
+    )
+    steps: dict[int, int] = {}
+    for (step, _), peak in counted.items():
+        steps[step] = max(steps.get(step, 0), peak)
+    return DeepSpeedMeasurement(
+        ledger=ledger, counted_step_peaks=steps, counted_phase_peaks=counted
+    )
+
+
+class _CountingObserver(TrackerObserver):
+    """The tracker's observer, also reading the allocator's peak of each (step, phase)."""
+
+    def __init__(self, tracker: Any, start: Any, end: Any, out: dict[tuple[int, str], int]):
+        super().__init__(tracker)
+        self._start, self._end, self._out = start, end, out
+        self._open: tuple[int, str] | None = None
+
+    def phase(self, step: int, phase: Phase) -> None:
+        self.close()
+        super().phase(step, phase)
+        self._open = (step, phase.value)
+        self._start()
+
+    def close(self) -> None:
+        if self._open is not None:
+            key = self._open
+            self._out[key] = max(self._out.get(key, 0), self._end())
+            self._open = None

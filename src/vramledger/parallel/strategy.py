@@ -1,22 +1,30 @@
 """Parallel strategies: what each keeps on a rank, and which engine the trace runs for it.
 
-============  =====================================  =============================================
-strategy      memory on each rank                    how it is traced
-============  =====================================  =============================================
-``ddp``       everything, plus gradient buckets      the single-process step, plus DDP's buckets
-                                                     from its own bucket assignment (the reducer
-                                                     cannot run on fake tensors)
-``zero1``     full parameters and gradients;         DDP as above, the optimizer (and fp32 master
-              optimizer state (and fp32 master       weights) over this rank's partition from
-              weights) of its partition              ZeroRedundancyOptimizer's own partitioning
-``zero2``     full parameters; gradients, optimizer   DeepSpeed's ZeRO-2 layout (its engine cannot
-              state and fp32 master weights of its    run here): the single-process step, the
-              partition                               gradients of other ranks' parameters freed
-                                                      as made, a reduce bucket
-``zero3``,    parameters, gradients and optimizer    FSDP2 ``fully_shard`` on a fake process group
-``fsdp``      state sharded; layers' parameters
-              gathered for their compute
-============  =====================================  =============================================
+=============  ===================================  ===========================================
+strategy       memory on each rank                  how it is traced
+=============  ===================================  ===========================================
+``ddp``        everything, plus gradient buckets    the single-process step, plus DDP's buckets
+                                                    from its own bucket assignment (the reducer
+                                                    cannot run on fake tensors)
+``zero1``      full parameters and gradients;       DeepSpeed's own engine (``DeepSpeedEngine``,
+               fp32 master weights and optimizer    ``DeepSpeedZeroOptimizer`` stage 1) on a fake
+               state of its even 1/N partition of   process group (``deepspeed_engine.py``):
+               the flat parameters; a reduce        its flat even partition, its buckets, its
+               bucket                               step
+``zero2``      full parameters; gradients of the    the same, stage 2
+               parameters overlapping its
+               partition, fp32 master weights and
+               optimizer state of its partition; a
+               reduce bucket
+``zero3``,     parameters, gradients and optimizer  FSDP2 ``fully_shard`` on a fake process group
+``fsdp``       state sharded; layers' parameters
+               gathered for their compute
+``zero1-       full parameters and gradients;       DDP as above, the optimizer (and fp32 master
+torch``        optimizer state (and fp32 master     weights) over this rank's whole parameters
+               weights) of whole parameters         from ``ZeroRedundancyOptimizer``'s own
+               (largest first, to the rank with     partitioning: uneven when one parameter (an
+               the fewest elements)                 embedding) is large
+=============  ===================================  ===========================================
 
 Offload (DeepSpeed ZeRO-Offload / FSDP2 CPU offload): ``optimizer`` keeps optimizer state, fp32
 master weights and their gradients in host memory (the step runs on the CPU, so its temporaries
@@ -42,7 +50,8 @@ from ..timeline import Timeline
 
 FP32_ITEMSIZE = 4
 FSDP_STRATEGIES = frozenset({"zero3", "fsdp"})
-DDP_STRATEGIES = frozenset({"ddp", "zero1", "zero2"})
+DDP_STRATEGIES = frozenset({"ddp", "zero1-torch"})
+DEEPSPEED_STRATEGIES = frozenset({"zero1", "zero2"})
 
 OFFLOADED: dict[str, frozenset[Category]] = {
     "none": frozenset(),

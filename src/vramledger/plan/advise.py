@@ -1,31 +1,49 @@
 """``advise``: when a run does not fit, what to change first — least harm to convergence first.
 
-The order is the source documents' (and the usual practice): activation checkpointing ->
-smaller micro-batch with gradient accumulation -> freeing stray intermediates -> optimizer-state
-compression (momentum SGD, 8-bit states, ZeRO sharding, offload). Each change is re-estimated
-on its own (the bytes it saves) and in combination with the ones before it, in that order, until
-the first combination that fits; then the changes that combination no longer needs are dropped,
-the most harmful first (offloading the optimizer can make switching it unnecessary), so every
-change it names is needed. Stray intermediates cannot be freed automatically: ``advise``
-points at the largest temporaries alive at the peak and the modules and operators that made them.
+The order follows the source documents and the evidence: changes that leave what training
+computes untouched come first — activation checkpointing (more compute), a smaller micro-batch
+with gradient accumulation (less throughput), deleting tensors the user's own code keeps alive,
+the optimizer's fused implementation (no step scratch), sharding over more GPUs, offloading the
+optimizer to host memory — then optimizer-state compression, ranked by the loss gap measured
+against AdamW (``data/optimizer_evidence.json``, from ``benchmarks/lowbit.py``: 8-bit AdamW's
+gap is smaller than momentum SGD's).
+
+Each change is re-estimated on its own and shown as an alternative (its peak alone, whether it
+fits alone). Separately, the changes are combined in that order until the first combination
+that fits; then the changes it does not need are dropped, the most harmful first, so every change
+it names is needed. Every answer that offloads says how much host memory each node needs, and
+with ``host_memory`` one that needs more does not fit.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
-from ..categories import Category
+from ..categories import MODEL_STATE_CATEGORIES, Category, Phase
 from ..gpus import Gpu
-from ..ledger import Ledger, live_at, replay, steady_peak
+from ..ledger import Ledger, live_at
+from ..optimizers import resolve_optimizer
 from ..predict import estimate
+from ..recipe import resolve
 from ..spec import TrainingSpec
-from .search import DEFAULT_MARGIN
+from ..timeline import Timeline
+from ..trace.blocks import find_block_stack
+from ..verdict import DEFAULT_MARGIN, check_margin, verdict
+from .candidates import DEFAULT_GPUS_PER_NODE
 
 TOP_TEMPORARIES = 5
 MIN_SAVING = 0.005
 """A change joins the combination only if it lowers the peak by at least this share of the
 original peak (a change that saves a few MiB of 180 GiB is not worth its cost)."""
+MAX_GPUS = 1024
+"""Largest world size ``advise`` tries when it looks for more GPUs."""
+EVIDENCE_FILE = Path(__file__).parent.parent / "data" / "optimizer_evidence.json"
+EVIDENCE: dict[str, Any] = json.loads(EVIDENCE_FILE.read_text())
+"""Measured loss gaps of optimizers against AdamW, with their source."""
+STATE_ONLY = frozenset({Category.INPUTS, Category.BUFFERS, *MODEL_STATE_CATEGORIES})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -34,20 +52,29 @@ class Change:
     description: str
     fields: dict[str, Any]
     """TrainingSpec fields the change sets (empty for advice that is not automatic)."""
+    behaviour: str = "unchanged"
+    """What it does to training: 'unchanged', or the measured loss gap."""
     saves_bytes: int | None = None
     """Peak saved by this change alone (re-estimated)."""
+    peak_bytes: int | None = None
+    """Peak with this change alone (re-estimated)."""
+    host_bytes_per_node: int = 0
+    """Host memory one node needs with this change alone (offload)."""
     cumulative_peak_bytes: int | None = None
-    """Peak with this change and every earlier helpful one applied (until the first combination
-    that fits; None after it)."""
+    """Peak with this change and every earlier helpful one (until the first combination that
+    fits; None after it)."""
     fits: bool = False
-    """The combination up to here fits (after the first fit: this change alone fits)."""
+    """This change alone fits (device and host memory)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "description": self.description,
             "fields": self.fields,
+            "behaviour": self.behaviour,
             "saves_bytes": self.saves_bytes,
+            "peak_bytes": self.peak_bytes,
+            "host_bytes_per_node": self.host_bytes_per_node,
             "cumulative_peak_bytes": self.cumulative_peak_bytes,
             "fits": self.fits,
         }
@@ -64,7 +91,13 @@ class Advice:
     (without any one of them it does not fit)."""
     first_fit_peak_bytes: int | None = None
     """Peak of the first fitting combination (re-estimated), None when none fits."""
+    first_fit_host_bytes_per_node: int = 0
     stray_temporaries: list[dict[str, Any]] = field(default_factory=list)
+    """Tensors the training step's forward makes that are still alive after its backward:
+    what the user's code (or a module's cache) keeps alive. Empty: there are none."""
+    host_memory_bytes: int | None = None
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -74,21 +107,76 @@ class Advice:
             "changes": [c.to_dict() for c in self.changes],
             "first_fit": self.first_fit,
             "first_fit_peak_bytes": self.first_fit_peak_bytes,
+            "first_fit_host_bytes_per_node": self.first_fit_host_bytes_per_node,
             "stray_temporaries": self.stray_temporaries,
+            "host_memory_bytes": self.host_memory_bytes,
+            "gpus_per_node": self.gpus_per_node,
+            "notes": self.notes,
         }
 
 
-def _peak(ledger: Ledger) -> int:
+def device_peak(ledger: Ledger) -> int:
+    """What has to fit on the device: reserved bytes on CUDA (the caching allocator holds them)."""
     return ledger.reserved_peak_bytes if ledger.target == "cuda" else ledger.allocated_peak_bytes
 
 
+def host_bytes_per_node(ledger: Ledger, gpus_per_node: int) -> int:
+    """Host memory one node needs: each of its ranks' offloaded bytes."""
+    return ledger.host_bytes * min(ledger.world_size, gpus_per_node)
+
+
+def stray_tensors(timeline: Timeline | None) -> list[dict[str, Any]]:
+    """Tensors made in the last step's forward (or backward, outside the gradients) that are
+    still alive when its backward has ended: autograd frees what it saved as backward consumes
+    it, so whatever survives is held by the training code itself (a kept output, a loss history,
+    a module's cache). The optimizer's own scratch is not among them."""
+    if timeline is None:
+        return []
+    step = timeline.steps
+    marks = [(i, p) for i, s, p in timeline.marks if s == step]
+    if not any(p is Phase.BACKWARD for _, p in marks):
+        return []
+    # the step's last phase mark is the optimizer's, after its (last) backward
+    alive = live_at(timeline, max(i for i, p in marks if p is Phase.OPTIMIZER) - 1)
+    kept = [
+        s
+        for s in alive
+        if timeline.origin[s][0] == step
+        and timeline.origin[s][1] in (Phase.FORWARD, Phase.BACKWARD)
+        and timeline.category(s) not in STATE_ONLY
+        and not timeline.on_host[s]
+    ]
+    kept.sort(key=lambda s: -timeline.nbytes[s])
+    return [
+        {
+            "bytes": timeline.nbytes[s],
+            "module": timeline.module[s],
+            "op": timeline.op[s],
+            "phase": timeline.origin[s][1].value,
+        }
+        for s in kept[:TOP_TEMPORARIES]
+    ]
+
+
+def _gap(name: str) -> str | None:
+    row = EVIDENCE["optimizers"].get(name)
+    if row is None:
+        return None
+    return (
+        f"final loss {100 * row['final_gap']:+.1f} % vs AdamW (largest gap "
+        f"{100 * row['max_gap']:.1f} %; benchmarks/lowbit.py)"
+    )
+
+
 def candidate_changes(spec: TrainingSpec) -> list[Change]:
+    """The changes worth trying for ``spec``, least harm first."""
     changes: list[Change] = []
-    if not spec.grad_checkpointing and not spec.checkpoint_modules:
+    checkpointing = _checkpointing(spec)
+    if checkpointing is not None:
         changes.append(
             Change(
                 name="activation checkpointing",
-                fields={"grad_checkpointing": True},
+                fields=checkpointing,
                 description="recompute each block's activations in backward (+~33 % compute)",
             )
         )
@@ -103,27 +191,13 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
                 description="same batch, smaller micro-batches, gradients accumulated",
             )
         )
-    changes.append(
-        Change(
-            name="free stray intermediates",
-            fields={},
-            description="delete tensors the training loop keeps alive (see the largest temporaries)",
-        )
-    )
-    if spec.optimizer not in ("sgd", "sgd-momentum"):
+    choice = resolve_optimizer(spec.optimizer, spec.optimizer_kwargs)
+    if choice.package == "torch" and choice.accepts("fused") and not choice.kwargs.get("fused"):
         changes.append(
             Change(
-                name="momentum SGD",
-                fields={"optimizer": "sgd-momentum"},
-                description="one state tensor instead of two (changes training behaviour)",
-            )
-        )
-    if "8bit" not in str(spec.optimizer):
-        changes.append(
-            Change(
-                name="8-bit AdamW states",
-                fields={"optimizer": "adamw8bit"},
-                description="torchao AdamW8bit: ~2 bytes of state per parameter",
+                name=f"fused {choice.cls.__name__}",
+                fields={"optimizer_kwargs": {**spec.optimizer_kwargs, "fused": True}},
+                description="the fused kernel updates in place: no multi-tensor step scratch",
             )
         )
     if spec.world_size > 1 and spec.strategy in ("ddp", "zero1"):
@@ -151,94 +225,195 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
                 description="optimizer state and fp32 master weights in host memory (slower step)",
             )
         )
+    compressions = [
+        ("8-bit AdamW states", "adamw8bit", "torchao AdamW8bit: ~2 bytes of state per parameter"),
+        ("momentum SGD", "sgd-momentum", "one state tensor instead of two"),
+    ]
+    ranked = sorted(
+        (c for c in compressions if c[1] != spec.optimizer),
+        key=lambda c: EVIDENCE["optimizers"][c[1]]["final_gap"],
+    )
+    for name, optimizer, description in ranked:
+        changes.append(
+            Change(
+                name=name,
+                fields={"optimizer": optimizer, "optimizer_kwargs": {}},
+                description=description,
+                behaviour=_gap(optimizer) or "changes training behaviour",
+            )
+        )
     return changes
 
 
-def stray_temporaries(ledger: Ledger) -> list[dict[str, Any]]:
-    """The largest temporaries alive at the peak, with the module and operator that made them."""
-    tl = ledger.timeline
-    if tl is None:
-        return []
-    alive = live_at(tl, steady_peak(replay(tl)).event)
-    temps = [s for s in alive if tl.category(s) is Category.TEMPORARIES and not tl.on_host[s]]
-    temps.sort(key=lambda s: -tl.nbytes[s])
-    return [
-        {
-            "bytes": tl.nbytes[s],
-            "module": tl.module[s],
-            "op": tl.op[s],
-            "phase": tl.origin[s][1].value,
-        }
-        for s in temps[:TOP_TEMPORARIES]
-    ]
+def _checkpointing(spec: TrainingSpec) -> dict[str, Any] | None:
+    """How to turn activation checkpointing on: the Hugging Face switch, else checkpointing the
+    class of the model's repeated blocks; None when it is on or there are no blocks."""
+    if spec.grad_checkpointing or spec.checkpoint_modules:
+        return None
+    recipe = resolve(spec)
+    model = recipe.build_model("meta")
+    if recipe.source.supports_hf_checkpointing or getattr(
+        model, "supports_gradient_checkpointing", False
+    ):
+        return {"grad_checkpointing": True}
+    stack = find_block_stack(model, min_blocks=1)
+    if stack is None:
+        return None
+    return {"checkpoint_modules": (type(model.get_submodule(stack.fqn)[0]).__name__,)}
 
 
-def advise(spec: TrainingSpec, gpu: Gpu, *, margin: int = DEFAULT_MARGIN) -> Advice:
-    budget = gpu.memory_bytes - margin
+@dataclass(frozen=True, kw_only=True)
+class _Budget:
+    gpu: Gpu
+    margin: int
+    host: int | None
+    gpus_per_node: int
+
+    @property
+    def device(self) -> int:
+        return self.gpu.memory_bytes - self.margin
+
+    def fits(self, ledger: Ledger) -> bool:
+        host_ok = self.host is None or host_bytes_per_node(ledger, self.gpus_per_node) <= self.host
+        return verdict(self.gpu, device_peak(ledger), self.margin).fits and host_ok
+
+
+def advise(
+    spec: TrainingSpec,
+    gpu: Gpu,
+    *,
+    margin: int = DEFAULT_MARGIN,
+    host_memory: int | None = None,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    max_gpus: int = MAX_GPUS,
+) -> Advice:
+    """What to change, least harm first, for ``spec`` to fit on ``gpu`` (and, with
+    ``host_memory``, in each node's host memory)."""
+    check_margin(gpu, margin)
+    spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)  # every estimate on this GPU
+    budget = _Budget(gpu=gpu, margin=margin, host=host_memory, gpus_per_node=gpus_per_node)
     base = estimate(spec)
-    peak = _peak(base)
-    strays = stray_temporaries(base)
-    if peak <= budget:
-        return Advice(
-            budget_bytes=budget,
-            peak_bytes=peak,
-            fits=True,
-            changes=[],
-            first_fit=[],
-            stray_temporaries=strays,
-        )
+    peak = device_peak(base)
+    strays = stray_tensors(base.timeline)
+    common = dict(
+        budget_bytes=budget.device,
+        peak_bytes=peak,
+        stray_temporaries=strays,
+        host_memory_bytes=host_memory,
+        gpus_per_node=gpus_per_node,
+    )
+    if budget.fits(base):
+        return Advice(fits=True, changes=[], first_fit=[], **common)
     results: list[Change] = []
     chosen: list[Change] = []
     applied: dict[str, Any] = {}
     applied_peak = peak
-    names: list[str] = []
     first_fit: list[str] | None = None
-    first_fit_peak: int | None = None
-    for change in candidate_changes(spec):
-        if not change.fields:  # advice only: nothing to re-estimate
-            results.append(change)
-            continue
-        alone = _peak(estimate(replace(spec, **change.fields)))
-        if first_fit is not None:  # the rest are listed with what each saves on its own
-            results.append(replace(change, saves_bytes=peak - alone, fits=alone <= budget))
-            continue
-        trial = {**applied, **change.fields}
-        cumulative = alone if not applied else _peak(estimate(replace(spec, **trial)))
-        if cumulative < applied_peak - MIN_SAVING * peak:  # keep changes that help, in order
-            applied, applied_peak = trial, cumulative
-            names.append(change.name)
-            chosen.append(change)
-        fits = applied_peak <= budget
-        results.append(
-            replace(change, saves_bytes=peak - alone, cumulative_peak_bytes=applied_peak, fits=fits)
+    first_fit_ledger: Ledger | None = None
+    changes = candidate_changes(spec)
+    stray_bytes = sum(t["bytes"] for t in strays)
+    for change in changes:
+        alone = estimate(replace(spec, **change.fields))
+        result = replace(
+            change,
+            peak_bytes=device_peak(alone),
+            saves_bytes=peak - device_peak(alone),
+            host_bytes_per_node=host_bytes_per_node(alone, gpus_per_node),
+            fits=budget.fits(alone),
         )
-        if fits:
-            needed, first_fit_peak = _needed(spec, chosen, budget, applied_peak)
-            first_fit = [c.name for c in needed]
+        if first_fit is None:
+            trial = {**applied, **change.fields}
+            combined = alone if not applied else estimate(replace(spec, **trial))
+            if device_peak(combined) < applied_peak - MIN_SAVING * peak:
+                applied, applied_peak = trial, device_peak(combined)
+                chosen.append(change)
+            result = replace(result, cumulative_peak_bytes=applied_peak)
+            if chosen and chosen[-1] is change and budget.fits(combined):
+                needed, first_fit_ledger = _needed(spec, chosen, budget, combined)
+                first_fit = [c.name for c in needed]
+        results.append(result)
+    notes = []
+    if strays:
+        notes.append(
+            f"the training code keeps {len(strays)} tensors of the forward alive after backward "
+            f"(up to {stray_bytes:,} bytes to free by deleting them): see stray_temporaries"
+        )
+    else:
+        notes.append(
+            "no stray intermediates: nothing the forward makes outlives the backward (the "
+            "temporaries at the peak are the optimizer's or autograd's own)"
+        )
+    more = _more_gpus(spec, budget, max_gpus)
+    if more is not None:
+        results.append(more)
+    notes.append(f"compression ranked by measured loss gap: {EVIDENCE['source']}")
     return Advice(
-        budget_bytes=budget,
-        peak_bytes=peak,
         fits=False,
         changes=results,
         first_fit=first_fit,
-        first_fit_peak_bytes=first_fit_peak,
-        stray_temporaries=strays,
+        first_fit_peak_bytes=device_peak(first_fit_ledger) if first_fit_ledger else None,
+        first_fit_host_bytes_per_node=(
+            host_bytes_per_node(first_fit_ledger, gpus_per_node) if first_fit_ledger else 0
+        ),
+        notes=notes,
+        **common,
+    )
+
+
+def _more_gpus(spec: TrainingSpec, budget: _Budget, max_gpus: int) -> Change | None:
+    """The fewest GPUs on which the step fits with ZeRO-3 (FSDP2), nothing else changed, found
+    by doubling and bisecting with re-estimates (memory per GPU does not grow with the count)."""
+    if spec.offload != "none" and spec.strategy in (None, "none"):
+        return None
+    start = max(2, spec.world_size * 2 if spec.strategy in ("zero3", "fsdp") else 2)
+    tried: dict[int, Ledger] = {}
+
+    def at(n: int) -> Ledger:
+        if n not in tried:
+            tried[n] = estimate(
+                replace(spec, world_size=n, strategy="zero3", nodes=None, gpus_per_node=None)
+            )
+        return tried[n]
+
+    n = start
+    while not budget.fits(at(n)):
+        if 2 * n > max_gpus:
+            return None
+        # what sharding cannot shrink (activations) stays: stop once doubling barely helps
+        if n > start and device_peak(at(n)) > device_peak(at(n // 2)) * (1 - MIN_SAVING):
+            return None
+        n *= 2
+    lo, hi = max(start, n // 2 + 1), n
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if budget.fits(at(mid)):
+            hi = mid
+        else:
+            lo = mid + 1
+    ledger = at(hi)
+    return Change(
+        name=f"{hi} GPUs with ZeRO-3 / FSDP",
+        fields={"world_size": hi, "strategy": "zero3"},
+        description=f"shard parameters, gradients and state over {hi} GPUs (fewest that fit)",
+        peak_bytes=device_peak(ledger),
+        saves_bytes=None,
+        host_bytes_per_node=host_bytes_per_node(ledger, budget.gpus_per_node),
+        fits=True,
     )
 
 
 def _needed(
-    spec: TrainingSpec, chosen: list[Change], budget: int, peak: int
-) -> tuple[list[Change], int]:
-    """Drop the changes of a fitting combination (of ``peak``) that it does not need, trying the
-    most harmful (the latest in the order) first; the last one, which made it fit, stays.
-    Returns the changes kept and their peak."""
+    spec: TrainingSpec, chosen: list[Change], budget: _Budget, ledger: Ledger
+) -> tuple[list[Change], Ledger]:
+    """Drop the changes of a fitting combination that it does not need, trying the most harmful
+    (the latest in the order) first; the last one, which made it fit, stays."""
     kept = list(chosen)
     for change in reversed(chosen[:-1]):
         rest = [c for c in kept if c is not change]
         fields: dict[str, Any] = {}
         for c in rest:
             fields.update(c.fields)
-        without = _peak(estimate(replace(spec, **fields)))
-        if without <= budget:
-            kept, peak = rest, without
-    return kept, peak
+        without = estimate(replace(spec, **fields))
+        if budget.fits(without):
+            kept, ledger = rest, without
+    return kept, ledger

@@ -6,10 +6,16 @@ strategies are applied to that timeline by category — the ledger of the result
 usual:
 
 - ``ddp``: plus DDP's gradient buckets (one copy of the gradients, from setup on);
-- ``zero1``: master weights, optimizer state and the optimizer step's temporaries (the fp32
-  gradients of a master-weight step among them) divided over the ranks (the mean rank: ZeroRedundancyOptimizer's whole-parameter partition is uneven); plus
-  DDP's buckets;
-- ``zero2``: as ``zero1``, gradients divided too, plus DeepSpeed's reduce bucket;
+- ``zero1``, ``zero2``: DeepSpeed's layout (``_deepspeed_layout``) for the rank that keeps the
+  most gradients: the flat parameters padded to a multiple of 2N elements, fp32 master weights
+  and optimizer state of the even partition ``p`` (the step's temporaries scaled to it), the
+  reduce bucket (``reduce_bucket_size`` elements) from the first gradient to the end of
+  backward, and the gradients the rank keeps (every parameter overlapping its partition,
+  ``G_r`` elements) from their reduction to the step; ZeRO-1 keeps autograd's full gradients
+  to the end of backward, ZeRO-2 frees each as DeepSpeed copies it into its bucket;
+- ``zero1-torch``: master weights, optimizer state and the optimizer step's temporaries (the
+  fp32 gradients of a master-weight step among them) divided over the ranks (the mean rank:
+  ZeroRedundancyOptimizer's whole-parameter partition is uneven); plus DDP's buckets;
 - ``zero3``/``fsdp``: FSDP2's layout — parameters, gradients and optimizer state divided;
   under master-weight precision the fp32 master weights are the shards, the gradients are
   reduce-scattered in fp32 into them (no fp32 gradient copies in the step) and the
@@ -19,17 +25,27 @@ usual:
   one block's fp32 gradients being reduce-scattered;
 - offload: the offloaded categories in host memory (``apply_offload``, as ``estimate`` does).
 
-This is an approximation of what ``estimate`` traces with the real engines (it ignores shard
-padding, the uneven ZeRO-1/2 partition and when exactly FSDP gathers and frees); the planner
-re-estimates the configurations it answers with, with the real engines.
+This is an approximation of what ``estimate`` traces with the real engines (it ignores FSDP's
+shard padding and when exactly FSDP gathers and frees; under ZeRO-1/2 DeepSpeed's fused Adam on
+a GPU makes no step temporaries where the traced step's are scaled, and its reductions and norms
+make transients modelled only in size); the planner re-estimates the configurations it answers
+with, with the real engines.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from ..categories import Category, Phase
-from ..parallel.engines import DEEPSPEED_REDUCE_BUCKET_ELEMENTS
+from ..parallel.deepspeed_layout import (
+    REDUCE_BUCKET_ELEMENTS,
+    RankPartition,
+    even_partitions,
+    reduction_buckets,
+    reduction_order,
+)
 from ..parallel.strategy import FP32_ITEMSIZE, apply_offload, half_shard_fraction
 from ..timeline import Timeline
 from ..training import MASTER_GRADIENT
@@ -48,6 +64,9 @@ class ModelFacts:
     root_parameters: int = 0
     """Elements outside the blocks (embeddings, head): the root unit, which FSDP gathers once
     for the forward pass and keeps gathered through the backward pass."""
+    parameter_numels: tuple[int, ...] = ()
+    """Elements of each trainable parameter, in definition order (DeepSpeed's partition);
+    empty: read from the timeline's parameters in the order they were registered."""
 
 
 def derive(
@@ -83,14 +102,12 @@ def derive(
 
     extra: list[tuple[int, Category]] = []
     copy_fraction = None
-    if strategy in ("ddp", "zero1"):
+    if strategy in ("ddp", "zero1-torch"):
         extra.append((facts.parameter_bytes, Category.GRADIENT_BUCKETS))
-    if strategy in ("zero1", "zero2"):
-        grads = {Category.GRADIENTS} if strategy == "zero2" else set()
-        shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE} | grads, {})
-    if strategy == "zero2":
-        bucket = min(DEEPSPEED_REDUCE_BUCKET_ELEMENTS, facts.trainable_parameters)
-        extra.append((bucket * facts.parameter_itemsize, Category.GRADIENT_BUCKETS))
+    if strategy == "zero1-torch":
+        shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE}, {})
+    if strategy in ("zero1", "zero2") and n > 1:
+        extra += _deepspeed_layout(out, facts, 1 if strategy == "zero1" else 2, n)
     if strategy in ("zero3", "fsdp"):
         if Category.MASTER_WEIGHTS in out.tags:
             _fsdp_master_layout(out, facts)
@@ -162,3 +179,177 @@ def _add_at_setup_end(tl: Timeline, storages: list[tuple[int, Category]]) -> Non
     """Allocate persistent storages just before step 1 begins."""
     first = next((index for index, step, _ in tl.marks if step >= 1), len(tl.events))
     tl.insert_events({first: [tl.add_storage(nbytes, category) for nbytes, category in storages]})
+
+
+DEEPSPEED_NORM_ITEMSIZE = torch.float64.itemsize
+"""DeepSpeed's step copies each gradient piece of the partition to fp64 for its norm
+(``get_grad_norm_direct``; ``get_norm_dtype()`` is double where the device has it)."""
+
+
+def _deepspeed_layout(
+    tl: Timeline, facts: ModelFacts, stage: int, n: int
+) -> list[tuple[int, Category]]:
+    """DeepSpeed ZeRO-``stage``'s layout on one rank (the one keeping the most gradients), in
+    place; returns the storages to add at the end of set-up."""
+    numels = list(facts.parameter_numels) or _parameter_numels(tl, facts.parameter_itemsize)
+    total = sum(numels)
+    if not total:
+        return []
+    order = reduction_order(len(numels), stage)
+    buckets = reduction_buckets(numels, order, REDUCE_BUCKET_ELEMENTS)
+
+    def first_bucket(part: RankPartition) -> int:
+        return min((buckets[i] for i in part.params), default=0)
+
+    rank = max(
+        even_partitions(numels, n),
+        key=lambda r: (r.grads_in_partition, r.padding, -first_bucket(r)),
+    )
+    size, item = rank.partition_numel, facts.parameter_itemsize
+    has_masters = Category.MASTER_WEIGHTS in tl.tags
+    for sid in range(tl.num_storages):
+        category = tl.category(sid)
+        if category is Category.MASTER_WEIGHTS:
+            tl.nbytes[sid] = 0  # one fp32 partition instead, added below
+        elif category is Category.OPTIMIZER_STATE or (
+            category is Category.TEMPORARIES and tl.origin[sid][1] is Phase.OPTIMIZER
+        ):
+            tl.nbytes[sid] = -(-tl.nbytes[sid] * size // total)
+    for step in range(1, tl.steps + 1):
+        _deepspeed_step(tl, step, stage, rank, numels, order, item, has_masters)
+    # the flat buffer's padding; the fp32 partition (a copy even when training in fp32)
+    return [
+        ((rank.flat_numel - total) * item, Category.PARAMETERS),
+        (size * FP32_ITEMSIZE, Category.MASTER_WEIGHTS),
+    ]
+
+
+def _deepspeed_step(
+    tl: Timeline,
+    step: int,
+    stage: int,
+    rank: RankPartition,
+    numels: list[int],
+    order: list[int],
+    item: int,
+    has_masters: bool,
+) -> None:
+    """One step's gradients as DeepSpeed handles them (see ``derive``'s docstring)."""
+    begin = _mark(tl, step, Phase.BACKWARD)
+    end = _mark(tl, step, Phase.OPTIMIZER, after=begin)
+    if begin is None or end is None:
+        return
+    grads = [
+        (i, e)
+        for i, e in enumerate(tl.events[begin:end], begin)
+        if e >= 0 and tl.category(e) is Category.GRADIENTS
+    ]
+    if not grads:
+        return
+    kept_at = end
+    if stage == 2:  # the kept gradients are made when the first bucket holding one is reduced
+        buckets = reduction_buckets(numels, order, REDUCE_BUCKET_ELEMENTS)
+        first = min((buckets[i] for i in rank.params), default=0)
+        seen = current = 0
+        for i, sid in grads:
+            elements = tl.nbytes[sid] // item
+            if seen + elements > REDUCE_BUCKET_ELEMENTS:
+                if current == first:
+                    kept_at = i
+                    break
+                current, seen = current + 1, 0
+            seen += elements
+    step_end = _mark(tl, step + 1, Phase.OPTIMIZER, after=end) or len(tl.events)
+    master_grads = [
+        i
+        for i, e in enumerate(tl.events[end:step_end], end)
+        if e >= 0 and tl.labels.get(e) == MASTER_GRADIENT
+    ]
+    first_master = master_grads[0] if master_grads else end
+    last_master = master_grads[-1] + 1 if master_grads else end
+
+    def new(nbytes: int, category: Category, phase: Phase, label: str | None = None) -> int:
+        sid = tl.add_storage(nbytes, category)
+        tl.origin[sid] = (step, phase)
+        if label:
+            tl.labels[sid] = label
+        return sid
+
+    bucket = new(REDUCE_BUCKET_ELEMENTS * item, Category.GRADIENT_BUCKETS, Phase.BACKWARD)
+    reduced = new(
+        min(sum(numels), REDUCE_BUCKET_ELEMENTS) * item,
+        Category.TEMPORARIES,
+        Phase.BACKWARD,
+        "reduced bucket, flattened",
+    )
+    kept = new(rank.grads_in_partition * item, Category.SHARDED_GRADIENTS, Phase.BACKWARD)
+    norm = new(
+        max(rank.pieces, default=0) * DEEPSPEED_NORM_ITEMSIZE,
+        Category.TEMPORARIES,
+        Phase.OPTIMIZER,
+        "a gradient piece in fp64 for the norm",
+    )
+    flat = new(
+        rank.partition_numel * item,
+        Category.TEMPORARIES,
+        Phase.OPTIMIZER,
+        "the partition's gradients, flattened",
+    )
+    before: dict[int, list[int]] = {}
+    after: dict[int, list[int]] = {}  # after the mark at that index
+    # Autograd's gradients: ZeRO-2 frees each as it copies it into the bucket; ZeRO-1 at the
+    # end of backward, as it copies them into the bucket to reduce them.
+    moved = {sid for _, sid in grads}
+    for i, sid in grads:
+        before.setdefault(i + 1 if stage == 2 else end, []).append(~sid)
+    for table, index, events in (
+        (before, grads[0][0] + 1, [bucket]),
+        (before, kept_at, [reduced, ~reduced, kept]),
+        (before, end, [~bucket]),
+    ):
+        table.setdefault(index, []).extend(events)
+    if has_masters:  # the half-precision flat partition, then its fp32 copy (the traced ones)
+        before.setdefault(first_master, []).extend([norm, ~norm, flat])
+        before.setdefault(last_master, []).extend([~flat, ~kept])
+    else:  # fp32: the flat partition is the step's gradient
+        after.setdefault(end, []).extend([norm, ~norm, flat, ~kept])
+        before.setdefault(step_end, []).append(~flat)
+    _rewrite(tl, before, after, drop={~sid for sid in moved})
+
+
+def _rewrite(
+    tl: Timeline, before: dict[int, list[int]], after: dict[int, list[int]], drop: set[int]
+) -> None:
+    """Insert ``before[i]`` ahead of event ``i`` (and of a mark there) and ``after[i]`` between
+    such a mark and the event; remove the events in ``drop``."""
+    events: list[int] = []
+    blocks: list[int | None] = []
+    position: list[int] = []
+    for i in range(len(tl.events) + 1):
+        for e in before.get(i, ()):
+            events.append(e)
+            blocks.append(tl.block[e if e >= 0 else ~e])
+        position.append(len(events))
+        for e in after.get(i, ()):
+            events.append(e)
+            blocks.append(tl.block[e if e >= 0 else ~e])
+        if i < len(tl.events) and tl.events[i] not in drop:
+            events.append(tl.events[i])
+            blocks.append(tl.event_block[i])
+    tl.events, tl.event_block = events, blocks
+    tl.marks = [(position[index], step, phase) for index, step, phase in tl.marks]
+
+
+def _mark(tl: Timeline, step: int, phase: Phase, after: int = 0) -> int | None:
+    """Index of the first mark of (``step``, ``phase``) at or after event ``after``."""
+    return next((i for i, s, p in tl.marks if s == step and p is phase and i >= after), None)
+
+
+def _parameter_numels(tl: Timeline, itemsize: int) -> list[int]:
+    """Elements of the parameters the trace registered (set-up, in registration order)."""
+    end = next((index for index, step, _ in tl.marks if step >= 1), len(tl.events))
+    return [
+        tl.nbytes[e] // itemsize
+        for e in tl.events[:end]
+        if e >= 0 and tl.category(e) is Category.PARAMETERS
+    ]

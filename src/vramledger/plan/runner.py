@@ -28,19 +28,21 @@ WORKER_MIN_TRACE_SECONDS = 1.0
 second here (an interpreter importing torch), which small models do not repay."""
 
 
-def traced_timeline(spec: TrainingSpec, compute_capability: tuple[int, int]) -> Timeline:
-    """The single-GPU fake-tensor trace the search derives strategies from."""
-    from ..trace.cuda_policy import CudaPolicy
+def traced_timeline(spec: TrainingSpec) -> Timeline:
+    """The single-GPU fake-tensor trace the search derives strategies from (on the spec's GPU)."""
+    from ..predict import policy_for
     from ..trace.fake import trace
 
-    return trace(spec, CudaPolicy(compute_capability=compute_capability)).timeline
+    return trace(spec, policy_for(spec)).timeline
 
 
-def reserved_peak(spec: TrainingSpec) -> int:
-    """What the real engines say ``spec`` reserves on its worst GPU."""
+def reserved_peak(spec: TrainingSpec) -> tuple[int, int]:
+    """What the real engines say ``spec`` reserves on its worst GPU, and that rank's host bytes
+    (what it offloads)."""
     from ..predict import estimate
 
-    return estimate(spec).reserved_peak_bytes
+    ledger = estimate(spec)
+    return ledger.reserved_peak_bytes, ledger.host_bytes
 
 
 def available_cpus() -> int:
@@ -50,12 +52,11 @@ def available_cpus() -> int:
 class Runner:
     """Traces and memoised re-estimates (reserved peak bytes) for one plan."""
 
-    def __init__(self, compute_capability: tuple[int, int], workers: int | None):
+    def __init__(self, workers: int | None):
         """``workers``: processes to use; None: one per CPU if the first trace is slow enough."""
-        self.compute_capability = compute_capability
         self.workers = workers
-        self._values: dict[Hashable, int] = {}
-        self._pending: dict[Hashable, tuple[TrainingSpec, Future[int]]] = {}
+        self._values: dict[Hashable, tuple[int, int]] = {}
+        self._pending: dict[Hashable, tuple[TrainingSpec, Future[tuple[int, int]]]] = {}
         self._pool: ProcessPoolExecutor | None = None
 
     # -- traces ------------------------------------------------------------------------------
@@ -64,17 +65,17 @@ class Runner:
         if not specs:
             return
         start = time.perf_counter()
-        first = traced_timeline(specs[0], self.compute_capability)
+        first = traced_timeline(specs[0])
         seconds = time.perf_counter() - start
         if self.workers is None:
             self.workers = available_cpus() if seconds >= WORKER_MIN_TRACE_SECONDS else 1
         self._start()
-        rest = [self._submit(traced_timeline, s, self.compute_capability) for s in specs[1:]]
+        rest = [self._submit(traced_timeline, s) for s in specs[1:]]
         yield specs[0], first
         for spec, future in zip(specs[1:], rest, strict=True):
             yield (
                 spec,
-                (future.result() if future else traced_timeline(spec, self.compute_capability)),
+                (future.result() if future else traced_timeline(spec)),
             )
 
     # -- re-estimates ------------------------------------------------------------------------
@@ -87,8 +88,9 @@ class Runner:
                 if future is not None:
                     self._pending[key] = (spec, future)
 
-    def reserved(self, key: Hashable, spec: TrainingSpec) -> int:
-        """Reserved peak bytes of ``spec`` on its worst GPU, estimated once per ``key``."""
+    def reserved(self, key: Hashable, spec: TrainingSpec) -> tuple[int, int]:
+        """Reserved peak bytes of ``spec`` on its worst GPU and that rank's host bytes,
+        estimated once per ``key``."""
         if key not in self._values:
             _, future = self._pending.pop(key, (spec, None))
             if future is None and self._pool is not None:

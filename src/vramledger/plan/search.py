@@ -1,5 +1,5 @@
 """``plan``: the fewest GPUs of a kind on which a training run fits, per optimizer, and the
-trade-offs around it.
+trade-offs around it — every configuration shown agreeing with ``estimate``.
 
 The search covers optimizer, precision, activation checkpointing, micro-batch (halving it and
 accumulating gradients keeps the batch), strategy (DDP, ZeRO-1/2/3), optimizer offload and GPU
@@ -7,16 +7,21 @@ count. One fake-tensor trace is made per (optimizer, precision, checkpointing, m
 one GPU; strategies and GPU counts are derived from it (``derive.py``: the bytes the caching
 allocator reserves, as re-estimates report them) and the smallest GPU count of each
 configuration found by bisection (memory per GPU never grows with the count), on the cheaper
-tensor bytes first. The answer for each optimizer is then re-estimated with the real engines at
-that count and one fewer, and moved if they disagree, so what ``plan`` answers is what
-``estimate`` says; the next derived candidates are re-estimated too while one of them could
-still need fewer GPUs than the best that holds (a re-estimate can move a count up: ZeRO-1/2's
-whole-parameter partition is uneven, FSDP's gathers fragment the allocator's cache). Traces and
-re-estimates of large models run in worker processes (``runner.py``).
+tensor bytes first.
 
-A configuration fits when its peak plus ``margin`` is at most the GPU's memory. The margin is
-explicit: the CUDA context and libraries (several hundred MiB), allocator fragmentation beyond
-the modelled caching allocator, and communication buffers (NCCL) are not in the trace.
+Then every configuration the plan shows is re-estimated with the real engines (``runner.py``
+memoises them and runs them in worker processes): each optimizer's answer (with and without
+offload) at its count and one fewer, moved until it fits and one fewer does not; and the Pareto
+front, recomputed from re-estimated configurations until every one on it is re-estimated (within
+``FRONT_ESTIMATES``; what remains derived is marked so, with the derivation error this plan
+measured). The fewest-GPU answers are the front's best for each optimizer, so the two tables
+agree. An answer that fits with little headroom says how much a checkpointed variant would have.
+
+A configuration fits when its peak plus ``margin`` is at most the GPU's memory and, when it
+offloads and ``host_memory`` is given, its host bytes per node (each rank's, times the ranks on
+a node) are at most ``host_memory``. The margin is explicit: the CUDA context and libraries
+(several hundred MiB), allocator fragmentation beyond the modelled caching allocator, and
+communication buffers (NCCL) are not in the trace.
 """
 
 from __future__ import annotations
@@ -32,78 +37,41 @@ from ..gpus import Gpu
 from ..ledger import replay, steady_peak, steady_reserved_peak
 from ..optimizers import resolve_optimizer
 from ..recipe import resolve
-from ..spec import STRATEGIES, TrainingSpec
+from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..trace.blocks import find_block_stack
 from ..units import GIB, format_bytes
+from ..verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
+from .candidates import (
+    DEFAULT_GPUS_PER_NODE,
+    DERIVED,
+    ESTIMATED,
+    PLANNED_OFFLOADS,
+    PLANNED_STRATEGIES,
+    Candidate,
+    Configuration,
+    behaviour,
+    costs,
+    pareto,
+    preference,
+)
 from .derive import ModelFacts, derive
 from .runner import Runner
 
-DEFAULT_MARGIN = 2 * GIB
-MARGIN_SOURCE = (
-    "default: CUDA context and libraries (~0.5-1 GiB on recent GPUs), NCCL buffers and "
-    "fragmentation beyond the modelled caching allocator"
-)
-RECOMPUTE_FRACTION = 1 / 3
-"""Activation checkpointing recomputes the forward pass: about a third more compute."""
-NUMERICS = {"bf16-pure": "bf16 weights and optimizer state, no fp32 master copy"}
-"""Precision modes that change what training computes beyond mixed precision's usual rounding."""
-PLANNED_STRATEGIES = tuple(s for s in STRATEGIES if s != "fsdp")
-"""Strategies the plan searches (fsdp is zero3's layout under another name)."""
-PLANNED_OFFLOADS = ("none", "optimizer")
-STRATEGY_RANK = {s: i for i, s in enumerate(PLANNED_STRATEGIES)}
-
 Progress = Callable[[str, int, int], None]
 
-
-@dataclass(frozen=True, kw_only=True)
-class Configuration:
-    optimizer: str
-    precision: str
-    checkpointing: bool
-    micro_batch: int
-    grad_accum: int
-    strategy: str
-    offload: str
-    gpus: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-    def spec(self, base: TrainingSpec) -> TrainingSpec:
-        strategy = self.strategy if self.gpus > 1 or self.strategy != "none" else None
-        return replace(
-            base,
-            optimizer=self.optimizer,
-            precision=self.precision,
-            grad_checkpointing=self.checkpointing and not base.checkpoint_modules,
-            batch_size=self.micro_batch,
-            grad_accum=self.grad_accum,
-            world_size=self.gpus,
-            strategy=strategy if self.gpus > 1 else None,
-            offload=self.offload,
-            target="cuda",
-        )
-
-
-@dataclass(frozen=True, kw_only=True)
-class Candidate:
-    configuration: Configuration
-    peak_bytes_per_gpu: int
-    headroom_bytes: int
-    costs: dict[str, Any]
-    method: str
-    """'derived' from a single-GPU trace, or 'estimated' with the real engines."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "gpus": self.configuration.gpus,
-            "configuration": self.configuration.to_dict(),
-            "peak_bytes_per_gpu": self.peak_bytes_per_gpu,
-            "headroom_bytes": self.headroom_bytes,
-            "costs": self.costs,
-            "method": self.method,
-        }
+VERIFY_TRIES = 4
+"""Re-estimates allowed per answer when moving its GPU count."""
+ANSWER_TRIES = 3
+"""Derived candidates re-estimated per answer before giving up."""
+FRONT_ESTIMATES = 24
+"""Front members re-estimated at most (each at its own count) before the rest are shown as
+derived."""
+THIN_HEADROOM = 0.05
+"""An answer whose headroom is below this share of the budget is compared with its checkpointed
+variant at the same GPU count."""
+ROOMIER = GIB
+"""...and the variant is named when it leaves at least this much more headroom."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -119,11 +87,13 @@ class Plan:
     traces: int
     seconds: float
     search_seconds: float = 0.0
-    """Tracing and deriving every configuration (the rest re-estimates the answers)."""
+    """Tracing and deriving every configuration (the rest re-estimates what is shown)."""
     estimates: int = 0
-    """Re-estimates with the real engines made to check the answers."""
+    """Re-estimates with the real engines made to check what is shown."""
     workers: int = 1
     """Processes the traces after the first and the re-estimates ran in (1: this one)."""
+    host_memory_bytes: int | None = None
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -136,6 +106,8 @@ class Plan:
             "margin_bytes": self.margin_bytes,
             "margin_source": self.margin_source,
             "max_gpus": self.max_gpus,
+            "host_memory_bytes": self.host_memory_bytes,
+            "gpus_per_node": self.gpus_per_node,
             "fewest_gpus": {k: (v.to_dict() if v else None) for k, v in self.fewest_gpus.items()},
             "fewest_gpus_without_offload": {
                 k: (v.to_dict() if v else None) for k, v in self.fewest_gpus_without_offload.items()
@@ -151,45 +123,7 @@ class Plan:
         }
 
 
-def costs(
-    config: Configuration, facts: ModelFacts, optimizer_changes: str | None
-) -> dict[str, Any]:
-    """What a configuration costs besides memory (per step, per GPU)."""
-    grads = facts.parameter_bytes
-    comm = {
-        "none": 0,
-        "ddp": 2 * grads,
-        "zero1": 2 * grads + facts.parameter_bytes,
-        "zero2": 2 * grads,
-        "zero3": 3 * facts.parameter_bytes,
-    }[config.strategy]
-    if config.gpus == 1:
-        comm = 0
-    host_traffic = (
-        2 * (grads + facts.parameter_bytes) // max(1, config.gpus)
-        if config.offload != "none"
-        else 0
-    )
-    return {
-        "recompute_fraction": RECOMPUTE_FRACTION if config.checkpointing else 0.0,
-        "grad_accum_steps": config.grad_accum,
-        "communication_bytes_per_step": comm,
-        "host_transfer_bytes_per_step": host_traffic,
-        "optimizer_behaviour": optimizer_changes or "unchanged",
-        "numerics": NUMERICS.get(config.precision, "unchanged"),
-    }
-
-
-def _behaviour(name: str, reference: str) -> str | None:
-    if name == reference:
-        return None
-    key = name.lower()
-    if "8bit" in key or "4bit" in key or "fp8" in key:
-        return "quantized optimizer states"
-    return f"a different optimizer than {reference}"
-
-
-def _facts(spec: TrainingSpec) -> ModelFacts:
+def model_facts(spec: TrainingSpec) -> ModelFacts:
     recipe = resolve(spec)
     model = recipe.build_model("meta")
     params = [p for p in model.parameters() if p.requires_grad]
@@ -220,192 +154,17 @@ def _micro_batches(batch: int) -> list[tuple[int, int]]:
     return out
 
 
-def plan(
-    spec: TrainingSpec,
-    gpu: Gpu,
-    *,
-    optimizers: Sequence[str],
-    max_gpus: int = 1024,
-    margin: int = DEFAULT_MARGIN,
-    margin_source: str = MARGIN_SOURCE,
-    precisions: Sequence[str] | None = None,
-    checkpointing: Sequence[bool] = (False, True),
-    offloads: Sequence[str] = PLANNED_OFFLOADS,
-    verify: bool = True,
-    workers: int | None = None,
-    progress: Progress | None = None,
-) -> Plan:
-    """``workers``: processes for the traces after the first and for the re-estimates
-    (``runner.py``); None: one per CPU when the first trace takes long enough to repay starting
-    them, else none."""
-    if max_gpus < 1:
-        raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
-    if workers is not None and workers < 1:
-        raise InputError(f"--workers must be at least 1, not {workers}")
-    if not optimizers:
-        raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
-    for name in optimizers:  # a misspelt name is refused before any tracing
-        resolve_optimizer(name, spec.optimizer_kwargs)
-    if margin < 0 or margin >= gpu.memory_bytes:
-        raise InputError(
-            f"the margin ({format_bytes(margin)}) leaves nothing of {gpu.name}'s "
-            f"{format_bytes(gpu.memory_bytes)}",
-            hint="pass a smaller --margin",
-        )
-    start = time.perf_counter()
-    capacity = gpu.memory_bytes - margin
-    precisions = list(precisions or [spec.precision])
-    policy_cc = gpu.compute_capability or (9, 0)
-    micro = _micro_batches(spec.batch_size * spec.grad_accum)
-    reference = optimizers[0]
-    candidates: list[Candidate] = []
-    traces = configurations = 0
-    notes: list[str] = []
-    facts_cache: dict[tuple[str, bool], ModelFacts] = {}
-    derived: dict[tuple[str, str, bool, int, str, str], DerivedPeaks] = {}
-    fewest: dict[str, Candidate | None] = {}
-    on_gpu: dict[str, Candidate | None] = {}
-    verified: dict[Configuration, Candidate] = {}
-    bases = [
-        replace(
-            spec,
-            optimizer=optimizer,
-            precision=precision,
-            grad_checkpointing=ckpt,
-            batch_size=micro_batch,
-            grad_accum=accum,
-            world_size=1,
-            strategy=None,
-            offload="none",
-            target="cuda",
-        )
-        for optimizer in optimizers
-        for precision in precisions
-        for ckpt in checkpointing
-        for micro_batch, accum in micro
-    ]
-    with Runner(policy_cc, workers) as runner:
-        for base, timeline in runner.traces(bases):
-            optimizer, precision, ckpt = base.optimizer, base.precision, base.grad_checkpointing
-            micro_batch, accum = base.batch_size, base.grad_accum
-            if (precision, ckpt) not in facts_cache:
-                facts_cache[(precision, ckpt)] = _facts(base)
-            facts = facts_cache[(precision, ckpt)]
-            traces += 1
-            if progress is not None:
-                progress("traces", traces, len(bases))
-            for strategy in PLANNED_STRATEGIES:
-                for offload in offloads:
-                    configurations += 1
-                    peaks = DerivedPeaks(timeline, facts, strategy, offload)
-                    derived[(optimizer, precision, ckpt, micro_batch, strategy, offload)] = peaks
-                    # One GPU runs without a strategy; strategies start at two.
-                    lo, hi = (1, 1) if strategy == "none" else (2, max_gpus)
-                    if strategy == "ddp":
-                        hi = lo  # DDP's memory does not depend on the GPU count
-                    gpus = _fewest(peaks.reserved, capacity, lo, hi, peaks.tensors)
-                    if gpus is None:
-                        continue
-                    config = Configuration(
-                        optimizer=optimizer,
-                        precision=precision,
-                        checkpointing=ckpt,
-                        micro_batch=micro_batch,
-                        grad_accum=accum,
-                        strategy=strategy,
-                        offload=offload,
-                        gpus=gpus,
-                    )
-                    value = peaks.reserved(gpus)
-                    candidates.append(
-                        Candidate(
-                            configuration=config,
-                            peak_bytes_per_gpu=value,
-                            headroom_bytes=gpu.memory_bytes - margin - value,
-                            costs=costs(config, facts, _behaviour(optimizer, reference)),
-                            method="derived",
-                        )
-                    )
-        searched = time.perf_counter()
-        tasks = []
-        for optimizer in optimizers:
-            mine = [c for c in candidates if c.configuration.optimizer == optimizer]
-            on_gpu_only = [c for c in mine if c.configuration.offload == "none"]
-            tasks += [
-                (fewest, optimizer, sorted(mine, key=_preference)),
-                (on_gpu, optimizer, sorted(on_gpu_only, key=_preference)),
-            ]
-        if verify:
-            runner.ahead(
-                (config, config.spec(spec))
-                for _, _, ranked in tasks
-                for config in _likely_counts(ranked[0].configuration if ranked else None, max_gpus)
-            )
-        for table, optimizer, ranked in tasks:
-            best = ranked[0] if ranked else None
-            if verify and ranked:
-                # Re-estimate candidates in order while one could still beat the best that
-                # holds (its derived count is lower): a re-estimate can move a count up.
-                holding: Candidate | None = None
-                for candidate in ranked[:ANSWER_TRIES]:
-                    if holding is not None and (
-                        candidate.configuration.gpus >= holding.configuration.gpus
-                    ):
-                        break
-                    if candidate.configuration not in verified:
-                        if progress is not None:
-                            progress("re-estimating answers", len(verified), len(verified) + 1)
-                        verified[candidate.configuration] = _verified(
-                            candidate, capacity, max_gpus, derived, notes, runner, spec
-                        )
-                    checked = verified[candidate.configuration]
-                    if checked.method == "estimated" and (
-                        holding is None or checked.configuration.gpus < holding.configuration.gpus
-                    ):
-                        holding = checked
-                best = holding or verified[ranked[0].configuration]
-            table[optimizer] = best
-    return Plan(
-        gpu=gpu,
-        margin_bytes=margin,
-        margin_source=margin_source,
-        max_gpus=max_gpus,
-        fewest_gpus=fewest,
-        fewest_gpus_without_offload=on_gpu,
-        front=pareto(candidates),
-        configurations=configurations,
-        traces=traces,
-        seconds=time.perf_counter() - start,
-        search_seconds=searched - start,
-        estimates=runner.estimates,
-        workers=runner.workers or 1,
-        notes=notes,
-    )
-
-
-def _preference(c: Candidate) -> tuple[Any, ...]:
-    """Fewest GPUs; then least harm: no recompute, fewer accumulation steps, simpler strategy,
-    no offload, more headroom."""
-    cfg = c.configuration
-    return (
-        cfg.gpus,
-        cfg.checkpointing,
-        cfg.grad_accum,
-        cfg.offload != "none",
-        STRATEGY_RANK[cfg.strategy],
-        -c.headroom_bytes,
-    )
-
-
 class DerivedPeaks:
     """Derived peaks of one configuration at any GPU count (memoised): the bytes the caching
-    allocator reserves (what re-estimates check), and the tensor bytes, a cheaper lower bound."""
+    allocator reserves (what re-estimates check), the tensor bytes (a cheaper lower bound) and
+    the host bytes per rank."""
 
     def __init__(self, timeline: Timeline, facts: ModelFacts, strategy: str, offload: str):
         self.facts = facts
         self._derive = lambda n: derive(timeline, facts, strategy, n, offload)
         self._tensors: dict[int, int] = {}
         self._reserved: dict[int, int] = {}
+        self._host: dict[int, int] = {}
 
     def tensors(self, n: int) -> int:
         if n not in self._tensors:
@@ -416,10 +175,15 @@ class DerivedPeaks:
         if n not in self._reserved:
             derived = replay(self._derive(n), CUDA_CACHING_ALLOCATOR)
             self._reserved[n] = steady_reserved_peak(derived)
+            self._host[n] = derived.host_peak
         return self._reserved[n]
 
+    def host(self, n: int) -> int:
+        self.reserved(n)
+        return self._host[n]
 
-def _fewest(
+
+def fewest(
     peak: Callable[[int], int],
     capacity: int,
     lo: int,
@@ -431,7 +195,7 @@ def _fewest(
     ``lower_bound`` (never above ``peak``, cheaper) is searched first: the answer is at least
     its answer, and is looked for upward from there in doubling steps, then bisected."""
     if lower_bound is not None:
-        start = _fewest(lower_bound, capacity, lo, hi)
+        start = fewest(lower_bound, capacity, lo, hi)
         if start is None:
             return None
         if peak(start) <= capacity:
@@ -458,8 +222,7 @@ def _fewest(
 
 def _likely_counts(config: Configuration | None, max_gpus: int) -> list[Configuration]:
     """The re-estimates an answer most likely needs: its derived count and the counts either
-    side (an answer rests on its count and one fewer, and derived peaks are a little off the
-    real engines' reserved bytes, which also hold the caching allocator's free blocks)."""
+    side (an answer rests on its count and one fewer)."""
     if config is None:
         return []
     if config.strategy in ("none", "ddp"):
@@ -468,117 +231,386 @@ def _likely_counts(config: Configuration | None, max_gpus: int) -> list[Configur
     return [replace(config, gpus=n) for n in counts if 2 <= n <= max_gpus]
 
 
-VERIFY_TRIES = 4
-"""Re-estimates allowed per answer when moving its GPU count."""
-ANSWER_TRIES = 3
-"""Derived candidates re-estimated per answer before giving up (the derivation treats ZeRO-1/2's
-whole-parameter partition as even; the largest parameter's step temporaries are not)."""
-
-
-def _verified(
-    c: Candidate,
-    capacity: int,
-    max_gpus: int,
-    derived_peaks: dict[tuple[str, str, bool, int, str, str], DerivedPeaks],
-    notes: list[str],
-    runner: Runner,
-    base: TrainingSpec,
-) -> Candidate:
-    """Re-estimate a derived answer with the real engines (reserved bytes, as the caching
-    allocator holds them) and move its GPU count until it fits and one fewer does not.
-
-    The derived peaks are calibrated by the first re-estimate (real / derived at the same count)
-    to guess where to look; every count the answer rests on is re-estimated."""
-    cfg = c.configuration
-    scalable = cfg.strategy not in ("none", "ddp")
-    lowest = 2 if scalable else 1
-    derived = derived_peaks[
-        (
-            cfg.optimizer,
-            cfg.precision,
-            cfg.checkpointing,
-            cfg.micro_batch,
-            cfg.strategy,
-            cfg.offload,
-        )
-    ]
-
-    def peak_at(n: int) -> int:
-        at_n = replace(cfg, gpus=n)
-        return runner.reserved(at_n, at_n.spec(base))  # memoised for every answer of the plan
-
-    known: dict[int, int] = {cfg.gpus: peak_at(cfg.gpus)}
-    if scalable:
-        ratio = known[cfg.gpus] / max(1, derived.reserved(cfg.gpus))
-        guess = _fewest(
-            lambda n: round(derived.reserved(n) * ratio),
-            capacity,
-            lowest,
-            max_gpus,
-            lambda n: round(derived.tensors(n) * min(1.0, ratio)),
-        )
-        n = guess if guess is not None else max_gpus
-        for _ in range(VERIFY_TRIES):
-            if n not in known:
-                known[n] = peak_at(n)
-            if known[n] > capacity:
-                if n >= max_gpus:
-                    break
-                n += 1
-            elif n == lowest:
-                break
-            else:
-                if n - 1 not in known:
-                    known[n - 1] = peak_at(n - 1)
-                if known[n - 1] > capacity:
-                    break
-                n -= 1
-        if n not in known:  # out of tries while moving up
-            known[n] = peak_at(n)
-        cfg = replace(cfg, gpus=n)
-    value = known[cfg.gpus]
-    fits = value <= capacity
-    settled = not scalable or cfg.gpus == lowest or known.get(cfg.gpus - 1, capacity + 1) > capacity
-    if not fits:
-        notes.append(
-            f"{cfg.optimizer}: {cfg.strategy} on {c.configuration.gpus} GPUs (derived) does not "
-            f"fit when re-estimated with the real engines, up to {cfg.gpus} GPUs"
-        )
-    elif not settled:
-        notes.append(f"{cfg.optimizer}: {cfg.gpus - 1} GPUs not re-estimated (out of tries)")
-    return replace(
-        c,
-        configuration=cfg,
-        peak_bytes_per_gpu=value,
-        headroom_bytes=capacity - value,
-        costs=costs(cfg, derived.facts, c.costs["optimizer_behaviour"]),
-        method="estimated" if fits else "estimated (does not fit)",
+def _derived_key(cfg: Configuration) -> tuple[str, str, bool, int, str, str]:
+    return (
+        cfg.optimizer,
+        cfg.precision,
+        cfg.checkpointing,
+        cfg.micro_batch,
+        cfg.strategy,
+        cfg.offload,
     )
 
 
-def pareto(candidates: list[Candidate]) -> list[Candidate]:
-    """Configurations not beaten on all of GPU count, memory per GPU, recompute, communication
-    and optimizer behaviour by another one."""
+class _Planner:
+    """The state of one plan: derived peaks, re-estimates, and what was learned from them."""
 
-    def key(c: Candidate) -> tuple[float, ...]:
-        k = c.costs
+    def __init__(
+        self,
+        spec: TrainingSpec,
+        gpu: Gpu,
+        *,
+        capacity: int,
+        max_gpus: int,
+        host_memory: int | None,
+        gpus_per_node: int,
+        runner: Runner,
+        reference: str,
+    ) -> None:
+        self.spec = spec
+        self.gpu = gpu
+        self.capacity = capacity
+        self.max_gpus = max_gpus
+        self.host_memory = host_memory
+        self.gpus_per_node = gpus_per_node
+        self.runner = runner
+        self.reference = reference
+        self.derived: dict[tuple[str, str, bool, int, str, str], DerivedPeaks] = {}
+        self.candidates: list[Candidate] = []
+        self.verified: dict[Configuration, Candidate] = {}
+        self.errors: list[float] = []
+        """Derived / re-estimated reserved peak - 1, at every count re-estimated."""
+        self.notes: list[str] = []
+
+    # -- fitting -------------------------------------------------------------------------------
+    def host_per_node(self, per_rank: int, gpus: int) -> int:
+        return per_rank * min(gpus, self.gpus_per_node)
+
+    def host_fits(self, per_rank: int, gpus: int) -> bool:
+        return self.host_memory is None or self.host_per_node(per_rank, gpus) <= self.host_memory
+
+    def candidate(self, cfg: Configuration, peak: int, host: int, method: str) -> Candidate:
+        peaks = self.derived[_derived_key(cfg)]
+        return Candidate(
+            configuration=cfg,
+            peak_bytes_per_gpu=peak,
+            headroom_bytes=self.capacity - peak,
+            host_bytes_per_node=self.host_per_node(host, cfg.gpus),
+            costs=costs(cfg, peaks.facts.parameter_bytes, behaviour(cfg.optimizer, self.reference)),
+            method=method,
+        )
+
+    # -- search --------------------------------------------------------------------------------
+    def add(
+        self, base: TrainingSpec, timeline: Timeline, facts: ModelFacts, offloads: Sequence[str]
+    ) -> int:
+        """Derive every strategy and offload of one traced base; returns configurations seen."""
+        seen = 0
+        for strategy in PLANNED_STRATEGIES:
+            for offload in offloads:
+                seen += 1
+                peaks = DerivedPeaks(timeline, facts, strategy, offload)
+                cfg = Configuration(
+                    optimizer=base.optimizer,
+                    precision=base.precision,
+                    checkpointing=base.grad_checkpointing,
+                    micro_batch=base.batch_size,
+                    grad_accum=base.grad_accum,
+                    strategy=strategy,
+                    offload=offload,
+                    gpus=1,
+                )
+                self.derived[_derived_key(cfg)] = peaks
+                # One GPU runs without a strategy; strategies start at two.
+                lo, hi = (1, 1) if strategy == "none" else (2, self.max_gpus)
+                if strategy == "ddp":
+                    hi = lo  # DDP's memory does not depend on the GPU count
+                n = fewest(peaks.reserved, self.capacity, lo, hi, peaks.tensors)
+                while n is not None and n <= hi and not self.host_fits(peaks.host(n), n):
+                    n = n + 1 if n < hi else None
+                if n is None:
+                    continue
+                cfg = replace(cfg, gpus=n)
+                self.candidates.append(
+                    self.candidate(cfg, peaks.reserved(n), peaks.host(n), DERIVED)
+                )
+        return seen
+
+    # -- re-estimates --------------------------------------------------------------------------
+    def estimated(self, cfg: Configuration) -> tuple[int, int]:
+        """(reserved peak, host bytes per rank) of ``cfg`` re-estimated with the real engines."""
+        return self.runner.reserved(cfg, cfg.spec(self.spec))
+
+    def verify(self, c: Candidate) -> Candidate:
+        """Re-estimate a derived candidate and move its GPU count until it fits and one fewer
+        does not (memoised per derived configuration)."""
+        if c.configuration in self.verified:
+            return self.verified[c.configuration]
+        cfg = c.configuration
+        peaks = self.derived[_derived_key(cfg)]
+        scalable = cfg.strategy not in ("none", "ddp")
+        lowest = 2 if scalable else 1
+        known: dict[int, tuple[int, int]] = {}
+
+        def at(n: int) -> tuple[int, int]:
+            if n not in known:
+                known[n] = self.estimated(replace(cfg, gpus=n))
+                self.errors.append(peaks.reserved(n) / max(1, known[n][0]) - 1)
+            return known[n]
+
+        def fits(n: int) -> bool:
+            peak, host = at(n)
+            return peak <= self.capacity and self.host_fits(host, n)
+
+        n = cfg.gpus
+        if scalable:
+            ratio = at(n)[0] / max(1, peaks.reserved(n))
+            guess = fewest(
+                lambda k: round(peaks.reserved(k) * ratio),
+                self.capacity,
+                lowest,
+                self.max_gpus,
+                lambda k: round(peaks.tensors(k) * min(1.0, ratio)),
+            )
+            n = guess if guess is not None else self.max_gpus
+            for _ in range(VERIFY_TRIES):
+                if not fits(n):
+                    if n >= self.max_gpus:
+                        break
+                    n += 1
+                elif n == lowest or not fits(n - 1):
+                    break
+                else:
+                    n -= 1
+        peak, host = at(n)
+        moved = replace(cfg, gpus=n)
+        ok = fits(n)
+        settled = not scalable or n == lowest or (n - 1 in known and not fits(n - 1))
+        if not ok:
+            self.notes.append(
+                f"{cfg.optimizer}: {cfg.strategy} on {cfg.gpus} GPUs (derived) does not fit when "
+                f"re-estimated with the real engines, up to {n} GPUs"
+            )
+        elif not settled:
+            self.notes.append(f"{cfg.optimizer}: {n - 1} GPUs not re-estimated (out of tries)")
+        result = self.candidate(
+            moved, peak, host, ESTIMATED if ok else f"{ESTIMATED} (does not fit)"
+        )
+        self.verified[c.configuration] = result
+        return result
+
+    def answer(self, ranked: list[Candidate]) -> Candidate | None:
+        """The best of ``ranked`` (derived, in preference order) that holds when re-estimated:
+        candidates are re-estimated in order while one could still beat the best that holds."""
+        holding: Candidate | None = None
+        for candidate in ranked[:ANSWER_TRIES]:
+            if holding is not None and candidate.configuration.gpus >= holding.configuration.gpus:
+                break
+            checked = self.verify(candidate)
+            if checked.fits and (holding is None or preference(checked) < preference(holding)):
+                holding = checked
+        return holding
+
+    def current(self) -> list[Candidate]:
+        """Every candidate as best known: re-estimated where it was, derived otherwise (one per
+        configuration; re-estimates that do not fit left out)."""
+        out: dict[Configuration, Candidate] = {}
+        for c in self.candidates:
+            known = self.verified.get(c.configuration, c)
+            if known.fits:
+                out.setdefault(known.configuration, known)
+        return list(out.values())
+
+    def check(self, c: Candidate) -> Candidate:
+        """A derived candidate re-estimated at its own count: kept there if it fits (what it
+        shows is then what ``estimate`` says), else moved like an answer."""
+        if c.configuration in self.verified:
+            return self.verified[c.configuration]
+        cfg = c.configuration
+        peak, host = self.estimated(cfg)
+        self.errors.append(self.derived[_derived_key(cfg)].reserved(cfg.gpus) / max(1, peak) - 1)
+        if peak <= self.capacity and self.host_fits(host, cfg.gpus):
+            self.verified[cfg] = self.candidate(cfg, peak, host, ESTIMATED)
+            return self.verified[cfg]
+        return self.verify(c)
+
+    def front(self) -> list[Candidate]:
+        """The Pareto front of the current candidates, re-estimating its derived members (each
+        at its count) until none is left or ``FRONT_ESTIMATES`` are spent; what remains derived
+        is marked with the derivation error this plan measured."""
+        spent = 0
+        while True:
+            front = pareto(self.current())
+            pending = [c for c in front if c.method == DERIVED]
+            if not pending or spent >= FRONT_ESTIMATES:
+                break
+            batch = pending[: FRONT_ESTIMATES - spent]
+            self.runner.ahead((c.configuration, c.configuration.spec(self.spec)) for c in batch)
+            for c in batch:
+                self.check(c)
+                spent += 1
+        error = self.error_text()
+        return [replace(c, error=error) if c.method == DERIVED else c for c in front]
+
+    def error_text(self) -> str | None:
+        if not self.errors:
+            return None
+        lo, hi = min(self.errors), max(self.errors)
         return (
-            c.configuration.gpus,
-            c.peak_bytes_per_gpu,
-            k["recompute_fraction"],
-            k["communication_bytes_per_step"] + k["host_transfer_bytes_per_step"],
-            0.0 if k["optimizer_behaviour"] == "unchanged" else 1.0,
-            0.0 if k["numerics"] == "unchanged" else 1.0,
-            k["grad_accum_steps"],
+            f"derived peaks were {100 * lo:+.1f} % to {100 * hi:+.1f} % off the re-estimates in "
+            f"this plan ({len(self.errors)} counts re-estimated)"
         )
 
-    keyed = [(key(c), c) for c in candidates]
-    front = []
-    for ka, a in keyed:
-        dominated = any(
-            all(x <= y for x, y in zip(kb, ka, strict=True)) and kb != ka for kb, _ in keyed
+    def roomier(self, c: Candidate) -> str | None:
+        """A note when an answer fits with thin headroom and its checkpointed variant at the same
+        GPU count (re-estimated) leaves much more."""
+        cfg = c.configuration
+        if cfg.checkpointing or c.headroom_bytes >= THIN_HEADROOM * self.capacity:
+            return None
+        variant = replace(cfg, checkpointing=True)
+        if _derived_key(variant) not in self.derived:
+            return None
+        peak, host = self.estimated(variant)
+        headroom = self.capacity - peak
+        if headroom - c.headroom_bytes < ROOMIER or not self.host_fits(host, cfg.gpus):
+            return None
+        return (
+            f"{cfg.optimizer} on {cfg.gpus} GPUs fits with only {format_bytes(c.headroom_bytes)} "
+            f"of headroom; with activation checkpointing it leaves {format_bytes(headroom)} "
+            "(+~33 % compute)"
         )
-        if not dominated:
-            front.append(a)
-    front.sort(key=lambda c: (c.configuration.gpus, c.peak_bytes_per_gpu))
-    return front
+
+
+def plan(
+    spec: TrainingSpec,
+    gpu: Gpu,
+    *,
+    optimizers: Sequence[str],
+    max_gpus: int = 1024,
+    margin: int = DEFAULT_MARGIN,
+    margin_source: str = MARGIN_SOURCE,
+    precisions: Sequence[str] | None = None,
+    checkpointing: Sequence[bool] = (False, True),
+    offloads: Sequence[str] = PLANNED_OFFLOADS,
+    verify: bool = True,
+    workers: int | None = None,
+    host_memory: int | None = None,
+    gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
+    progress: Progress | None = None,
+) -> Plan:
+    """``workers``: processes for the traces after the first and for the re-estimates
+    (``runner.py``); None: one per CPU when the first trace takes long enough to repay starting
+    them, else none. ``host_memory``: bytes of host memory per node of ``gpus_per_node`` GPUs.
+    ``verify=False`` stops after the search: everything is derived (and marked so)."""
+    if max_gpus < 1:
+        raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers must be at least 1, not {workers}")
+    if gpus_per_node < 1:
+        raise InputError(f"--gpus-per-node must be at least 1, not {gpus_per_node}")
+    if not optimizers:
+        raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
+    for name in optimizers:  # a misspelt name is refused before any tracing
+        resolve_optimizer(name, spec.optimizer_kwargs)
+    check_margin(gpu, margin)
+    # every trace and re-estimate emulates this GPU (its compute capability's CUDA decisions)
+    spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
+    start = time.perf_counter()
+    precisions = list(precisions or [spec.precision])
+    micro = _micro_batches(spec.batch_size * spec.grad_accum)
+    bases = [
+        replace(
+            spec,
+            optimizer=optimizer,
+            precision=precision,
+            grad_checkpointing=ckpt,
+            batch_size=micro_batch,
+            grad_accum=accum,
+            world_size=1,
+            nodes=None,
+            gpus_per_node=None,
+            strategy=None,
+            offload="none",
+            target="cuda",
+        )
+        for optimizer in optimizers
+        for precision in precisions
+        for ckpt in checkpointing
+        for micro_batch, accum in micro
+    ]
+    traces = configurations = 0
+    facts_cache: dict[tuple[str, bool], ModelFacts] = {}
+    fewest_gpus: dict[str, Candidate | None] = {}
+    on_gpu: dict[str, Candidate | None] = {}
+    with Runner(workers) as runner:
+        planner = _Planner(
+            spec,
+            gpu,
+            capacity=gpu.memory_bytes - margin,
+            max_gpus=max_gpus,
+            host_memory=host_memory,
+            gpus_per_node=gpus_per_node,
+            runner=runner,
+            reference=optimizers[0],
+        )
+        for base, timeline in runner.traces(bases):
+            key = (base.precision, base.grad_checkpointing)
+            if key not in facts_cache:
+                facts_cache[key] = model_facts(base)
+            traces += 1
+            if progress is not None:
+                progress("traces", traces, len(bases))
+            configurations += planner.add(base, timeline, facts_cache[key], offloads)
+        searched = time.perf_counter()
+        ranked = {
+            name: sorted(
+                (c for c in planner.candidates if c.configuration.optimizer == name), key=preference
+            )
+            for name in optimizers
+        }
+        if verify:
+            runner.ahead(
+                (cfg, cfg.spec(spec))
+                for name in optimizers
+                for cfg in _likely_counts(
+                    ranked[name][0].configuration if ranked[name] else None, max_gpus
+                )
+            )
+            for name in optimizers:
+                if progress is not None:
+                    progress("re-estimating answers", optimizers.index(name), len(optimizers))
+                fewest_gpus[name] = planner.answer(ranked[name])
+                on_gpu[name] = planner.answer(
+                    [c for c in ranked[name] if c.configuration.offload == "none"]
+                )
+            front = planner.front()
+            # the answers are the front's best per optimizer: the tables agree
+            for table in (fewest_gpus, on_gpu):
+                for name in table:
+                    better = [
+                        c
+                        for c in planner.current()
+                        if c.configuration.optimizer == name
+                        and c.method == ESTIMATED
+                        and (table is fewest_gpus or c.configuration.offload == "none")
+                    ]
+                    if better:
+                        table[name] = min(better, key=preference)
+            planner.notes += [
+                note for note in (planner.roomier(c) for c in fewest_gpus.values() if c) if note
+            ]
+        else:
+            error = "not re-estimated (--no-verify)"
+            for name in optimizers:
+                fewest_gpus[name] = ranked[name][0] if ranked[name] else None
+                plain = [c for c in ranked[name] if c.configuration.offload == "none"]
+                on_gpu[name] = plain[0] if plain else None
+            front = [replace(c, error=error) for c in pareto(planner.candidates)]
+        return Plan(
+            gpu=gpu,
+            margin_bytes=margin,
+            margin_source=margin_source,
+            max_gpus=max_gpus,
+            fewest_gpus=fewest_gpus,
+            fewest_gpus_without_offload=on_gpu,
+            front=front,
+            configurations=configurations,
+            traces=traces,
+            seconds=time.perf_counter() - start,
+            search_seconds=searched - start,
+            estimates=runner.estimates,
+            workers=runner.workers or 1,
+            host_memory_bytes=host_memory,
+            gpus_per_node=gpus_per_node,
+            notes=list(dict.fromkeys(planner.notes)),
+        )

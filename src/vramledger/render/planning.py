@@ -7,8 +7,10 @@ from rich.table import Table
 from rich.text import Text
 
 from ..plan.advise import Advice
+from ..plan.candidates import DERIVED, Candidate
+from ..plan.fit import Fit
 from ..plan.rehearse import Rehearsal
-from ..plan.search import Candidate, Plan
+from ..plan.search import Plan
 from ..units import format_bytes
 
 FRONT_ROWS = 25
@@ -46,11 +48,24 @@ def _costs(c: Candidate) -> str:
     return "; ".join(out) or "—"
 
 
+def _host(c: Candidate) -> str:
+    return format_bytes(c.host_bytes_per_node) if c.host_bytes_per_node else "—"
+
+
+def _how(c: Candidate) -> str:
+    return "derived*" if c.method == DERIVED else "re-estimated"
+
+
 def plan_table(p: Plan) -> Group:
     budget = p.gpu.memory_bytes - p.margin_bytes
     head = Text(
         f"{p.gpu.name}: {format_bytes(p.gpu.memory_bytes)} per GPU, margin "
-        f"{format_bytes(p.margin_bytes)} → {format_bytes(budget)} for the training step",
+        f"{format_bytes(p.margin_bytes)} → {format_bytes(budget)} for the training step"
+        + (
+            f"; host memory {format_bytes(p.host_memory_bytes)} per node of {p.gpus_per_node} GPUs"
+            if p.host_memory_bytes is not None
+            else ""
+        ),
         style="bold",
     )
     fewest = Table(title="fewest GPUs per optimizer", title_justify="left")
@@ -60,52 +75,75 @@ def plan_table(p: Plan) -> Group:
         "configuration",
         "peak per GPU",
         "headroom",
+        "host / node",
         "without offload",
     ):
         fewest.add_column(
-            col, justify="right" if col in ("GPUs", "peak per GPU", "headroom") else "left"
+            col,
+            justify="right"
+            if col in ("GPUs", "peak per GPU", "headroom", "host / node")
+            else "left",
         )
     for name, c in p.fewest_gpus.items():
         plain = p.fewest_gpus_without_offload.get(name)
         if c is None:
-            fewest.add_row(name, "—", f"does not fit on {p.max_gpus} GPUs", "", "", "")
+            fewest.add_row(name, "—", f"does not fit on {p.max_gpus} GPUs", "", "", "", "")
             continue
-        if plain is c:
+        if plain is not None and plain.configuration == c.configuration:
             alt = "same"
         elif plain is None:
             alt = f"does not fit on {p.max_gpus}"
         else:
-            alt = f"{plain.configuration.gpus} GPUs: {_configuration(plain)}"
+            alt = (
+                f"{plain.configuration.gpus} GPUs: {_configuration(plain)} "
+                f"({format_bytes(plain.peak_bytes_per_gpu)})"
+            )
         fewest.add_row(
             name,
             str(c.configuration.gpus),
             _configuration(c),
             format_bytes(c.peak_bytes_per_gpu),
             format_bytes(c.headroom_bytes),
+            _host(c),
             alt,
         )
     front = Table(
         title=f"Pareto front of configurations that fit ({len(p.front)}; GPUs, memory and costs)",
         title_justify="left",
     )
-    for col in ("GPUs", "optimizer", "configuration", "peak per GPU", "costs"):
-        front.add_column(col, justify="right" if col in ("GPUs", "peak per GPU") else "left")
+    for col in (
+        "GPUs",
+        "optimizer",
+        "configuration",
+        "peak per GPU",
+        "host / node",
+        "costs",
+        "peak",
+    ):
+        front.add_column(
+            col, justify="right" if col in ("GPUs", "peak per GPU", "host / node") else "left"
+        )
     for c in p.front[:FRONT_ROWS]:
         front.add_row(
             str(c.configuration.gpus),
             c.configuration.optimizer,
             _configuration(c),
             format_bytes(c.peak_bytes_per_gpu),
+            _host(c),
             _costs(c),
+            _how(c),
         )
     facts = [
         f"searched {p.configurations} configurations from {p.traces} traces in "
-        f"{p.search_seconds:.1f} s; {p.estimates} re-estimates of the answers; "
+        f"{p.search_seconds:.1f} s; {p.estimates} re-estimates with the real engines; "
         f"{p.seconds:.1f} s in all",
-        "fewest GPUs: re-estimated with the real engines (reserved by the caching allocator); "
-        "front: derived from single-GPU traces (reserved, as the caching allocator would hold it)",
+        "peaks: what the caching allocator reserves on the worst GPU; re-estimated = what "
+        "`vramledger estimate` says for that configuration",
         f"margin: {p.margin_source}",
     ]
+    derived = [c for c in p.front if c.method == DERIVED]
+    if derived:
+        facts.append(f"* derived from single-GPU traces, not re-estimated: {derived[0].error}")
     if len(p.front) > FRONT_ROWS:
         facts.append(f"{len(p.front) - FRONT_ROWS} more front rows with --json")
     facts += [f"note: {n}" for n in p.notes]
@@ -121,49 +159,61 @@ def advice_table(a: Advice) -> Group:
     parts: list = [head]
     if a.changes:
         table = Table(
-            title="changes, least harm to convergence first (each re-estimated)",
+            title="alternatives, least harm first (each re-estimated on its own)",
             title_justify="left",
         )
-        for col in (
-            "#",
-            "change",
-            "saves alone",
-            "peak with it and earlier ones",
-            "fits",
-            "what it costs",
-        ):
-            table.add_column(col, justify="right" if col in ("#", "saves alone") else "left")
+        for col in ("#", "change", "peak alone", "saves", "fits alone", "training", "host / node"):
+            table.add_column(col, justify="left" if col in ("change", "training") else "right")
         for i, ch in enumerate(a.changes, 1):
             table.add_row(
                 str(i),
-                ch.name,
+                f"{ch.name}\n[dim]{ch.description}[/dim]",
+                "—" if ch.peak_bytes is None else format_bytes(ch.peak_bytes),
                 "—" if ch.saves_bytes is None else format_bytes(ch.saves_bytes, signed=True),
-                "—" if ch.cumulative_peak_bytes is None else format_bytes(ch.cumulative_peak_bytes),
-                "yes" if ch.fits else "",
-                ch.description,
+                "yes" if ch.fits else "no",
+                ch.behaviour,
+                format_bytes(ch.host_bytes_per_node) if ch.host_bytes_per_node else "—",
             )
         parts.append(table)
     if a.stray_temporaries:
-        temps = Table(title="largest temporaries alive at the peak", title_justify="left")
-        for col in ("bytes", "phase", "module", "operator"):
+        temps = Table(
+            title="tensors the training code keeps alive after backward (delete them)",
+            title_justify="left",
+        )
+        for col in ("bytes", "made in", "module", "operator"):
             temps.add_column(col, justify="right" if col == "bytes" else "left")
         for t in a.stray_temporaries:
             temps.add_row(format_bytes(t["bytes"]), t["phase"], t["module"] or "—", t["op"] or "—")
         parts.append(temps)
     if not a.fits:
         if a.first_fit:
+            host = (
+                f"; host memory {format_bytes(a.first_fit_host_bytes_per_node)} per node"
+                if a.first_fit_host_bytes_per_node
+                else ""
+            )
             parts.append(
                 Text(
-                    "first combination that fits (each change needed): "
+                    "first combination that fits, in that order (each change needed): "
                     + " + ".join(a.first_fit)
-                    + f" ({format_bytes(a.first_fit_peak_bytes or 0)})",
+                    + f" ({format_bytes(a.first_fit_peak_bytes or 0)}{host})",
                     style="bold",
                 )
             )
         else:
             parts.append(
-                Text("no combination of these changes fits: more or larger GPUs", style="bold")
+                Text(
+                    "no combination of the changes above fits on one GPU of this kind",
+                    style="bold",
+                )
             )
+    limits = [
+        f"host memory per node: {format_bytes(a.host_memory_bytes)} "
+        f"({a.gpus_per_node} GPUs per node)"
+        if a.host_memory_bytes is not None
+        else f"host memory per node not limited (--host-memory); {a.gpus_per_node} GPUs per node"
+    ]
+    parts.append(Text("\n".join(limits + [f"note: {n}" for n in a.notes]), style="dim"))
     return Group(*parts)
 
 
@@ -216,3 +266,41 @@ def rehearsal_table(r: Rehearsal) -> Group:
         style="dim",
     )
     return Group(runs, fits, summary)
+
+
+def fit_table(f: Fit) -> Group:
+    head = Text(
+        f"{f.gpu.name}: {format_bytes(f.gpu.memory_bytes)}, margin {format_bytes(f.margin_bytes)}"
+        f" — the largest {'micro-batch' if f.maximize == 'batch-size' else 'sequence length'}"
+        + (" at each micro-batch" if f.maximize == "both" else "")
+        + " that fits",
+        style="bold",
+    )
+    table = Table(title="answers (each re-estimated, with the next size up)", title_justify="left")
+    for col in (
+        "optimizer",
+        "checkpointing",
+        "micro-batch",
+        "seq-len",
+        "reserved peak",
+        "headroom",
+        "next size up",
+    ):
+        table.add_column(col, justify="left" if col in ("optimizer", "checkpointing") else "right")
+    for a in f.answers:
+        nxt = a.next_size
+        table.add_row(
+            a.optimizer,
+            "on" if a.checkpointing else "off",
+            str(a.batch_size),
+            str(a.seq_len),
+            format_bytes(a.reserved_peak_bytes),
+            format_bytes(a.headroom_bytes),
+            f"{nxt['batch_size']}×{nxt['seq_len']}: {format_bytes(nxt['reserved_peak_bytes'])} "
+            + ("fits" if a.fits_next else "does not fit"),
+        )
+    facts = [
+        f"{f.estimates} estimates in {f.seconds:.1f} s; sequence lengths in steps of {f.seq_step}",
+        *(f"note: {n}" for n in f.notes),
+    ]
+    return Group(head, table, Text("\n".join(facts), style="dim"))

@@ -11,6 +11,7 @@ from ..compare import Comparison
 from ..ledger import Ledger
 from ..measure import Measurement
 from ..units import format_bytes
+from ..verdict import Verdict
 
 
 def _pct(part: int, whole: int) -> str:
@@ -81,6 +82,8 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     parts: list = [Text(_title(ledger), style="bold")]
     parts += [Text(f"warning: {w}", style="yellow") for w in ledger.warnings]
     parts += [breakdown, phases]
+    if ledger.verdict is not None:
+        parts.append(verdict_line(ledger.verdict))
     if ledger.world_size > 1:
         parts.append(ranks_table(ledger))
     if ledger.top_modules:
@@ -111,6 +114,24 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     facts.append(f"took {ledger.seconds:.2f} s")
     parts.append(Text("\n".join(facts), style="dim"))
     return Group(*parts)
+
+
+def verdict_line(verdict: Verdict) -> Text:
+    """One line: fits with how much headroom, or how much more it needs."""
+    gpu = verdict.gpu
+    basis = (
+        f"(reserved peak {format_bytes(verdict.peak_bytes)} + margin "
+        f"{format_bytes(verdict.margin_bytes)} of {format_bytes(gpu.memory_bytes)})"
+    )
+    if verdict.fits:
+        return Text(
+            f"fits on {gpu.name} with {format_bytes(verdict.headroom_bytes)} headroom {basis}",
+            style="bold green",
+        )
+    return Text(
+        f"does not fit on {gpu.name}: needs {format_bytes(-verdict.headroom_bytes)} more {basis}",
+        style="bold red",
+    )
 
 
 def _rank_ids(ids: list[int]) -> str:
@@ -164,6 +185,27 @@ def measurement_table(m: Measurement) -> Group:
         err = m.error()
         summary.add_row("estimate error", f"{100 * err:+.3f} %" if err is not None else "—", "")
     parts.append(summary)
+    if m.estimate is not None:
+        compared = Table(
+            title="prediction against the measurement, category by category (each at its peak)",
+            title_justify="left",
+        )
+        for col in ("category", "estimate", "measured (tracked)", "difference"):
+            compared.add_column(col, justify="left" if col == "category" else "right")
+        for category, est, real in m.by_category():
+            compared.add_row(
+                category.value,
+                format_bytes(est),
+                format_bytes(real),
+                format_bytes(est - real, signed=True),
+            )
+        compared.add_row(
+            Text("total", style="bold"),
+            format_bytes(m.estimate.peak_bytes),
+            format_bytes(m.ledger.peak_bytes),
+            format_bytes(m.estimate.peak_bytes - m.ledger.peak_bytes, signed=True),
+        )
+        parts.append(compared)
     if m.ranks:
         ranks = Table(title=f"every rank, measured ({len(m.ranks)} ranks)", title_justify="left")
         for col in ("rank", "allocator peak", "tracked tensors"):

@@ -1,24 +1,38 @@
 """What CUDA decides differently from the CPU, applied to a trace on fake CPU tensors.
 
-Each decision is named with its source in PyTorch 2.13:
+Each decision is named with its source in PyTorch 2.13; those that depend on the GPU's compute
+capability (``CudaPolicy(compute_capability=...)``, from ``--gpu``; 9.0 when none is given) say
+so:
 
 - **Optimizer implementation.** ``torch.optim`` picks the multi-tensor (``foreach``)
   implementation by default when every parameter is a CUDA tensor, the for-loop one on CPU
   (``_default_to_fused_or_foreach`` in ``torch/optim/optimizer.py``). The trace passes
-  ``foreach=True`` unless the user chose ``foreach`` or ``fused``.
+  ``foreach=True`` unless the user chose ``foreach`` or ``fused``. Same on every GPU.
 - **Step counters on the host.** Non-capturable, non-fused torch.optim optimizers keep
   ``state["step"]`` as a CPU scalar even for CUDA parameters (``_init_group`` in ``adam.py``:
   "Deliberately host `step` on CPU if both capturable and fused are off"); reported as host
-  bytes, not device bytes.
-- **Autocast operator lists** (``autocast_cuda.py``).
-- **Attention kernel choice and what it keeps** (``sdpa_cuda.py``).
-- **cuBLAS workspace.** The first cuBLAS call of each thread allocates a workspace through the
-  caching allocator, kept for the life of the process (``getNewWorkspace`` in
-  aten/src/ATen/cuda/CublasHandlePool.cpp; default ``:4096:8`` = 32 MiB on Hopper, else
-  ``:4096:2:16:8`` = 8 MiB + 128 KiB). Handles are per thread and backward runs on the autograd
-  engine's CUDA device thread, so a training step holds two. cuBLASLt shares it
-  (``TORCH_CUBLASLT_UNIFIED_WORKSPACE`` on by default).
-- **Allocator rounding**: the CUDA caching allocator's 512-byte blocks (``allocator.py``).
+  bytes, not device bytes. Same on every GPU.
+- **Autocast operator lists** (``autocast_cuda.py``): the same on every GPU (bf16 below sm80
+  runs emulated: ``gpus.precision_warnings``).
+- **Attention kernel choice and what it keeps** (``sdpa_cuda.py``): per compute capability —
+  cuDNN attention first on sm90/sm10x, flash from sm80, memory-efficient alignment and dtypes
+  below sm80, flash's training head-dim limits on sm86–89/sm120–121.
+- **cuBLAS workspace**, per compute capability. The first cuBLAS call of each thread allocates
+  a workspace through the caching allocator, kept for the life of the process
+  (``setWorkspaceForHandle`` / ``getNewWorkspace`` in aten/src/ATen/cuda/CublasHandlePool.cpp).
+  Its default size (``parseChosenWorkspaceSize``) is ``:4096:8`` = 32 MiB when the major
+  compute capability is 9, 10 or 12 (Hopper, Blackwell) and ``:4096:2:16:8`` = 8 MiB + 128 KiB
+  otherwise (Volta to Ada, and 11.x) — read from the torch 2.13.0 CUDA wheel's
+  libtorch_cuda.so, whose ``parseChosenWorkspaceSize`` compares ``major - 9 <= 1 || major ==
+  12``. Handles are per thread and backward runs on the autograd engine's CUDA device thread,
+  so a training step holds two. cuBLASLt shares it: ``unified_cublas_and_lt_workspaces()`` is
+  on unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (and its own default would be 1 MiB,
+  ``parseCUDABlasLtWorkspaceSize``), on every GPU.
+- **Allocator rounding**: the CUDA caching allocator's 512-byte blocks (``allocator.py``), on
+  every GPU.
+
+Not modelled: the CUDA context and library code (the margin, ``verdict.py``), cuDNN's own
+attention-engine workspace, and anything of ROCm (AMD GPUs are refused, ``gpus.py``).
 """
 
 from __future__ import annotations
@@ -31,18 +45,34 @@ import torch
 
 from ..allocator import CUDA_CACHING_ALLOCATOR, AllocatorModel
 from ..categories import Category, Phase
+from ..gpus import DEFAULT_COMPUTE_CAPABILITY
 from ..optimizers import OptimizerChoice
+from ..units import format_bytes
 from .autocast_cuda import CudaAutocast
 from .policy import DevicePolicy
-from .sdpa_cuda import BACKWARD_WORKSPACE, HOST_OUTPUTS, CudaSdpa
+from .sdpa_cuda import (
+    BACKENDS,
+    BACKWARD_WORKSPACE,
+    FLASH_MAX_HEAD_DIM,
+    FLASH_SMS,
+    FLASH_TRAINING_HEAD_DIM,
+    FLASH_TRAINING_HEAD_DIM_NO_DROPOUT,
+    FLASH_TRAINING_HEAD_DIM_SMS,
+    HOST_OUTPUTS,
+    CudaSdpa,
+    minimum_gemm_alignment,
+    priority_order,
+)
 from .tracker import OpObserver, StorageTracker
 
 aten = torch.ops.aten
 
 CUBLAS_WORKSPACE_HOPPER = 4096 * 1024 * 8
-"""``:4096:8`` — the default for compute capability 9.x and newer (32 MiB)."""
+"""``:4096:8`` (32 MiB): the default where the major compute capability is 9, 10 or 12."""
 CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
-"""``:4096:2:16:8`` — the default before Hopper (8 MiB + 128 KiB)."""
+"""``:4096:2:16:8`` (8 MiB + 128 KiB): the default on every other GPU (sm70 to sm89, sm11x)."""
+CUBLAS_WORKSPACE_LARGE_MAJORS = (9, 10, 12)
+"""``parseChosenWorkspaceSize`` in CublasHandlePool.cpp of PyTorch 2.13: Hopper and Blackwell."""
 CUBLAS_OPS = frozenset(
     {
         aten.mm.default,
@@ -61,20 +91,25 @@ CUBLAS_OPS = frozenset(
 
 
 class CudaPolicy(DevicePolicy):
+    """CUDA's decisions on a GPU of ``compute_capability``; ``gpu`` names it for the notes (None:
+    none was given, the default is assumed)."""
+
     name = "cuda"
     allocator: AllocatorModel = CUDA_CACHING_ALLOCATOR
 
-    def __init__(self, *, compute_capability: tuple[int, int] = (9, 0)) -> None:
+    def __init__(
+        self,
+        *,
+        compute_capability: tuple[int, int] = DEFAULT_COMPUTE_CAPABILITY,
+        gpu: str | None = None,
+    ) -> None:
         self.compute_capability = compute_capability
-        self._notes: list[str] = [
-            f"CUDA behaviour emulated for compute capability {compute_capability[0]}.{compute_capability[1]}"
-        ]
+        self._attention_used: set[str] = set()
+        self._notes: list[str] = architecture_notes(compute_capability, gpu)
 
     @property
     def cublas_workspace_bytes(self) -> int:
-        return (
-            CUBLAS_WORKSPACE_HOPPER if self.compute_capability[0] >= 9 else CUBLAS_WORKSPACE_DEFAULT
-        )
+        return cublas_workspace_bytes(self.compute_capability)
 
     def optimizer(self, choice: OptimizerChoice) -> OptimizerChoice:
         user_chose = "foreach" in choice.kwargs or choice.kwargs.get("fused")
@@ -85,8 +120,10 @@ class CudaPolicy(DevicePolicy):
 
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
-        with CudaAutocast(), CudaSdpa():
+        sdpa = CudaSdpa(self.compute_capability)
+        with CudaAutocast(), sdpa:
             yield
+        self._attention_used |= sdpa.used
 
     def op_observer(self) -> OpObserver:
         threads_with_workspace: set[str] = set()
@@ -130,4 +167,73 @@ class CudaPolicy(DevicePolicy):
         return out
 
     def notes(self) -> list[str]:
-        return list(dict.fromkeys(self._notes))
+        notes = list(self._notes)
+        if self._attention_used:
+            kernels = ", ".join(ATTENTION_NAMES[b] for b in BACKENDS if b in self._attention_used)
+            notes.append(f"scaled_dot_product_attention ran as {kernels}")
+        return list(dict.fromkeys(notes))
+
+
+ATTENTION_NAMES = {
+    "cudnn": "cuDNN attention",
+    "flash": "flash attention",
+    "efficient": "memory-efficient attention",
+    "math": "the math path (S×S scores in fp32)",
+}
+WHEEL_MIN_SM = (7, 5)
+"""PyPI's torch 2.13.0 wheel (CUDA 13.0) carries kernels for sm75, 80, 86, 90, 100 and 120
+(the ``-gencode`` list in its libtorch_cuda.so): CUDA 13 dropped Volta."""
+
+
+def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
+    """The cuBLAS workspace PyTorch 2.13 allocates per thread on this GPU."""
+    if compute_capability[0] in CUBLAS_WORKSPACE_LARGE_MAJORS:
+        return CUBLAS_WORKSPACE_HOPPER
+    return CUBLAS_WORKSPACE_DEFAULT
+
+
+def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
+    """What this compute capability changes, one note per decision (module docstring)."""
+    sm = f"{cc[0]}.{cc[1]}"
+    if gpu is not None:
+        notes = [f"CUDA behaviour of {gpu}: compute capability {sm}"]
+    elif cc == DEFAULT_COMPUTE_CAPABILITY:
+        notes = [f"no --gpu given: CUDA behaviour of compute capability {sm} (H100/H200) assumed"]
+    else:
+        notes = [f"CUDA behaviour of compute capability {sm}"]
+    workspace = cublas_workspace_bytes(cc)
+    config = ":4096:8" if workspace == CUBLAS_WORKSPACE_HOPPER else ":4096:2:16:8"
+    notes.append(
+        f"cuBLAS workspace {format_bytes(workspace)} per thread ({config}, PyTorch's default "
+        f"{'on sm9x/sm10x/sm12x' if workspace == CUBLAS_WORKSPACE_HOPPER else 'below sm90 and on sm11x'}"
+        "; CublasHandlePool.cpp), shared with cuBLASLt"
+    )
+    order = priority_order(cc)
+    if order[0] == "cudnn":
+        notes.append(
+            "attention: cuDNN attention first (PyTorch prefers it on sm9x/sm10x with cuDNN newer "
+            "than 9.15; the torch 2.13 wheel ships 9.20), then flash, memory-efficient, math"
+        )
+    elif cc >= FLASH_SMS[0]:
+        notes.append(
+            "attention: flash, then memory-efficient, then math (cuDNN attention goes first "
+            "only on sm9x/sm10x)"
+        )
+    else:
+        notes.append(
+            f"attention: no flash or cuDNN attention below sm80; memory-efficient attention "
+            f"takes fp16 and fp32 only (head dims multiples of "
+            f"{minimum_gemm_alignment(torch.float16, cc)} for fp16), so bf16 runs the math path"
+        )
+    if any(lo <= cc <= hi for lo, hi in FLASH_TRAINING_HEAD_DIM_SMS):
+        notes.append(
+            f"attention: on sm{cc[0]}{cc[1]} flash does not train head dims in "
+            f"({FLASH_TRAINING_HEAD_DIM}, {FLASH_TRAINING_HEAD_DIM_NO_DROPOUT}], nor up to "
+            f"{FLASH_MAX_HEAD_DIM} with dropout"
+        )
+    if cc < WHEEL_MIN_SM:
+        notes.append(
+            f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
+            "needs a torch build for CUDA 12.x"
+        )
+    return notes

@@ -5,7 +5,8 @@ data-parallel ones; :class:`SingleDevice` is the default) and asks it, per trace
 :class:`RankEngine` that wraps the model (FSDP2's ``fully_shard``), chooses the parameters this
 rank's optimizer steps (ZeRO-1/2), adds the buffers the engine allocates outside operators (DDP's
 gradient buckets), and names the categories of the storages its operators make. After the
-trace, the engine finishes the timeline (what offload keeps in host memory).
+trace, the engine finishes the timeline (what offload keeps in host memory). An engine that runs
+its own training step (DeepSpeed's) also builds it (``assemble``, optional).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ class RankEngine(Protocol):
     def owned(self, params: list[nn.Parameter]) -> list[nn.Parameter]: ...
 
     def add_buckets(self, model: nn.Module, track: Track) -> None: ...
+
+    # Optional, read with getattr by the tracer:
+    # ``scalar_answer: int`` — what ``.item()`` in the optimizer phase is answered (default 1);
+    # ``assemble(**same keywords as training.assemble)`` — builds the step instead of
+    # ``training.assemble``, for an engine that runs its own step (DeepSpeed); returns an object
+    # with ``run(steps, observer)``.
 
 
 class Engine(Protocol):

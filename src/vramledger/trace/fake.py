@@ -18,6 +18,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
+from ..adapters import carry_quantization
 from ..categories import Category
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
@@ -40,7 +41,7 @@ from .blocks import (
 )
 from .dtensor_compat import untracked_sharding_propagation
 from .engine import Engine, RankEngine, SingleDevice
-from .fake_corrections import CORRECTIONS, SUBSTITUTES
+from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values, ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
 from .policy import DevicePolicy
@@ -86,7 +87,11 @@ def fakeify(model: nn.Module, mode: FakeTensorMode, device: torch.device) -> Non
                 continue
             if id(p) not in memo:
                 fake = converter.from_meta_and_device(mode, _meta(p.detach()), device)
-                memo[id(p)] = nn.Parameter(fake, requires_grad=p.requires_grad)
+                memo[id(p)] = carry_quantization(
+                    p,
+                    nn.Parameter(fake, requires_grad=p.requires_grad),
+                    lambda t: converter.from_meta_and_device(mode, _meta(t), device),
+                )
             module._parameters[name] = memo[id(p)]
         for name, b in module._buffers.items():
             if b is None:
@@ -185,11 +190,12 @@ def _extended(
             models[d] = recipe.build_model("meta")
             truncate(models[d], stack, d)
     counts = {d: count_parameters(m) for d, m in models.items()}
-    traced = {
-        d: _run(recipe, choice, models[d], policy, log, engine, stack=stack, rank=rank)
-        for d in models
-    }
     try:
+        # The engine raises NotExtensible when its units are not the blocks (named FSDP units).
+        traced = {
+            d: _run(recipe, choice, models[d], policy, log, engine, stack=stack, rank=rank)
+            for d in models
+        }
         check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
         if not same_timeline(check, traced[SMALL + 1]):
             raise NotExtensible("the extended trace differs from the traced one")
@@ -256,6 +262,7 @@ def _run_rank(
         corrections=CORRECTIONS,
         substitutes=SUBSTITUTES,
         answer_optimizer_scalars=True,
+        scalar_answer=getattr(engine, "scalar_answer", 1),
         blocks={id(b): k for k, b in enumerate(blocks)},
         tensor_blocks={id(p): k for k, b in enumerate(blocks) for p in b.parameters()},
         op_categories=engine.op_categories,
@@ -270,6 +277,8 @@ def _run_rank(
         policy.context(),
         ordinary_batches(notes),
         hf_known_values(values),
+        values.formatting(),
+        noop_conversions(),
         untracked_sharding_propagation(),
         eager,
         tracker,
@@ -277,7 +286,9 @@ def _run_rank(
         tracker.label_blocks(blocks)
         try:
             batch = fake_batch(real_batch, mode, values)
-            run = assemble(
+            # An engine that runs its own step (DeepSpeed) builds it; else training.py's.
+            build = getattr(engine, "assemble", assemble)
+            run = build(
                 model=model,
                 batch=batch,
                 loss_fn=recipe.loss_fn,
@@ -296,6 +307,12 @@ def _run_rank(
             raise trace_error(exc, tracker, spec.target) from exc
     timeline = tracker.close()
     log.routing_dependent.update(values.routing_dependent)
+    if values.draws:
+        notes.append(
+            f"{values.draws} uniform random draws answered at the top of their range: code that "
+            "compares a draw with a probability takes the branch that keeps everything "
+            "(layerdrop keeps every layer, the most memory)"
+        )
     if values.routed_ops and not values.routing_dependent:  # else predict.py reports the band
         notes.append(
             f"MoE routers ({', '.join(sorted(values.routed_ops))}) answered with the "
@@ -305,8 +322,8 @@ def _run_rank(
     notes.extend(n for n in engine.notes if n not in notes)
     if tracker.scalars_answered:
         notes.append(
-            "optimizer.step() read scalar values with .item(); fake tensors have none, so 1 was "
-            "used (scalars never change memory)"
+            "optimizer.step() read scalar values with .item(); fake tensors have none, so "
+            f"{tracker.scalar_answer} was used (scalars never change memory)"
         )
     return timeline
 

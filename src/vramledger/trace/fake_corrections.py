@@ -10,10 +10,12 @@ real CPU run in ``tests/test_ground_truth.py``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
+from torch import nn
 
 aten = torch.ops.aten
 
@@ -84,3 +86,33 @@ CORRECTIONS: dict[Any, Correction] = {
     aten._native_batch_norm_legit_no_training.default: _batch_norm_stats,
     aten._native_batch_norm_legit_functional.default: _batch_norm_stats,
 }
+
+
+@contextlib.contextmanager
+def noop_conversions() -> Iterator[None]:
+    """``module.to(dtype)`` that changes nothing leaves fake parameters alone.
+
+    ``nn.Module._apply`` swaps every fake parameter for its converted copy
+    (``torch.utils.swap_tensors``), even when the conversion returned the parameter itself; the
+    swap fails for a parameter the optimizer and the tracker refer to. A real run's ``.to()`` of
+    the same dtype changes nothing, so neither does the trace's (model code that casts a layer in
+    forward, e.g. Switch Transformers' router to its ``router_dtype``)."""
+    original = nn.Module._apply
+
+    def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        if recurse:
+            for child in self.children():
+                child._apply(fn)
+        with torch.no_grad():
+            unchanged = all(
+                fn(t) is t
+                for t in (*self._parameters.values(), *self._buffers.values())
+                if t is not None
+            )
+        return self if unchanged else original(self, fn, recurse=False)
+
+    nn.Module._apply = _apply  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module._apply = original  # type: ignore[method-assign]

@@ -53,7 +53,6 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
-_SCALAR_ANSWER = {True: 1.0, False: 1}
 _TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
 _PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
 
@@ -89,6 +88,7 @@ class StorageTracker(TorchDispatchMode):
         corrections: dict[Any, Callable[[Any, Any], Any]] | None = None,
         substitutes: dict[Any, Callable[..., Any]] | None = None,
         answer_optimizer_scalars: bool = False,
+        scalar_answer: int = 1,
         blocks: dict[int, int] | None = None,
         tensor_blocks: dict[int, int] | None = None,
         device_type: str | None = None,
@@ -121,6 +121,7 @@ class StorageTracker(TorchDispatchMode):
         # In a real run on a device, storages elsewhere (CPU step counters) are host memory.
         self._device_type = device_type
         self._answer_scalars = answer_optimizer_scalars
+        self.scalar_answer = scalar_answer
         self.scalars_answered = 0
         # Block labels (see trace/blocks.py): id(block module) -> index; id(param) -> index.
         self._blocks = blocks or {}
@@ -154,7 +155,8 @@ class StorageTracker(TorchDispatchMode):
         except Exception as exc:
             if self._answers(func, exc):
                 self.scalars_answered += 1
-                return _SCALAR_ANSWER[args[0].dtype.is_floating_point]
+                answer = self.scalar_answer
+                return float(answer) if args[0].dtype.is_floating_point else answer
             self.failure = (_identity(exc), self.current_module or "")
             raise
         correct = self._corrections.get(func)
@@ -192,6 +194,8 @@ class StorageTracker(TorchDispatchMode):
                 self._see_all(o)
 
     def _see(self, t: torch.Tensor, index: int = 0) -> list[int]:
+        if t.device.type == "meta":  # shapes only, no memory (DeepSpeed keeps meta copies)
+            return []
         sids = []
         for st in storages_of(t):
             key = st._cdata

@@ -42,6 +42,8 @@ operator on an unknown value still stops the trace with a message naming it.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import weakref
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -72,6 +74,8 @@ larger outputs stay unknown, so the real computation never costs more than this 
 VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 """What a fake kernel raises when its output (shape or Python value) depends on tensor values."""
 
+UNIFORM_DRAWS = frozenset({aten.rand.default, aten.rand_like.default, aten.uniform_.default})
+"""Random draws whose values the trace fixes (``KnownValues._draw``)."""
 ROUTING_OPS = frozenset({aten.topk.default, aten.argmax.default, aten.max.dim})
 """Operators whose index output is a choice among ``n`` (experts); on a tensor computed from
 parameters the routing policy answers it."""
@@ -142,6 +146,8 @@ class KnownValues:
         """Operators the routing policy answered."""
         self.module: Callable[[], str | None] = lambda: None
         """The innermost module running (the tracker sets it)."""
+        self.draws = 0
+        """Uniform random draws answered at the top of their range (``_draw``)."""
         self.seq_len_option = True
         """Whether the batch's sequence length comes from ``--seq-len`` (for hints)."""
         self.pending_scratch = 0
@@ -228,6 +234,28 @@ class KnownValues:
         for fake, real in zip(_outputs(fake_out), _outputs(real_out), strict=False):
             self.register(fake, real, routed=routed)
 
+    @contextlib.contextmanager
+    def formatting(self) -> Iterator[None]:
+        """``f"{t}"`` of a known 0-d fake tensor formats its value, as a real tensor's does
+        (``Tensor.__format__`` calls ``item()`` only for plain tensors; Switch Transformers names
+        an expert module ``f"expert_{idx}"``)."""
+        original = FakeTensor.__format__
+
+        def __format__(t: FakeTensor, spec: str) -> str:
+            if t.dim() == 0 and self.known(t):
+                if self._key(t) in self._routed:
+                    self.routing_dependent.setdefault("Tensor.__format__", self.module() or "")
+                with _disable_current_modes(), unset_fake_temporarily():
+                    value = self.value(t).item()
+                return format(value, spec)
+            return original(t, spec)
+
+        FakeTensor.__format__ = __format__  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            FakeTensor.__format__ = original  # type: ignore[method-assign]
+
     # -- the dispatch hook -----------------------------------------------------------------------
     def call(
         self,
@@ -240,6 +268,8 @@ class KnownValues:
         fake kernel), with the real values computed alongside where they can be known."""
         self.pending_scratch = 0
         run = run or func
+        if func in UNIFORM_DRAWS:
+            return self._draw(func, run, args, kwargs)
         tensors = list(_tensors(args, kwargs))
         all_known = not _nondeterministic(func) and all(self.known(t) for t in tensors)
         if not all_known:
@@ -269,6 +299,27 @@ class KnownValues:
         real_out = self._run_real(func, args, kwargs)
         self._register_outputs(fake_out, real_out, routed)
         return fake_out
+
+    def _draw(
+        self, func: Any, run: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A uniform random draw, known at the top of its range: ``draw < p`` is False, so
+        layerdrop (``if torch.rand([]) < self.layerdrop: skip``) keeps every layer — the most
+        memory any draw can take."""
+        out = run(*args, **kwargs)
+        target = args[0] if func is aten.uniform_.default else out
+        high = (
+            float(args[2] if len(args) > 2 else kwargs.get("to", 1.0))
+            if func is aten.uniform_.default
+            else 1.0
+        )
+        if isinstance(target, FakeTensor) and target.nbytes <= KNOWN_VALUE_CAP_BYTES:
+            with _disable_current_modes(), unset_fake_temporarily():
+                top = torch.nextafter(torch.tensor(high), torch.tensor(float("-inf")))
+                value = torch.full(target.shape, top.item(), dtype=target.dtype)
+            self.register(target, value)
+            self.draws += 1
+        return out
 
     def forget(self, t: torch.Tensor) -> None:
         key = self._key(t)
@@ -387,6 +438,42 @@ def _masked_select(
     return torch.empty((count,), dtype=x.dtype, device=x.device)
 
 
+def _lengths(values: KnownValues, t: Any) -> list[int] | None:
+    if not isinstance(t, torch.Tensor) or not values.known(t):
+        return None
+    with _disable_current_modes(), unset_fake_temporarily():
+        return [int(v) for v in values.value(t).tolist()]
+
+
+def _ctc_loss(values: KnownValues, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """CTC: its log-alpha buffer is (batch, time, 2 * longest target + 1), a size that depends
+    on the target lengths. With them known, the outputs are made as the native kernels make them
+    (``ctc_loss_cpu_template`` / ``ctc_loss_gpu_template`` in aten/src/ATen/native/LossCTC.cpp
+    and cuda/LossCTC.cu); the backward returns the gradient of the log-probabilities and holds a
+    log-beta buffer shaped like log-alpha while it runs."""
+    backward = func in (aten._ctc_loss_backward.Tensor, aten._ctc_loss_backward.default)
+    offset = 1 if backward else 0
+    log_probs = args[offset]
+    target_lengths = args[offset + 3]
+    lengths = (
+        _lengths(values, target_lengths)
+        if isinstance(target_lengths, torch.Tensor)
+        else list(target_lengths)
+    )
+    if lengths is None:
+        return NotImplemented
+    time_steps = log_probs.shape[0]
+    batch = log_probs.shape[1] if log_probs.dim() == 3 else 1
+    alpha = (batch, time_steps, 2 * max(lengths, default=0) + 1)
+    if backward:
+        values.pending_scratch += math.prod(alpha) * log_probs.element_size()
+        return torch.empty_like(log_probs)
+    return (
+        torch.empty((batch,), dtype=log_probs.dtype, device=log_probs.device),
+        torch.empty(alpha, dtype=log_probs.dtype, device=log_probs.device),
+    )
+
+
 # -- bounds a real kernel checks on known indices --------------------------------------------
 def _embedding(
     values: KnownValues, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -443,6 +530,10 @@ _PARTLY_KNOWN: dict[Any, Callable[[KnownValues, Any, tuple[Any, ...], dict[str, 
     aten._index_put_impl_.default: _index_put,
     aten.masked_select.default: _masked_select,
     aten.embedding.default: _embedding,
+    aten._ctc_loss.Tensor: _ctc_loss,
+    aten._ctc_loss.default: _ctc_loss,
+    aten._ctc_loss_backward.Tensor: _ctc_loss,
+    aten._ctc_loss_backward.default: _ctc_loss,
     aten.nll_loss_forward.default: _nll_loss,
     aten.nll_loss2d_forward.default: _nll_loss,
 }

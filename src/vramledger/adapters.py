@@ -1,0 +1,276 @@
+"""Parameter-efficient fine-tuning: LoRA adapters (peft), quantized base weights (bitsandbytes:
+QLoRA's NF4/FP4, LLM.int8) and frozen parameters — applied to the model being traced or run,
+with the libraries' own code.
+
+- ``--lora r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj[,dropout=0.05]`` (or
+  ``targets=all-linear``) wraps the model with ``peft.get_peft_model(model, LoraConfig(...))``:
+  the base is frozen (no gradients, no optimizer state), the adapters train. peft keeps the
+  adapters in fp32 under a half-precision base (``autocast_adapter_dtype``).
+- ``--quantize nf4|fp4|int8`` replaces the ``nn.Linear`` layers transformers would quantize
+  (all but the output head and tied weights: ``transformers.quantizers.base.
+  get_keys_to_not_convert``) by bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, whose weights
+  are quantized by bitsandbytes itself — on the meta device for a trace (its quantize operators
+  have meta kernels), for real in a measured run. The storage is bitsandbytes' own: NF4/FP4 pack
+  two weights per byte with one absmax per 64 weights, double-quantized (QLoRA's default: the
+  absmax in 8 bits with an fp32 scale per 256 blocks and a 256-entry code); LLM.int8 keeps one
+  int8 per weight and an fp32 scale per row. Forward and backward dequantize the weight into a
+  temporary of the compute dtype, as bitsandbytes' ``MatMul4Bit`` / ``MatMul8bitLt`` do. With a
+  quantized base, ``peft.prepare_model_for_kbit_training`` runs first, as QLoRA recipes do: it
+  freezes the base and casts the remaining half-precision parameters (norms, embeddings, the
+  head) to fp32.
+- ``--freeze PATTERN`` (repeatable, ``fnmatch`` over parameter names) freezes what matches.
+
+``parameters`` stays the logical count (a 4-bit weight counts its unpacked elements, as peft's
+``print_trainable_parameters`` does); ``trainable_parameters`` counts what trains.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from .errors import InputError
+
+Quantize = Literal["nf4", "fp4", "int8"]
+QUANTIZE: tuple[str, ...] = Quantize.__args__  # type: ignore[attr-defined]
+BNB_4BIT_BLOCKSIZE = 64
+"""bitsandbytes' ``Params4bit`` default blocksize (and transformers' BitsAndBytesConfig)."""
+DOUBLE_QUANT = True
+"""QLoRA's ``bnb_4bit_use_double_quant=True``: the absmax quantized again (the QLoRA paper)."""
+LLM_INT8_THRESHOLD = 6.0
+"""``BitsAndBytesConfig(llm_int8_threshold=6.0)``: outlier columns computed in half precision."""
+ALL_LINEAR = "all-linear"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraSettings:
+    r: int
+    alpha: float
+    targets: list[str] | str
+    dropout: float = 0.0
+
+    def config(self) -> Any:
+        from peft import LoraConfig
+
+        return LoraConfig(
+            r=self.r,
+            lora_alpha=self.alpha,
+            target_modules=self.targets,
+            lora_dropout=self.dropout,
+            bias="none",
+        )
+
+
+LORA_HINT = "write it like r=16,alpha=32,targets=q_proj,k_proj,v_proj,o_proj[,dropout=0.05]"
+
+
+def parse_lora(text: str) -> LoraSettings:
+    """``r=16,alpha=32,targets=q_proj,v_proj,dropout=0.05``: a name without ``=`` continues the
+    list of the key before it (the targets)."""
+    values: dict[str, list[str]] = {}
+    key = None
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        if "=" in part:
+            key, _, value = part.partition("=")
+            key = key.strip().lower()
+            values.setdefault(key, []).append(value.strip())
+        elif key is not None:
+            values[key].append(part)
+        else:
+            raise InputError(f"--lora {text!r}: {part!r} has no key", hint=LORA_HINT)
+    unknown = set(values) - {"r", "alpha", "targets", "dropout"}
+    if unknown:
+        raise InputError(f"--lora: unknown key {sorted(unknown)[0]!r}", hint=LORA_HINT)
+    if "r" not in values or "targets" not in values:
+        raise InputError(f"--lora {text!r} needs r= and targets=", hint=LORA_HINT)
+    try:
+        r = int(values["r"][0])
+        alpha = float(values.get("alpha", [str(2 * r)])[0])
+        dropout = float(values.get("dropout", ["0"])[0])
+    except ValueError as exc:
+        raise InputError(f"--lora {text!r}: {exc}", hint=LORA_HINT) from exc
+    if r <= 0 or alpha <= 0 or not 0 <= dropout < 1:
+        raise InputError(
+            f"--lora {text!r}: r and alpha must be positive, dropout in [0, 1)", hint=LORA_HINT
+        )
+    targets = values["targets"]
+    return LoraSettings(
+        r=r,
+        alpha=alpha,
+        targets=ALL_LINEAR if targets == [ALL_LINEAR] else targets,
+        dropout=dropout,
+    )
+
+
+def _require(package: str, extra: str) -> Any:
+    import importlib
+
+    try:
+        return importlib.import_module(package)
+    except ImportError as exc:
+        raise InputError(
+            f"this needs {package}", hint=f"pip install 'vramledger[{extra}]'"
+        ) from exc
+
+
+# -- quantized base weights ---------------------------------------------------------------------
+def _not_converted(model: nn.Module) -> set[str]:
+    try:
+        from transformers.quantizers.base import get_keys_to_not_convert
+
+        return set(get_keys_to_not_convert(model))
+    except (ImportError, AttributeError):  # not a transformers model: keep its last layer
+        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+        return set(names[-1:])
+
+
+def quantize_linears(
+    model: nn.Module, kind: str, compute_dtype: torch.dtype, device: torch.device
+) -> int:
+    """Replace the ``nn.Linear`` layers transformers would quantize by bitsandbytes' quantized
+    layers, quantized by bitsandbytes on ``device`` (meta for a trace). Returns how many."""
+    if kind not in QUANTIZE:
+        raise InputError(f"unknown --quantize {kind!r}", hint=f"use {', '.join(QUANTIZE)}")
+    bnb = _require("bitsandbytes", "lowbit")
+    skip = _not_converted(model)
+    count = 0
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            full = f"{parent_name}.{name}" if parent_name else name
+            if type(child) is not nn.Linear or any(
+                full == s or full.endswith("." + s) for s in skip
+            ):
+                continue
+            setattr(parent, name, _quantized(bnb, child, kind, compute_dtype, device))
+            count += 1
+    if count == 0:
+        raise InputError(
+            f"--quantize {kind}: the model has no nn.Linear layer to quantize",
+            hint="quantization replaces torch.nn.Linear layers",
+        )
+    return count
+
+
+def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype, device: torch.device):
+    weight = linear.weight.detach().to(dtype)
+    if kind == "int8":
+        layer = bnb.nn.Linear8bitLt(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            has_fp16_weights=False,
+            threshold=LLM_INT8_THRESHOLD,
+            device="meta",
+        )
+        layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
+        layer.weight = layer.weight._quantize(device)
+    else:
+        layer = bnb.nn.Linear4bit(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            compute_dtype=dtype,
+            quant_type=kind,
+            compress_statistics=DOUBLE_QUANT,
+            device="meta",
+        )
+        params = bnb.nn.Params4bit(
+            weight,
+            requires_grad=False,
+            quant_type=kind,
+            compress_statistics=DOUBLE_QUANT,
+            blocksize=BNB_4BIT_BLOCKSIZE,
+            module=layer,
+        )
+        layer.weight = params._quantize(device)
+    if linear.bias is not None:
+        layer.bias = nn.Parameter(linear.bias.detach().to(dtype), requires_grad=False)
+    return layer
+
+
+def quantized_tensors(param: torch.Tensor) -> list[tuple[Any, str, torch.Tensor]]:
+    """(owner, attribute, tensor) of every tensor a quantized parameter's state holds (the
+    4-bit absmax, its nested absmax and code, LLM.int8's row scales), so a trace can make them
+    fake tensors too."""
+    out: list[tuple[Any, str, torch.Tensor]] = []
+    state = getattr(param, "quant_state", None)
+    stack = [state] if state is not None else []
+    while stack:
+        owner = stack.pop()
+        for attr, value in vars(owner).items():
+            if isinstance(value, torch.Tensor):
+                out.append((owner, attr, value))
+            elif type(value).__name__ == "QuantState":
+                stack.append(value)
+    scales = getattr(param, "SCB", None)
+    if isinstance(scales, torch.Tensor):
+        out.append((param, "SCB", scales))
+    return out
+
+
+def carry_quantization(source: torch.Tensor, target: nn.Parameter, convert: Any) -> nn.Parameter:
+    """Give ``target`` (the fake parameter standing for ``source``) the quantization state
+    bitsandbytes' layers read from their weight (``quant_state``; LLM.int8's ``CB``/``SCB``),
+    with ``convert`` applied to each tensor of it. ``CB`` is the weight itself, as in
+    ``Int8Params._quantize``."""
+    if not quantized_tensors(source):
+        return target
+    import copy
+
+    for attr, value in vars(source).items():
+        setattr(target, attr, copy.deepcopy(value) if attr == "quant_state" else value)
+    for owner, attr, tensor in quantized_tensors(target):
+        setattr(owner, attr, convert(tensor))
+    if getattr(target, "CB", None) is not None:
+        target.CB = target.data
+    return target
+
+
+def logical_numel(param: torch.Tensor) -> int:
+    """Elements a parameter stands for (a packed 4-bit weight: its unpacked shape's)."""
+    state = getattr(param, "quant_state", None)
+    shape = getattr(state, "shape", None)
+    return int(torch.Size(shape).numel()) if shape is not None else param.numel()
+
+
+def prepare_for_kbit_training(model: nn.Module) -> None:
+    """peft's own preparation of a quantized model (freeze, half parameters to fp32)."""
+    peft = _require("peft", "peft")
+    peft.prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+
+
+# -- adapters and freezing ----------------------------------------------------------------------
+def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
+    peft = _require("peft", "peft")
+    try:
+        return peft.get_peft_model(model, settings.config())
+    except ValueError as exc:
+        modules = sorted(
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        )
+        raise InputError(
+            f"--lora: {str(exc).splitlines()[0]}",
+            hint=f"targets are module names; this model's linear layers: {', '.join(modules[:12])}",
+        ) from exc
+
+
+def freeze(model: nn.Module, patterns: tuple[str, ...]) -> int:
+    """Freeze parameters whose names match any pattern; returns how many matched."""
+    count = 0
+    for name, param in model.named_parameters():
+        if any(fnmatch.fnmatchcase(name, p) for p in patterns):
+            param.requires_grad_(False)
+            count += 1
+    if patterns and count == 0:
+        names = [n for n, _ in model.named_parameters()][:8]
+        raise InputError(
+            f"--freeze {', '.join(patterns)} matches no parameter",
+            hint=f"patterns match names like {', '.join(names)}",
+        )
+    return count

@@ -1,0 +1,401 @@
+"""DeepSpeed ZeRO stage 1 and 2, run as DeepSpeed runs them.
+
+``zero1`` and ``zero2`` build DeepSpeed's own ``DeepSpeedEngine`` around the model; its
+``DeepSpeedZeroOptimizer`` flattens the parameters into one buffer, partitions it evenly over the
+ranks (``deepspeed_layout.py``), keeps the fp32 master weights and optimizer state of this
+rank's partition, and reduces gradients through its bucket. Each step is DeepSpeed's own
+``engine(batch)`` / ``engine.backward(loss)`` / ``engine.step()``, with its own precision
+handling (loss scaling, master weights, norms), so nothing of ``training.py``'s step runs.
+
+The same code builds the step of an estimate (fake tensors, a fake process group: one rank of
+``world_size`` in this process) and of a real run (``real.py``). A fake run needs what
+DeepSpeed cannot do by itself, each the least that lets its code run:
+
+1. ``DeepSpeedEngine(..., dont_change_device=True)``: ``module.to(device)`` cannot run on fake
+   parameters (they already are on the traced device);
+2. DeepSpeed's global state for a fake process group (``deepspeed_runtime.py``): its CPU
+   accelerator standing for the GPU, ``LOCAL_RANK``, fresh caches of process groups;
+3. values read with ``.item()`` (the overflow check, the gradient norm) answered 0: no
+   overflow, the step every run takes when it does not skip (``trace/tracker.py``).
+
+Categories: the flat half-precision buffer (every parameter is a view of it) is
+``parameters``; the fp32 partition ``master_weights``; the wrapped optimizer's state
+``optimizer_state``; gradients as autograd makes them ``gradients``; DeepSpeed's reduce
+bucket(s) ``gradient_buckets``; the gradients a rank keeps for its partition
+(``grads_in_partition`` and the flat partition made from them) ``sharded_gradients``; the fp32
+gradient of the partition made for the step is a temporary, labelled as such.
+
+Offload (``--offload optimizer``) is applied by category after the trace, as for every strategy
+(``strategy.py``): DeepSpeed's own offload path needs its CPU Adam extension and pinned memory,
+which a fake trace cannot run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..categories import Category, Phase
+from ..errors import InputError
+from ..optimizers import OptimizerChoice
+from ..precision import PrecisionPolicy
+from ..recipe import Recipe
+from ..sources import LossFn, iter_tensors
+from ..spec import TrainingSpec
+from ..training import MASTER_GRADIENT, StepObserver, cast_floating
+from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world, quiet, version
+from .engines import DataParallel, fake_world
+
+DEEPSPEED_STAGES = {"zero1": 1, "zero2": 2}
+"""Strategies run with DeepSpeed's engine, and their ZeRO stage."""
+DEEPSPEED_PRECISIONS = {
+    "fp32": {},
+    "bf16-mixed": {"bf16": {"enabled": True}},
+    "fp16-mixed": {"fp16": {"enabled": True}},
+    "bf16-autocast": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+}
+"""DeepSpeed config sections of the precisions its ZeRO-1/2 engine runs: its bf16/fp16 modes
+keep the half-precision model and fp32 master weights of the partition (``*-mixed``); its
+``torch_autocast`` runs the forward under ``torch.autocast`` with an fp32 model. (bf16 master
+weights need DeepSpeed's CPU offload and CPU Adam, which a trace cannot run.)"""
+PASSED_ZERO_KEYS = (
+    "reduce_bucket_size",
+    "allgather_bucket_size",
+    "overlap_comm",
+    "reduce_scatter",
+    "contiguous_gradients",
+    "round_robin_gradients",
+)
+"""``zero_optimization`` keys of a ``--deepspeed`` config given to the engine as they are."""
+PASSED_TOP_KEYS = (
+    "gradient_clipping",
+    "prescale_gradients",
+    "gradient_predivide_factor",
+    "communication_data_type",
+)
+"""Top-level keys of a ``--deepspeed`` config given to the engine as they are."""
+FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
+"""Optimizers DeepSpeed runs as its FusedAdam on a GPU (``"optimizer": {"type": "Adam(W)"}``);
+modelled on a CUDA target as torch's fused implementation: multi-tensor and in place, no step
+temporaries."""
+
+
+def deepspeed_config(spec: TrainingSpec) -> dict[str, Any]:
+    """The DeepSpeed config the engine is built with: the spec's stage, precision, micro-batch and
+    accumulation, plus the memory-relevant keys of the user's ``--deepspeed`` config."""
+    stage = DEEPSPEED_STAGES[spec.strategy or "none"]
+    if spec.precision not in DEEPSPEED_PRECISIONS:
+        raise InputError(
+            f"DeepSpeed ZeRO-{stage} does not train in {spec.precision}",
+            hint=f"use one of {', '.join(DEEPSPEED_PRECISIONS)} (DeepSpeed's modes), or "
+            "--strategy zero1-torch (ZeroRedundancyOptimizer)",
+        )
+    zero: dict[str, Any] = {"stage": stage}
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": spec.batch_size,
+        "gradient_accumulation_steps": spec.grad_accum,
+        "zero_optimization": zero,
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**62,
+        **DEEPSPEED_PRECISIONS[spec.precision],
+    }
+    if spec.deepspeed is not None:
+        from ..jsonfile import read_json_object
+        from .deepspeed import DEEPSPEED_HINT
+
+        user = read_json_object(spec.deepspeed, "DeepSpeed config", hint=DEEPSPEED_HINT)
+        zero.update(
+            {k: v for k, v in user.get("zero_optimization", {}).items() if k in PASSED_ZERO_KEYS}
+        )
+        config.update({k: v for k, v in user.items() if k in PASSED_TOP_KEYS})
+    return config
+
+
+def gpu_optimizer(
+    choice: OptimizerChoice, spec: TrainingSpec
+) -> tuple[OptimizerChoice, str | None]:
+    """The optimizer DeepSpeed steps on a GPU: Adam/AdamW is its FusedAdam, modelled by torch's
+    fused implementation, unless the user chose an implementation."""
+    if spec.target != "cuda" or choice.cls not in FUSED_ADAM:
+        return choice, None
+    if {"foreach", "fused"} & set(spec.optimizer_kwargs):
+        return choice, None
+    note = (
+        f"{choice.cls.__name__} under DeepSpeed on a GPU is its FusedAdam (multi-tensor, in "
+        "place): traced as torch's fused implementation (no step temporaries)"
+    )
+    return replace(choice, kwargs={**choice.kwargs, "fused": True}), note
+
+
+@dataclass(kw_only=True)
+class DeepSpeedRun:
+    """A model inside DeepSpeed's engine, ready to step (``TrainingRun``'s interface)."""
+
+    engine: Any
+    batch: Any
+    loss_fn: LossFn
+    grad_accum: int
+    labels: _Labels
+    record_losses: bool = False
+    losses: list[float] = field(default_factory=list)
+
+    @property
+    def zero(self) -> Any:
+        return self.engine.optimizer
+
+    def run(self, steps: int, observer: StepObserver) -> None:
+        for step in range(1, steps + 1):
+            self.step(step, observer)
+
+    def step(self, step: int, observer: StepObserver) -> None:
+        total = 0.0
+        for _ in range(self.grad_accum):
+            observer.phase(step, Phase.FORWARD)
+            loss = self.loss_fn(self.engine, self.batch)
+            if self.record_losses:
+                total += float(loss.detach().float().item()) / self.grad_accum
+            observer.phase(step, Phase.BACKWARD)
+            self.engine.backward(loss)
+            self.labels.kept_gradients()
+            del loss
+            observer.phase(step, Phase.OPTIMIZER)
+            self.engine.step()  # a step at the accumulation boundary, else only counts
+        if self.record_losses:
+            self.losses.append(total)
+        observer.optimizer_stepped(self.zero.optimizer)
+
+
+def build_run(
+    *,
+    model: nn.Module,
+    batch: Any,
+    loss_fn: LossFn,
+    optimizer: OptimizerChoice,
+    precision: PrecisionPolicy,
+    spec: TrainingSpec,
+    observer: StepObserver,
+    fake: bool,
+) -> tuple[DeepSpeedRun, list[str]]:
+    """Build DeepSpeed's engine around ``model`` (already on its device, in its dtype), telling
+    the observer what each of DeepSpeed's buffers is."""
+    if optimizer.builder is not None:
+        raise InputError(
+            f"{optimizer.name} is traced through a stand-in, which DeepSpeed's engine cannot wrap",
+            hint="use a torch.optim or torchao optimizer, or --strategy zero1-torch",
+        )
+    if precision.param_dtype is not torch.float32:
+        batch = cast_floating(batch, precision.param_dtype)
+    modules = deepspeed_modules()
+    params = [p for p in model.parameters() if p.requires_grad]
+    observer.tensors(model.parameters(), Category.PARAMETERS)
+    observer.tensors(model.buffers(), Category.BUFFERS)
+    observer.tensors(iter_tensors(batch), Category.INPUTS)
+    notes = []
+    inner = optimizer.build(params)
+    labels = _Labels(observer)
+    for p in params:  # registered before DeepSpeed's hooks, so they see autograd's gradient
+        p.register_post_accumulate_grad_hook(labels.fresh_gradient)
+    config = deepspeed_config(spec)
+    with quiet():
+        engine = modules.engine_class(
+            args=None,
+            model=model,
+            optimizer=inner,
+            model_parameters=params,
+            config=config,
+            config_class=modules.config_class(config),
+            dont_change_device=fake,
+        )
+    zero = engine.optimizer
+    if not isinstance(zero, modules.zero_optimizer):
+        raise InputError(
+            f"DeepSpeed built {type(zero).__name__}, not its ZeRO-1/2 optimizer",
+            hint="check the --deepspeed config",
+        )
+    labels.watch(zero)
+    notes.append(
+        f"{spec.strategy}: DeepSpeed {version()}'s own engine (DeepSpeedEngine, "
+        f"DeepSpeedZeroOptimizer stage {DEEPSPEED_STAGES[spec.strategy or 'none']})"
+        + (f" on a fake process group of {spec.world_size} ranks" if fake else "")
+        + f": flat partition of {zero.partition_size[0]:,} elements per rank, reduce bucket of "
+        f"{zero.reduce_bucket_size:,} elements"
+    )
+    run = DeepSpeedRun(
+        engine=engine, batch=batch, loss_fn=loss_fn, grad_accum=spec.grad_accum, labels=labels
+    )
+    return run, notes
+
+
+FRESH_GRADIENT = "autograd's gradient, until DeepSpeed copies it into its reduce bucket"
+
+
+class _Labels:
+    """Tells the observer what DeepSpeed's buffers are, at the moments DeepSpeed makes them
+    (wrapping the optimizer's own methods: they run unchanged).
+
+    A gradient autograd makes is ``gradients`` if it is still the parameter's gradient when
+    DeepSpeed reduces (ZeRO-1 keeps every full gradient through backward); under ZeRO-2
+    DeepSpeed copies each into its bucket as it is made and frees it: a temporary, labelled."""
+
+    def __init__(self, observer: StepObserver) -> None:
+        self.observer = observer
+        self.engine_buffers: dict[int, weakref.ref] = {}  # alive DeepSpeed buffers' storages
+        self.fresh: dict[int, tuple[torch.Tensor, int]] = {}
+
+    def _tag(self, tensors: list[torch.Tensor], category: Category) -> None:
+        self.observer.tensors(tensors, category)
+        for t in tensors:
+            storage = t.untyped_storage()
+            self.engine_buffers[storage._cdata] = weakref.ref(storage)
+
+    def _engine_buffer(self, t: torch.Tensor) -> bool:
+        ref = self.engine_buffers.get(t.untyped_storage()._cdata)
+        return ref is not None and ref() is not None
+
+    def fresh_gradient(self, p: torch.Tensor) -> None:
+        """A gradient autograd just made (this hook runs before DeepSpeed's)."""
+        if p.grad is None or self._engine_buffer(p.grad):
+            return
+        # the storage's address only: nothing is kept alive
+        self.fresh[id(p)] = (p, p.grad.untyped_storage()._cdata)
+        self.observer.label([p.grad], FRESH_GRADIENT)
+
+    def kept_gradients(self) -> None:
+        """Before DeepSpeed reduces, and after each backward: the gradients autograd made that
+        are still the parameters' are ``gradients``."""
+        for p, storage in self.fresh.values():
+            if p.grad is not None and p.grad.untyped_storage()._cdata == storage:
+                self.observer.tensors([p.grad], Category.GRADIENTS)
+        self.fresh.clear()
+
+    def watch(self, zero: Any) -> None:
+        self._tag(list(zero.bit16_groups_flat), Category.PARAMETERS)
+        self._tag(list(zero.single_partition_of_fp32_groups), Category.MASTER_WEIGHTS)
+
+        def buckets() -> None:
+            self._tag(
+                [b for bucket in zero.ipg_buckets.values() for b in bucket.buffer],
+                Category.GRADIENT_BUCKETS,
+            )
+
+        def kept() -> None:
+            if zero.grads_in_partition is not None:
+                self._tag([zero.grads_in_partition], Category.SHARDED_GRADIENTS)
+
+        def averaged() -> None:
+            found = [
+                t for g in zero.averaged_gradients.values() if g is not None for t in _tensors(g)
+            ]
+            self._tag(found, Category.SHARDED_GRADIENTS)
+
+        def fp32_gradient(i: int) -> None:
+            grad = zero.single_partition_of_fp32_groups[i].grad
+            if grad is not None:
+                self.observer.label([grad], MASTER_GRADIENT)
+
+        _before(zero, "reduce_gradients", lambda *_, **__: self.kept_gradients())
+        _before(zero, "independent_gradient_partition_epilogue", lambda: self.kept_gradients())
+        _after(zero, "setup_buckets", buckets)
+        _after(zero, "copy_grads_in_partition", kept)
+        _after(zero, "independent_gradient_partition_epilogue", averaged)
+        _before(zero, "_optimizer_step", fp32_gradient)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    return (
+        [obj] if isinstance(obj, torch.Tensor) else [t for t in obj if isinstance(t, torch.Tensor)]
+    )
+
+
+def _after(owner: Any, name: str, then: Callable[[], None]) -> None:
+    method = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        out = method(*args, **kwargs)
+        then()
+        return out
+
+    setattr(owner, name, wrapped)
+
+
+def _before(owner: Any, name: str, first: Callable[..., None]) -> None:
+    method = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        first(*args, **kwargs)
+        return method(*args, **kwargs)
+
+    setattr(owner, name, wrapped)
+
+
+class DeepSpeedZero(DataParallel):
+    """The ``trace.engine.Engine`` of ``zero1``/``zero2``: each traced run is one rank of
+    DeepSpeed's engine on a fake process group (offload applied after, as ``DataParallel``)."""
+
+    def __init__(self, spec: TrainingSpec) -> None:
+        super().__init__(spec)
+        self.optimizer_note: str | None = None
+
+    def adapt(self, recipe: Recipe) -> Recipe:
+        deepspeed_config(self.spec)  # refuses what DeepSpeed's engine does not run
+        optimizer, self.optimizer_note = gpu_optimizer(recipe.optimizer, self.spec)
+        return replace(recipe, optimizer=optimizer)
+
+    @contextlib.contextmanager
+    def rank(self, rank: int) -> Iterator[DeepSpeedRank]:
+        with fake_world(rank, self.spec.world_size), fake_deepspeed_world():
+            notes = [self.optimizer_note] if self.optimizer_note else []
+            yield DeepSpeedRank(spec=self.spec, rank=rank, notes=notes)
+
+
+@dataclass
+class DeepSpeedRank:
+    """One rank of DeepSpeed's engine in a trace (a ``trace.engine.RankEngine`` that builds its
+    own step)."""
+
+    spec: TrainingSpec
+    rank: int
+    notes: list[str] = field(default_factory=list)
+    op_categories: dict[str, Category] = field(default_factory=dict)
+    resize_category: Category | None = None
+    scalar_answer: int = 0
+    """``.item()`` answers: 0 is "no overflow" to DeepSpeed's overflow check."""
+
+    def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
+        return model
+
+    def owned(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
+        return params
+
+    def add_buckets(self, model: nn.Module, track: Any) -> None:
+        pass
+
+    def assemble(
+        self,
+        *,
+        model: nn.Module,
+        batch: Any,
+        loss_fn: LossFn,
+        optimizer: OptimizerChoice,
+        precision: PrecisionPolicy,
+        observer: StepObserver,
+        **_: Any,
+    ) -> DeepSpeedRun:
+        run, notes = build_run(
+            model=model,
+            batch=batch,
+            loss_fn=loss_fn,
+            optimizer=optimizer,
+            precision=precision,
+            spec=self.spec,
+            observer=observer,
+            fake=True,
+        )
+        self.notes.extend(notes)
+        return run

@@ -1,0 +1,171 @@
+"""What a plan is made of: configurations, the candidates that fit, what each costs besides
+memory, and the Pareto front among them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+from ..spec import STRATEGIES, TrainingSpec
+
+DEFAULT_GPUS_PER_NODE = 8
+"""GPUs sharing one host's memory when offloading (an 8-GPU node: DGX/HGX)."""
+RECOMPUTE_FRACTION = 1 / 3
+"""Activation checkpointing recomputes the forward pass: about a third more compute."""
+NUMERICS = {"bf16-pure": "bf16 weights and optimizer state, no fp32 master copy"}
+"""Precision modes that change what training computes beyond mixed precision's usual rounding."""
+PLANNED_STRATEGIES = tuple(s for s in STRATEGIES if s not in ("fsdp", "zero1-torch"))
+"""Strategies the plan searches: fsdp is zero3's layout under another name, and PyTorch's
+whole-parameter ZeroRedundancyOptimizer (zero1-torch) never holds less than DeepSpeed's even
+ZeRO-1 partition."""
+PLANNED_OFFLOADS = ("none", "optimizer")
+STRATEGY_RANK = {s: i for i, s in enumerate(PLANNED_STRATEGIES)}
+
+ESTIMATED = "estimated"
+"""Re-estimated with the real engines (what ``estimate`` says for the configuration)."""
+DERIVED = "derived"
+"""Derived from a single-GPU trace (``derive.py``), not re-estimated."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Configuration:
+    optimizer: str
+    precision: str
+    checkpointing: bool
+    micro_batch: int
+    grad_accum: int
+    strategy: str
+    offload: str
+    gpus: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def spec(self, base: TrainingSpec) -> TrainingSpec:
+        """The TrainingSpec ``estimate`` takes for this configuration."""
+        return replace(
+            base,
+            optimizer=self.optimizer,
+            precision=self.precision,
+            grad_checkpointing=self.checkpointing and not base.checkpoint_modules,
+            batch_size=self.micro_batch,
+            grad_accum=self.grad_accum,
+            world_size=self.gpus,
+            nodes=None,
+            gpus_per_node=None,
+            strategy=self.strategy if self.gpus > 1 else None,
+            offload=self.offload,
+            target="cuda",
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class Candidate:
+    configuration: Configuration
+    peak_bytes_per_gpu: int
+    """What the caching allocator reserves on the worst GPU at the peak."""
+    headroom_bytes: int
+    """GPU memory minus margin minus the peak (negative: does not fit)."""
+    costs: dict[str, Any]
+    method: str
+    """``estimated`` with the real engines, ``derived`` from a single-GPU trace (with the
+    plan's measured derivation error in ``error``), or ``estimated (does not fit)``."""
+    host_bytes_per_node: int = 0
+    """Host memory one node needs for what the configuration offloads."""
+    error: str | None = None
+    """For a derived candidate: how far derivations were from re-estimates in this plan."""
+
+    @property
+    def fits(self) -> bool:
+        return self.method != f"{ESTIMATED} (does not fit)" and self.headroom_bytes >= 0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpus": self.configuration.gpus,
+            "configuration": self.configuration.to_dict(),
+            "peak_bytes_per_gpu": self.peak_bytes_per_gpu,
+            "headroom_bytes": self.headroom_bytes,
+            "host_bytes_per_node": self.host_bytes_per_node,
+            "costs": self.costs,
+            "method": self.method,
+            "derivation_error": self.error,
+        }
+
+
+def costs(
+    config: Configuration, parameter_bytes: int, optimizer_changes: str | None
+) -> dict[str, Any]:
+    """What a configuration costs besides memory (per step, per GPU)."""
+    grads = parameter_bytes
+    comm = {
+        "none": 0,
+        "ddp": 2 * grads,
+        "zero1": 2 * grads + parameter_bytes,
+        "zero2": 2 * grads,
+        "zero3": 3 * parameter_bytes,
+    }[config.strategy]
+    if config.gpus == 1:
+        comm = 0
+    host_traffic = (
+        2 * (grads + parameter_bytes) // max(1, config.gpus) if config.offload != "none" else 0
+    )
+    return {
+        "recompute_fraction": RECOMPUTE_FRACTION if config.checkpointing else 0.0,
+        "grad_accum_steps": config.grad_accum,
+        "communication_bytes_per_step": comm,
+        "host_transfer_bytes_per_step": host_traffic,
+        "optimizer_behaviour": optimizer_changes or "unchanged",
+        "numerics": NUMERICS.get(config.precision, "unchanged"),
+    }
+
+
+def behaviour(name: str, reference: str) -> str | None:
+    """How an optimizer changes training against the plan's reference optimizer."""
+    if name == reference:
+        return None
+    key = name.lower()
+    if "8bit" in key or "4bit" in key or "fp8" in key:
+        return "quantized optimizer states"
+    return f"a different optimizer than {reference}"
+
+
+def preference(c: Candidate) -> tuple[Any, ...]:
+    """Fewest GPUs; then least harm: no recompute, fewer accumulation steps, simpler strategy,
+    no offload, more headroom."""
+    cfg = c.configuration
+    return (
+        cfg.gpus,
+        cfg.checkpointing,
+        cfg.grad_accum,
+        cfg.offload != "none",
+        STRATEGY_RANK[cfg.strategy],
+        -c.headroom_bytes,
+    )
+
+
+def pareto(candidates: list[Candidate]) -> list[Candidate]:
+    """Configurations not beaten on all of GPU count, memory per GPU, recompute, communication
+    and optimizer behaviour by another one."""
+
+    def key(c: Candidate) -> tuple[float, ...]:
+        k = c.costs
+        return (
+            c.configuration.gpus,
+            c.peak_bytes_per_gpu,
+            k["recompute_fraction"],
+            k["communication_bytes_per_step"] + k["host_transfer_bytes_per_step"],
+            0.0 if k["optimizer_behaviour"] == "unchanged" else 1.0,
+            0.0 if k["numerics"] == "unchanged" else 1.0,
+            k["grad_accum_steps"],
+        )
+
+    keyed = [(key(c), c) for c in candidates]
+    front = []
+    for ka, a in keyed:
+        dominated = any(
+            all(x <= y for x, y in zip(kb, ka, strict=True)) and kb != ka for kb, _ in keyed
+        )
+        if not dominated:
+            front.append(a)
+    front.sort(key=lambda c: (c.configuration.gpus, c.peak_bytes_per_gpu))
+    return front

@@ -1,0 +1,296 @@
+"""``fit``: the largest micro-batch and/or sequence length that fits a GPU.
+
+Tracing every candidate size would be slow for a large model, so a few are traced and the rest
+derived. Each storage of a training step has a size that is a polynomial in the batch size
+(degree 1: per-example tensors) and in the sequence length (degree 2 at most: attention scores
+are S×S), as long as the step runs the same operators. So the step is traced at two batch sizes
+(three sequence lengths); when their timelines correspond storage for storage (same operators,
+categories and events), every storage's bytes are interpolated to any size and the timeline is
+replayed through the caching-allocator model — milliseconds per candidate — to find the largest
+size whose reserved peak fits. Where the timelines do not correspond (an attention kernel that
+changes with the length), sizes are found by estimating directly. Either way the answer and the
+next size up are then re-estimated with ``estimate``: the answer fits, the next one does not
+(``fits_next`` is False), moving the answer until both hold.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from fractions import Fraction
+from typing import Any, Literal
+
+from ..allocator import CUDA_CACHING_ALLOCATOR
+from ..errors import InputError
+from ..gpus import Gpu
+from ..ledger import Ledger, replay, steady_reserved_peak
+from ..predict import estimate
+from ..spec import TrainingSpec
+from ..timeline import Timeline
+from ..verdict import DEFAULT_MARGIN, check_margin, verdict
+
+Maximize = Literal["batch-size", "seq-len", "both"]
+MAXIMIZE: tuple[str, ...] = Maximize.__args__  # type: ignore[attr-defined]
+SEQ_STEP = 64
+"""Sequence lengths are answered in multiples of this many tokens (the next size up is the answer
+plus this); attention kernels tile the sequence in blocks of 64-128, so finer steps rarely
+differ in memory."""
+MAX_BATCH = 1 << 20
+MAX_SEQ = 1 << 22
+CONFIRM_TRIES = 6
+"""Re-estimates allowed to move an answer whose derivation was off."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class FitAnswer:
+    optimizer: str
+    checkpointing: bool
+    batch_size: int
+    seq_len: int
+    reserved_peak_bytes: int
+    headroom_bytes: int
+    fits_next: bool
+    """Whether the next size up fits (False for an answer: it is the largest)."""
+    next_size: dict[str, int] = field(default_factory=dict)
+    """The next size up that was re-estimated, and its reserved peak."""
+    method: str = "derived from traces, answer and next size re-estimated"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer,
+            "checkpointing": self.checkpointing,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
+            "fits_next": self.fits_next,
+            "next_size": self.next_size,
+            "method": self.method,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
+class Fit:
+    gpu: Gpu
+    margin_bytes: int
+    maximize: str
+    answers: list[FitAnswer]
+    """The largest size that fits per (optimizer, checkpointing); missing when even the
+    smallest does not fit (see ``notes``)."""
+    seq_step: int
+    estimates: int
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "gpu": self.gpu.to_dict(),
+            "margin_bytes": self.margin_bytes,
+            "maximize": self.maximize,
+            "answers": [a.to_dict() for a in self.answers],
+            "seq_step": self.seq_step,
+            "estimates": self.estimates,
+            "seconds": round(self.seconds, 2),
+            "notes": self.notes,
+        }
+
+
+def interpolate(timelines: dict[int, Timeline], x: int) -> Timeline | None:
+    """The timeline at size ``x`` from timelines traced at other sizes whose storages correspond
+    one to one: each storage's bytes the polynomial through the traced points (Lagrange, exact in
+    rationals). None when they do not correspond."""
+    points = sorted(timelines)
+    base = timelines[points[0]]
+    for p in points[1:]:
+        other = timelines[p]
+        if (
+            other.num_storages != base.num_storages
+            or other.events != base.events
+            or other.op != base.op
+            or other.tags != base.tags
+            or other.on_host != base.on_host
+            or other.marks != base.marks
+        ):
+            return None
+    sizes = []
+    for sid in range(base.num_storages):
+        value = Fraction(0)
+        for i, xi in enumerate(points):
+            term = Fraction(timelines[xi].nbytes[sid])
+            for j, xj in enumerate(points):
+                if i != j:
+                    term *= Fraction(x - xj, xi - xj)
+            value += term
+        sizes.append(max(0, round(value)))
+    return replace(base, nbytes=sizes, labels=dict(base.labels))
+
+
+def _reserved(tl: Timeline) -> int:
+    return steady_reserved_peak(replay(tl, CUDA_CACHING_ALLOCATOR))
+
+
+def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
+    """Largest n in [lo, hi] with fits(n), for fits monotone (True then False); None if none."""
+    if not fits(lo):
+        return None
+    n = lo
+    while n < hi and fits(min(2 * n, hi)):
+        n = min(2 * n, hi)
+    if n == hi:
+        return n
+    bad = min(2 * n, hi)
+    while bad - n > 1:
+        mid = (n + bad) // 2
+        if fits(mid):
+            n = mid
+        else:
+            bad = mid
+    return n
+
+
+class _Sizer:
+    """Fits one (optimizer, checkpointing) configuration along one size."""
+
+    def __init__(self, spec: TrainingSpec, gpu: Gpu, margin: int) -> None:
+        self.spec = spec
+        self.gpu = gpu
+        self.margin = margin
+        self.ledgers: dict[tuple[int, int], Ledger] = {}
+
+    def ledger(self, batch: int, seq: int) -> Ledger:
+        key = (batch, seq)
+        if key not in self.ledgers:
+            self.ledgers[key] = estimate(replace(self.spec, batch_size=batch, seq_len=seq))
+        return self.ledgers[key]
+
+    def fits(self, reserved: int) -> bool:
+        return verdict(self.gpu, reserved, self.margin).fits
+
+    def largest(
+        self, along: str, fixed: int, points: Sequence[int], step: int, top: int
+    ) -> int | None:
+        """The largest multiple of ``step`` along ``along`` (batch or seq) that fits, the other
+        size fixed: derived from traces at ``points`` (multiples of ``step``) when they
+        correspond, else found with estimates; then confirmed."""
+
+        def at(n: int) -> tuple[int, int]:
+            return (n, fixed) if along == "batch" else (fixed, n)
+
+        traced = {p: self.ledger(*at(p * step)).timeline for p in points}
+        derived = None
+        if interpolate(traced, points[0]) is not None:  # type: ignore[arg-type]
+            derived = _largest(
+                lambda k: self.fits(_reserved(interpolate(traced, k))),  # type: ignore[arg-type]
+                1,
+                top // step,
+            )
+        if derived is None:
+            derived = _largest(
+                lambda k: self.fits(self.ledger(*at(k * step)).reserved_peak_bytes), 1, top // step
+            )
+            if derived is None:
+                return None
+        return (
+            self._confirm(
+                lambda k: self.fits(self.ledger(*at(k * step)).reserved_peak_bytes),
+                derived,
+                top // step,
+            )
+            * step
+        )
+
+    @staticmethod
+    def _confirm(fits: Callable[[int], bool], k: int, top: int) -> int:
+        """Move ``k`` until it fits and ``k + 1`` does not (both re-estimated)."""
+        for _ in range(CONFIRM_TRIES):
+            if not fits(k):
+                if k == 1:
+                    return 0
+                k -= 1
+            elif k < top and fits(k + 1):
+                k += 1
+            else:
+                return k
+        return k if fits(k) else 0
+
+
+def fit(
+    spec: TrainingSpec,
+    gpu: Gpu,
+    *,
+    maximize: str = "batch-size",
+    optimizers: Sequence[str] | None = None,
+    checkpointing: Sequence[bool] = (False, True),
+    margin: int = DEFAULT_MARGIN,
+    seq_step: int = SEQ_STEP,
+) -> Fit:
+    """The largest micro-batch (``batch-size``), sequence length (``seq-len``, in multiples of
+    ``seq_step``) or both (the longest sequence at each power-of-two micro-batch) that fits
+    ``gpu``, for each optimizer with activation checkpointing off and on."""
+    if maximize not in MAXIMIZE:
+        raise InputError(f"unknown --max {maximize!r}", hint=f"use {', '.join(MAXIMIZE)}")
+    if seq_step < 1:
+        raise InputError(f"--seq-step must be positive, not {seq_step}")
+    check_margin(gpu, margin)
+    start = time.perf_counter()
+    spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
+    answers: list[FitAnswer] = []
+    notes: list[str] = []
+    estimates = 0
+    for optimizer in optimizers or [spec.optimizer]:
+        for ckpt in checkpointing:
+            base = replace(spec, optimizer=optimizer, grad_checkpointing=ckpt)
+            sizer = _Sizer(base, gpu, margin)
+            sizes: list[tuple[int, int]] = []
+            if maximize == "batch-size":
+                # a batch of one is degenerate (some views are already contiguous): trace 2 and 3
+                batch = sizer.largest("batch", base.seq_len, (2, 3), 1, MAX_BATCH)
+                sizes = [(batch, base.seq_len)] if batch else []
+            elif maximize == "seq-len":
+                seq = sizer.largest("seq", base.batch_size, (1, 2, 3), seq_step, MAX_SEQ)
+                sizes = [(base.batch_size, seq)] if seq else []
+            else:
+                batch = 1
+                while batch <= MAX_BATCH:
+                    seq = sizer.largest("seq", batch, (1, 2, 3), seq_step, MAX_SEQ)
+                    if not seq:
+                        break
+                    sizes.append((batch, seq))
+                    batch *= 2
+            label = f"{optimizer}{' with checkpointing' if ckpt else ''}"
+            if not sizes:
+                notes.append(f"{label}: even the smallest size does not fit on {gpu.name}")
+            for batch, seq in sizes:
+                ledger = sizer.ledger(batch, seq)
+                nxt = (batch + 1, seq) if maximize == "batch-size" else (batch, seq + seq_step)
+                next_ledger = sizer.ledger(*nxt)
+                answers.append(
+                    FitAnswer(
+                        optimizer=optimizer,
+                        checkpointing=ckpt,
+                        batch_size=batch,
+                        seq_len=seq,
+                        reserved_peak_bytes=ledger.reserved_peak_bytes,
+                        headroom_bytes=verdict(
+                            gpu, ledger.reserved_peak_bytes, margin
+                        ).headroom_bytes,
+                        fits_next=sizer.fits(next_ledger.reserved_peak_bytes),
+                        next_size={
+                            "batch_size": nxt[0],
+                            "seq_len": nxt[1],
+                            "reserved_peak_bytes": next_ledger.reserved_peak_bytes,
+                        },
+                    )
+                )
+            estimates += len(sizer.ledgers)
+    return Fit(
+        gpu=gpu,
+        margin_bytes=margin,
+        maximize=maximize,
+        answers=answers,
+        seq_step=seq_step,
+        estimates=estimates,
+        seconds=time.perf_counter() - start,
+        notes=notes,
+    )
