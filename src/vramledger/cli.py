@@ -18,7 +18,7 @@ from .adapters import QUANTIZE
 from .errors import InputError, VramledgerError
 from .plan.fit import MAXIMIZE, SEQ_STEP
 from .precision import PRECISIONS
-from .spec import OFFLOADS, ROUTINGS, STRATEGIES, TARGETS, TrainingSpec
+from .spec import OFFLOADS, PP_SCHEDULES, ROUTINGS, STRATEGIES, TARGETS, TrainingSpec
 from .tasks import TASKS
 from .version import __version__
 
@@ -101,6 +101,40 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
         "help": "read FSDP2 wrap policy, offload, resharding, checkpointing, precision and "
         "processes from an accelerate config",
     },
+    "dp_shard": {
+        "type": int,
+        "metavar": "N",
+        "help": "ranks the data-parallel axis shards over with FSDP2 (default: world-size / "
+        "(tp x pp x cp))",
+    },
+    "tp": {"type": int, "default": 1, "metavar": "N", "help": "tensor-parallel degree (default 1)"},
+    "pp": {"type": int, "default": 1, "metavar": "N", "help": "pipeline stages (default 1)"},
+    "pp_schedule": {
+        "choices": PP_SCHEDULES,
+        "default": "1f1b",
+        "help": "pipeline schedule (default 1f1b)",
+    },
+    "microbatches": {
+        "type": int,
+        "metavar": "N",
+        "help": "micro-batches per pipeline step (default: pp)",
+    },
+    "cp": {
+        "type": int,
+        "default": 1,
+        "metavar": "N",
+        "help": "context-parallel degree (default 1)",
+    },
+    "ep": {
+        "type": int,
+        "default": 1,
+        "metavar": "N",
+        "help": "expert-parallel degree for MoE layers, from the data/context-parallel ranks",
+    },
+    "tp_plan": {
+        "metavar": "FILE.py:FUNCTION",
+        "help": "the model's tensor-parallel plan (default: its family's)",
+    },
     "moe_routing": {
         "choices": ROUTINGS,
         "default": "balanced",
@@ -141,6 +175,14 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
 
 PARALLEL_OPTIONS = (
     "world_size",
+    "dp_shard",
+    "tp",
+    "pp",
+    "pp_schedule",
+    "microbatches",
+    "cp",
+    "ep",
+    "tp_plan",
     "strategy",
     "offload",
     "nodes",

@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any
 
 from .checks import request_warnings
+from .errors import InputError
 from .gpus import modelled_compute_capability, precision_warnings
 from .ledger import Ledger, build_ledger
 from .parallel.accelerate import apply_accelerate
@@ -60,6 +61,11 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
     spec, notes = apply_deepspeed(as_spec(spec, fields))
     spec, read = apply_accelerate(spec)
     notes = [*notes, *read]
+    if spec.model_split > 1:
+        raise InputError(
+            "tensor, pipeline and context parallelism are not estimated yet",
+            hint="estimate the data-parallel strategies (--world-size N --strategy ...)",
+        )
     warnings = request_warnings(resolve(spec))
     gpu = spec.gpu_kind()
     if gpu is not None:

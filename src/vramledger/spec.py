@@ -22,6 +22,9 @@ ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch"]
 STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
 """How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
+PpSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
+PP_SCHEDULES: tuple[str, ...] = PpSchedule.__args__  # type: ignore[attr-defined]
+"""torch.distributed.pipelining schedules: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B."""
 Offload = Literal["none", "optimizer", "params", "both"]
 OFFLOADS: tuple[str, ...] = Offload.__args__  # type: ignore[attr-defined]
 """What is kept in host memory."""
@@ -71,7 +74,7 @@ class TrainingSpec:
     seed: int = 0
     """Seed for real runs (weights and synthetic batches)."""
     world_size: int = 1
-    """Data-parallel ranks (GPUs) the step is spread over."""
+    """Ranks (GPUs) the step is spread over: data-parallel x tp x pp x cp."""
     strategy: str | None = None
     """ddp, zero1, zero2 (DeepSpeed's engine), zero3, fsdp, or zero1-torch (PyTorch's
     ZeroRedundancyOptimizer) (default: none on one rank, ddp on several)."""
@@ -102,6 +105,28 @@ class TrainingSpec:
     type, FSDP2 wrap policy, offload, reshard_after_forward, activation checkpointing, mixed
     precision and process count are read from it, and the model is wrapped as accelerate does
     (parallel/accelerate.py)."""
+    dp_shard: int | None = None
+    """Ranks the data-parallel axis shards over (FSDP2 / ZeRO-3) when the model is also split
+    along other axes; default: the world size divided by tp x pp x cp."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matrices split over this many ranks (with sequence
+    parallelism for the norms and dropout between them); within a node."""
+    pp: int = 1
+    """Pipeline-parallel degree: the layers split into this many stages (torch.distributed.
+    pipelining), each stage on its own ranks."""
+    pp_schedule: str = "1f1b"
+    """gpipe, 1f1b or interleaved-1f1b: the order the pipeline runs its micro-batches in, which
+    decides how many micro-batches' activations a stage holds at once."""
+    microbatches: int | None = None
+    """Micro-batches per pipeline step (each of ``batch_size`` examples); default: pp."""
+    cp: int = 1
+    """Context-parallel degree: the sequence split over this many ranks in attention."""
+    ep: int = 1
+    """Expert-parallel degree for mixture-of-experts layers: the experts split over this many
+    ranks of the data-parallel (and context-parallel) axes, tokens exchanged all-to-all."""
+    tp_plan: str | None = None
+    """``FILE.py:FUNCTION`` returning the tensor-parallel plan for the model (a dict of module
+    name pattern -> torch.distributed.tensor.parallel style); default: the model family's."""
     moe_routing: str = "balanced"
     """How a mixture-of-experts router's choices are answered in a trace (its values depend on
     the weights): balanced (every expert the same number of tokens), first / last (every expert
@@ -195,15 +220,24 @@ class TrainingSpec:
                     f"world-size {self.world_size} is not nodes x gpus-per-node = {world}"
                 )
             object.__setattr__(self, "world_size", world)
-        strategy = self.strategy or ("ddp" if self.world_size > 1 else "none")
+        self._check_axes()
+        dp = self.dp_degree
+        strategy = self.strategy or ("ddp" if dp > 1 and self.model_split == 1 else None)
+        if strategy is None:
+            strategy = "fsdp" if dp > 1 else "none"
         if strategy not in STRATEGIES:
             raise InputError(
                 f"unknown strategy {strategy!r}", hint=f"use one of {', '.join(STRATEGIES[1:])}"
             )
-        if strategy == "none" and self.world_size > 1:
+        if strategy == "none" and dp > 1:
             raise InputError(
                 f"world-size {self.world_size} needs a --strategy",
                 hint=f"use one of {', '.join(STRATEGIES[1:])}",
+            )
+        if self.model_split > 1 and strategy not in ("none", "ddp", "fsdp", "zero3"):
+            raise InputError(
+                f"--strategy {strategy} with tensor/pipeline/context parallelism is not modelled",
+                hint="use fsdp (zero3) or ddp over the data-parallel axis",
             )
         object.__setattr__(self, "strategy", strategy)
         if self.offload not in OFFLOADS:
@@ -211,6 +245,57 @@ class TrainingSpec:
                 f"unknown offload {self.offload!r}", hint=f"use one of {', '.join(OFFLOADS)}"
             )
         self._check_shard_units()
+
+    @property
+    def model_split(self) -> int:
+        """Ranks one copy of the model is split over: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks of the data-parallel axis (replicas or FSDP shards)."""
+        return self.world_size // self.model_split
+
+    def _check_axes(self) -> None:
+        """tp, pp, cp, ep and dp_shard: positive; the world is dp x tp x pp x cp (given by
+        --world-size or made from the axes); ep divides dp x cp; a known pipeline schedule."""
+        for name in ("tp", "pp", "cp", "ep", "dp_shard", "microbatches"):
+            value = getattr(self, name)
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or value <= 0
+            ):
+                raise InputError(
+                    f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
+                )
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise InputError(
+                f"unknown pipeline schedule {self.pp_schedule!r}",
+                hint=f"use {', '.join(PP_SCHEDULES)}",
+            )
+        split = self.model_split
+        if self.dp_shard is not None:
+            world = self.dp_shard * split
+            if self.world_size not in (1, world):
+                raise InputError(
+                    f"world-size {self.world_size} is not dp-shard x tp x pp x cp = {world}",
+                    hint="drop --world-size, or make the axes multiply to it",
+                )
+            object.__setattr__(self, "world_size", world)
+        elif split > 1 and self.world_size == 1:
+            object.__setattr__(self, "world_size", split)
+        if self.world_size % split:
+            raise InputError(
+                f"world-size {self.world_size} is not a multiple of tp x pp x cp = {split}",
+                hint="the data-parallel axis takes world-size / (tp x pp x cp) ranks",
+            )
+        if (self.dp_degree * self.cp) % self.ep:
+            raise InputError(
+                f"ep {self.ep} does not divide the data-parallel x context-parallel ranks "
+                f"({self.dp_degree * self.cp})",
+                hint="expert parallelism borrows ranks from those axes",
+            )
+        if self.microbatches is not None and self.pp == 1:
+            raise InputError("--microbatches is for pipeline parallelism", hint="add --pp N")
 
     def _check_shard_units(self) -> None:
         given = [
