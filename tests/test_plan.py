@@ -80,6 +80,38 @@ def test_plan_answer_fits_and_one_gpu_fewer_does_not():
 
 
 @pytest.mark.slow
+def test_every_configuration_a_plan_shows_is_what_estimate_says():
+    """The two tables agree and each row is what ``estimate`` says for that configuration (or
+    is marked derived, with the derivation error the plan measured)."""
+    gpu = resolve_gpu(memory="170MiB")
+    result = plan(
+        SMALL,
+        gpu,
+        optimizers=["adamw", "adamw8bit"],
+        margin=0,
+        max_gpus=8,
+        offloads=("none", "optimizer"),
+        host_memory=4 * 1024**3,
+        gpus_per_node=4,
+        workers=1,
+    )
+    shown = [*result.fewest_gpus.values(), *result.fewest_gpus_without_offload.values()]
+    shown += result.front
+    for c in (c for c in shown if c is not None):
+        if c.method == "derived":
+            assert c.error and "off the re-estimates" in c.error
+            continue
+        assert c.method == "estimated"
+        ledger = estimate(c.configuration.spec(replace(SMALL, gpu=gpu, margin=0)))
+        assert ledger.reserved_peak_bytes == c.peak_bytes_per_gpu <= gpu.memory_bytes
+        per_node = ledger.host_bytes * min(c.configuration.gpus, 4)
+        assert per_node == c.host_bytes_per_node <= 4 * 1024**3
+    for name, answer in result.fewest_gpus.items():  # no front entry beats the answer
+        rivals = [c for c in result.front if c.configuration.optimizer == name]
+        assert all(c.configuration.gpus >= answer.configuration.gpus for c in rivals)
+
+
+@pytest.mark.slow
 def test_plan_is_the_same_with_worker_processes():
     """Traces and re-estimates run in spawned workers give the same plan as run here."""
     args = dict(
