@@ -12,7 +12,7 @@ from vramledger.categories import Phase
 from vramledger.trace import autocast_cuda, sdpa_cuda
 from vramledger.trace.cuda_policy import CUBLAS_WORKSPACE_HOPPER
 
-from .conftest import fixture
+from .conftest import FIXTURES, fixture
 
 
 def test_autocast_lists_are_exactly_the_registered_cuda_autocast_kernels():
@@ -168,3 +168,27 @@ def test_cuda_target_holds_two_cublas_workspaces_and_host_step_counters():
     assert any("no --gpu given" in n and "9.0" in n for n in ledger.notes)
     assert ledger.allocated_peak_bytes > ledger.peak_bytes  # 512-byte blocks
     assert ledger.peak_phase in (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
+
+
+def test_dropout_keeps_a_bool_mask_on_cuda_and_an_input_dtype_mask_on_cpu():
+    """``at::native::dropout`` takes the fused ``native_dropout`` (bool mask) on CUDA tensors and
+    decomposes into a mask of the input's dtype on CPU tensors (Dropout.cpp)."""
+    model = str(FIXTURES.parent.parent / "benchmarks" / "gpt_layer.py")
+    spec = dict(
+        model=f"{model}:gpt",
+        inputs=f"{model}:inputs",
+        loss=f"{model}:loss",
+        precision="bf16-pure",
+    )
+    for target, mask_bytes in (("cuda", 1), ("cpu", 2)):
+        tl = estimate(target=target, **spec).timeline
+        step = tl.steps
+        masks = [
+            tl.nbytes[s]
+            for s in range(tl.num_storages)
+            if tl.origin[s] == (step, Phase.FORWARD)
+            and tl.module[s] == "layers.1.drop"
+            and tl.category(s).value == "activations"
+        ]
+        # batch 1 x 512 tokens x 512 hidden: one mask per dropout
+        assert masks == [512 * 512 * mask_bytes], (target, masks)

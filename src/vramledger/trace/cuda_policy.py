@@ -28,6 +28,11 @@ so:
   so a training step holds two. cuBLASLt shares it: ``unified_cublas_and_lt_workspaces()`` is
   on unless ``TORCH_CUBLASLT_UNIFIED_WORKSPACE=0`` (and its own default would be 1 MiB,
   ``parseCUDABlasLtWorkspaceSize``), on every GPU.
+- **Dropout's kernel.** ``at::native::dropout`` (aten/src/ATen/native/Dropout.cpp) takes the
+  fused ``native_dropout`` when ``is_fused_kernel_acceptable`` — a CUDA tensor, 0 < p < 1 — and
+  keeps a 1-byte bool mask for backward; on CPU tensors it decomposes into ``bernoulli_`` of a
+  mask in the input's dtype and a multiply that keeps it (2 bytes per element in bf16). The
+  trace runs ``native_dropout`` as CUDA would (``fused_dropout``).
 - **Allocator rounding**: the CUDA caching allocator's 512-byte blocks (``allocator.py``), on
   every GPU.
 
@@ -121,7 +126,7 @@ class CudaPolicy(DevicePolicy):
     @contextlib.contextmanager
     def context(self) -> Iterator[None]:
         sdpa = CudaSdpa(self.compute_capability)
-        with CudaAutocast(), sdpa:
+        with CudaAutocast(), sdpa, fused_dropout():
             yield
         self._attention_used |= sdpa.used
 
@@ -237,3 +242,23 @@ def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
             "needs a torch build for CUDA 12.x"
         )
     return notes
+
+
+@contextlib.contextmanager
+def fused_dropout() -> Iterator[None]:
+    """``F.dropout`` as on a CUDA tensor: ``native_dropout`` (bool mask) whenever
+    ``is_fused_kernel_acceptable`` (training, 0 < p < 1, a non-empty input); in place, the
+    result copied back (``dropout_`` in Dropout.cpp)."""
+    original = torch.nn.functional.dropout
+
+    def dropout(input, p=0.5, training=True, inplace=False):
+        if not training or not 0 < p < 1 or input.numel() == 0:
+            return original(input, p, training, inplace)
+        out = torch.native_dropout(input, p, True)[0]
+        return input.copy_(out) if inplace else out
+
+    torch.nn.functional.dropout = dropout
+    try:
+        yield
+    finally:
+        torch.nn.functional.dropout = original
