@@ -24,7 +24,7 @@ from typing import Any, Literal
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import Ledger, replay, steady_reserved_peak
+from ..ledger import Ledger, replay, steady_peak, steady_reserved_peak
 from ..predict import estimate
 from ..spec import TrainingSpec
 from ..timeline import Timeline
@@ -38,8 +38,6 @@ plus this); attention kernels tile the sequence in blocks of 64-128, so finer st
 differ in memory."""
 MAX_BATCH = 1 << 20
 MAX_SEQ = 1 << 22
-CONFIRM_TRIES = 6
-"""Re-estimates allowed to move an answer whose derivation was off."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,6 +47,8 @@ class FitAnswer:
     batch_size: int
     seq_len: int
     reserved_peak_bytes: int
+    """What must fit: the caching allocator's reserved peak on CUDA (the allocated peak for a
+    CPU target)."""
     headroom_bytes: int
     fits_next: bool
     """Whether the next size up fits (False for an answer: it is the largest)."""
@@ -130,6 +130,15 @@ def _reserved(tl: Timeline) -> int:
     return steady_reserved_peak(replay(tl, CUDA_CACHING_ALLOCATOR))
 
 
+def _derived_peak(tl: Timeline, cuda: bool) -> int:
+    """What must fit: the caching allocator's reserved bytes on CUDA, the bytes allocated on CPU."""
+    return _reserved(tl) if cuda else steady_peak(replay(tl)).total
+
+
+def device_peak(ledger: Ledger) -> int:
+    return ledger.reserved_peak_bytes if ledger.target == "cuda" else ledger.allocated_peak_bytes
+
+
 def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
     """Largest n in [lo, hi] with fits(n), for fits monotone (True then False); None if none."""
     if not fits(lo):
@@ -157,6 +166,7 @@ class _Sizer:
         self.gpu = gpu
         self.margin = margin
         self.ledgers: dict[tuple[int, int], Ledger] = {}
+        self.cuda = spec.target == "cuda"
 
     def ledger(self, batch: int, seq: int) -> Ledger:
         key = (batch, seq)
@@ -164,8 +174,8 @@ class _Sizer:
             self.ledgers[key] = estimate(replace(self.spec, batch_size=batch, seq_len=seq))
         return self.ledgers[key]
 
-    def fits(self, reserved: int) -> bool:
-        return verdict(self.gpu, reserved, self.margin).fits
+    def fits(self, peak: int) -> bool:
+        return verdict(self.gpu, peak, self.margin).fits
 
     def largest(
         self, along: str, fixed: int, points: Sequence[int], step: int, top: int
@@ -187,13 +197,13 @@ class _Sizer:
             )
         if derived is None:
             derived = _largest(
-                lambda k: self.fits(self.ledger(*at(k * step)).reserved_peak_bytes), 1, top // step
+                lambda k: self.fits(device_peak(self.ledger(*at(k * step)))), 1, top // step
             )
             if derived is None:
                 return None
         return (
             self._confirm(
-                lambda k: self.fits(self.ledger(*at(k * step)).reserved_peak_bytes),
+                lambda k: self.fits(device_peak(self.ledger(*at(k * step)))),
                 derived,
                 top // step,
             )
@@ -202,17 +212,41 @@ class _Sizer:
 
     @staticmethod
     def _confirm(fits: Callable[[int], bool], k: int, top: int) -> int:
-        """Move ``k`` until it fits and ``k + 1`` does not (both re-estimated)."""
-        for _ in range(CONFIRM_TRIES):
-            if not fits(k):
-                if k == 1:
-                    return 0
-                k -= 1
-            elif k < top and fits(k + 1):
-                k += 1
-            else:
+        """The largest ``n`` that fits with ``n + 1`` not fitting, found from ``k`` (the derived
+        answer) with estimates: ``k`` and ``k + 1`` when the derivation was right; otherwise
+        steps that double away from ``k`` until they cross, then bisection (0: nothing fits)."""
+        if fits(k):
+            if k >= top or not fits(k + 1):
                 return k
-        return k if fits(k) else 0
+            good, step = k + 1, 2
+            while good + step <= top and fits(good + step):
+                good, step = good + step, 2 * step
+            bad = min(good + step, top + 1)
+        else:
+            bad, step = k, 1
+            while True:
+                probe = bad - step
+                if probe < 1:
+                    if not fits(1):
+                        return 0
+                    good = 1
+                    break
+                if fits(probe):
+                    good = probe
+                    break
+                bad, step = probe, 2 * step
+        return _bisect(fits, good, bad)
+
+
+def _bisect(fits: Callable[[int], bool], good: int, bad: int) -> int:
+    """The largest n in [good, bad) that fits, given fits(good) and not fits(bad)."""
+    while bad - good > 1:
+        mid = (good + bad) // 2
+        if fits(mid):
+            good = mid
+        else:
+            bad = mid
+    return good
 
 
 def fit(
@@ -234,7 +268,8 @@ def fit(
         raise InputError(f"--seq-step must be positive, not {seq_step}")
     check_margin(gpu, margin)
     start = time.perf_counter()
-    spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
+    if spec.target == "cuda":  # every estimate emulates this GPU; on CPU, gpu is a budget
+        spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
     answers: list[FitAnswer] = []
     notes: list[str] = []
     estimates = 0
@@ -271,15 +306,13 @@ def fit(
                         checkpointing=ckpt,
                         batch_size=batch,
                         seq_len=seq,
-                        reserved_peak_bytes=ledger.reserved_peak_bytes,
-                        headroom_bytes=verdict(
-                            gpu, ledger.reserved_peak_bytes, margin
-                        ).headroom_bytes,
-                        fits_next=sizer.fits(next_ledger.reserved_peak_bytes),
+                        reserved_peak_bytes=device_peak(ledger),
+                        headroom_bytes=verdict(gpu, device_peak(ledger), margin).headroom_bytes,
+                        fits_next=sizer.fits(device_peak(next_ledger)),
                         next_size={
                             "batch_size": nxt[0],
                             "seq_len": nxt[1],
-                            "reserved_peak_bytes": next_ledger.reserved_peak_bytes,
+                            "reserved_peak_bytes": device_peak(next_ledger),
                         },
                     )
                 )

@@ -1,0 +1,66 @@
+"""fit: the largest micro-batch or sequence length that fits, derived from a few traces and
+re-estimated; checked against brute force and against real CPU runs of the answer and the next
+size up."""
+
+import pytest
+
+from vramledger import estimate
+from vramledger.gpus import resolve_gpu
+from vramledger.measure import measure
+from vramledger.plan.fit import fit, interpolate
+from vramledger.spec import TrainingSpec
+
+from .conftest import FIXTURES
+
+TINY = str(FIXTURES / "hub" / "tiny-llama-bf16")
+
+
+def test_interpolated_timeline_is_the_traced_one():
+    """Storage sizes are polynomials in the batch size: traces at 2 and 3 give the trace at 5."""
+    spec = dict(model=TINY, seq_len=64, precision="bf16-mixed")
+    traced = {b: estimate(batch_size=b, **spec).timeline for b in (2, 3, 5)}
+    derived = interpolate({2: traced[2], 3: traced[3]}, 5)
+    assert derived is not None and derived.nbytes == traced[5].nbytes
+
+
+def test_fit_answer_fits_and_the_next_size_does_not():
+    spec = TrainingSpec(model=TINY, seq_len=128, precision="bf16-mixed")
+    gpu = resolve_gpu(memory="120MiB")
+    result = fit(spec, gpu, maximize="batch-size", checkpointing=(False,), margin=0)
+    (answer,) = result.answers
+    assert not answer.fits_next and answer.headroom_bytes >= 0
+
+    # brute force with estimate around the answer
+    def reserved(b):
+        return estimate(spec, batch_size=b, gpu=gpu, margin=0).reserved_peak_bytes
+
+    assert reserved(answer.batch_size) == answer.reserved_peak_bytes <= gpu.memory_bytes
+    assert reserved(answer.batch_size + 1) > gpu.memory_bytes
+    data = result.to_dict()
+    assert {"optimizer", "checkpointing", "batch_size", "seq_len", "reserved_peak_bytes"} <= set(
+        data["answers"][0]
+    )
+    assert data["answers"][0]["fits_next"] is False
+
+
+def test_fit_sequence_length_with_checkpointing_on_and_off():
+    spec = TrainingSpec(model=TINY, batch_size=2, precision="bf16-mixed")
+    result = fit(spec, resolve_gpu(memory="100MiB"), maximize="seq-len", margin=0, seq_step=64)
+    by_ckpt = {a.checkpointing: a for a in result.answers}
+    assert set(by_ckpt) == {False, True}
+    assert by_ckpt[True].seq_len >= by_ckpt[False].seq_len  # checkpointing never fits less
+    assert all(a.seq_len % 64 == 0 and not a.fits_next for a in result.answers)
+
+
+@pytest.mark.slow
+def test_fit_on_cpu_against_real_runs():
+    """A CPU budget: the real run of the answer fits it, the next size up does not (the CPU
+    allocator's own count, within the estimate's measured error)."""
+    spec = TrainingSpec(model=TINY, seq_len=64, target="cpu")
+    budget = resolve_gpu(memory="24MiB")
+    (answer,) = fit(spec, budget, maximize="batch-size", checkpointing=(False,), margin=0).answers
+    slack = 1e-4 * budget.memory_bytes
+    real = measure(spec, batch_size=answer.batch_size).measured_peak_bytes
+    nxt = measure(spec, batch_size=answer.batch_size + 1).measured_peak_bytes
+    assert real <= budget.memory_bytes + slack
+    assert nxt > budget.memory_bytes - slack
