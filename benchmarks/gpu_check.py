@@ -27,6 +27,51 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 import torch  # noqa: E402
 from accuracy import CASES  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent
+HUB = ROOT / "tests" / "fixtures" / "hub"
+LORA = "r=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj"
+EXTRA_CASES = [
+    # issue 11: LoRA through peft, QLoRA / LLM.int8 through bitsandbytes' CUDA kernels
+    (
+        "llama lora bf16-autocast",
+        dict(model=HUB / "tiny-llama-bf16", seq_len=128, lora=LORA, precision="bf16-autocast"),
+    ),
+    (
+        "llama qlora nf4",
+        dict(
+            model=HUB / "tiny-llama-bf16",
+            seq_len=128,
+            lora=LORA,
+            quantize="nf4",
+            precision="bf16-autocast",
+        ),
+    ),
+    (
+        "llama lora int8",
+        dict(
+            model=HUB / "tiny-llama-bf16",
+            seq_len=128,
+            lora=LORA,
+            quantize="int8",
+            precision="bf16-autocast",
+        ),
+    ),
+    # issue 9: MoE experts (grouped_mm on CUDA), fused dropout (bool masks on CUDA)
+    (
+        "mixtral grouped-mm bf16-mixed",
+        dict(model=HUB / "mixtral-tiny-bf16", seq_len=128, precision="bf16-mixed"),
+    ),
+    (
+        "gpt layer dropout bf16-pure",
+        dict(
+            model=f"{ROOT}/benchmarks/gpt_layer.py:gpt",
+            inputs=f"{ROOT}/benchmarks/gpt_layer.py:inputs",
+            loss=f"{ROOT}/benchmarks/gpt_layer.py:loss",
+            precision="bf16-pure",
+        ),
+    ),
+]
+"""Cases of later issues, checked on a GPU the same way."""
 RESULTS = Path(__file__).resolve().parent / "results"
 ESTIMATES = RESULTS / "gpu_estimates.json"
 TARGET = 0.01
@@ -36,7 +81,7 @@ def estimate_all() -> dict:
     from vramledger import estimate
 
     out = {"torch": torch.__version__, "cases": {}}
-    for name, kwargs in CASES:
+    for name, kwargs in [*CASES, *EXTRA_CASES]:
         ledger = estimate(target="cuda", **{**kwargs, "model": str(kwargs["model"])})
         out["cases"][name] = ledger.to_dict()
         print(f"{name}: allocated peak {ledger.allocated_peak_bytes / 2**20:.2f} MiB", flush=True)
@@ -60,7 +105,9 @@ def measure_all() -> int:
         f"GPU {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()}), "
         f"torch {torch.__version__}; estimates made with torch {estimates['torch']}"
     )
-    for name, kwargs in CASES:
+    for name, kwargs in [*CASES, *EXTRA_CASES]:
+        if name not in estimates["cases"]:
+            continue
         est = estimates["cases"][name]
         m = measure(device="cuda", **{**kwargs, "model": str(kwargs["model"]), "target": "cuda"})
         measured = m.measured_peak_bytes
