@@ -46,6 +46,17 @@ class Category(str, Enum):
     """Buffers that reduce a layer's gradients and scatter the shards."""
     GRADIENT_BUCKETS = "gradient_buckets"
     """DDP's flat buffers that gradients are copied into for all-reduce."""
+    # -- added by tensor, sequence, context and expert parallelism (parallel/mesh.py) --
+    COMM_BUFFERS = "comm_buffers"
+    """Outputs of the collectives that move activations between ranks (tensor/sequence-parallel
+    all-gathers and reduce-scatters, loss-parallel all-reduces, context-parallel exchanges,
+    expert all-to-all) that are not saved for backward: those are activations."""
+    # -- added by pipeline parallelism (parallel/pipeline.py) --
+    PIPELINE_BUFFERS = "pipeline_buffers"
+    """A pipeline stage's receive buffers (torch.distributed.pipelining): one per micro-batch for
+    the activations from the previous stage (the stage's input, kept for its backward) and one
+    per micro-batch for the gradients from the next stage, made when the schedule first runs
+    and kept."""
 
     @property
     def description(self) -> str:
@@ -67,6 +78,8 @@ _DESCRIPTIONS = {
     Category.ALL_GATHER_BUFFERS: "all-gather buffers",
     Category.REDUCE_SCATTER_BUFFERS: "reduce-scatter buffers",
     Category.GRADIENT_BUCKETS: "DDP gradient buckets",
+    Category.COMM_BUFFERS: "activation collectives (TP/SP, CP, EP)",
+    Category.PIPELINE_BUFFERS: "pipeline receive buffers (activations, gradients)",
 }
 
 # When one storage qualifies for several categories (a parameter is also saved for backward by
@@ -84,7 +97,9 @@ CATEGORY_PRIORITY: tuple[Category, ...] = (
     Category.ALL_GATHER_BUFFERS,
     Category.REDUCE_SCATTER_BUFFERS,
     Category.WORKSPACE,
+    Category.PIPELINE_BUFFERS,
     Category.ACTIVATIONS,
+    Category.COMM_BUFFERS,
     Category.TEMPORARIES,
 )
 CATEGORY_RANK: dict[Category, int] = {c: i for i, c in enumerate(CATEGORY_PRIORITY)}

@@ -323,6 +323,9 @@ class Ledger:
     """The rank this ledger describes: the one with the largest allocated peak."""
     ranks: list[tuple[list[int], Ledger]] = field(default_factory=list, repr=False, compare=False)
     """One entry per distinct rank ledger: the ranks that share it, and the ledger."""
+    mesh_coords: dict[str, int] = field(default_factory=dict)
+    """Where the rank this ledger describes sits on the device mesh: ``dp``, ``tp``, ``pp``,
+    ``cp``, ``ep`` (``parallel/mesh.py``); empty on one device."""
     warnings: list[str] = field(default_factory=list)
     """What about the request looks unintended (checks.py), said before the numbers."""
     moe_routing_peaks: dict[str, int] = field(default_factory=dict)
@@ -353,8 +356,17 @@ class Ledger:
             strategy=self.strategy,
             worst_rank=self.worst_rank,
             cpu_bytes=self.host_bytes,
-            ranks=[{"rank_ids": ids, **ledger._core_dict()} for ids, ledger in self.ranks]
-            or [{"rank_ids": [self.worst_rank], **self._core_dict()}],
+            ranks=[
+                {"rank_ids": ids, "mesh_coords": _coords(ledger, ids[0]), **ledger._core_dict()}
+                for ids, ledger in self.ranks
+            ]
+            or [
+                {
+                    "rank_ids": [self.worst_rank],
+                    "mesh_coords": _coords(self, self.worst_rank),
+                    **self._core_dict(),
+                }
+            ],
         )
         out.update(
             self.verdict.to_dict()
@@ -395,6 +407,11 @@ class Ledger:
             "moe_routing_peaks": dict(self.moe_routing_peaks),
             "warnings": list(self.warnings),
         }
+
+
+def _coords(ledger: Ledger, rank: int) -> dict[str, int]:
+    """A rank's mesh coordinates; a data-parallel rank's (dp = the rank) when none were set."""
+    return dict(ledger.mesh_coords) or {"dp": rank, "tp": 0, "pp": 0, "cp": 0, "ep": 0}
 
 
 def build_ledger(

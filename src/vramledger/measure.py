@@ -33,7 +33,15 @@ from .errors import InputError
 from .ledger import Ledger, build_ledger
 from .parallel.accelerate import apply_accelerate
 from .parallel.engines import adapt_recipe
-from .parallel.real import check_world, gather_peaks, measure_deepspeed, real_optimizer, wrap_real
+from .parallel.pipeline import measure_pipeline
+from .parallel.real import (
+    check_world,
+    gather_peaks,
+    in_step_context,
+    measure_deepspeed,
+    real_optimizer,
+    wrap_real,
+)
 from .parallel.strategy import DEEPSPEED_STRATEGIES
 from .predict import as_spec, policy_for
 from .recipe import count_parameters, module_names, resolve
@@ -142,8 +150,9 @@ def measure(
     # Garbage of earlier work in this process (models in reference cycles) must not die inside
     # the measured steps: on CPU its frees would be subtracted, on CUDA it is counted until then.
     gc.collect()
-    if spec.world_size > 1 and spec.strategy in DEEPSPEED_STRATEGIES:
-        run = measure_deepspeed(spec, device)
+    if spec.world_size > 1 and (spec.pp > 1 or spec.strategy in DEEPSPEED_STRATEGIES):
+        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
+        run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
         ledger, peaks = run.ledger, run.counted_step_peaks
         method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
     elif device == "cpu" and spec.world_size > 1:
@@ -221,6 +230,7 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
                 grad_accum=spec.grad_accum,
                 observer=observer,
             )
+            run = in_step_context(run, model)
     notes = ["measured"]
     # The tracker is a dispatch mode, under which torch.compile cannot run: torchao's compiled
     # optimizer step runs eagerly (same arithmetic; the eager step's temporaries).

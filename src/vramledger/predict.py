@@ -11,13 +11,14 @@ from dataclasses import replace
 from typing import Any
 
 from .checks import request_warnings
-from .errors import InputError
 from .gpus import modelled_compute_capability, precision_warnings
 from .ledger import Ledger, build_ledger
 from .parallel.accelerate import apply_accelerate
 from .parallel.deepspeed import apply_deepspeed
 from .parallel.deepspeed_engine import DeepSpeedZero
 from .parallel.engines import DataParallel, zero1_partition
+from .parallel.mesh import MeshParallel, mesh_coords, mesh_rank_groups, uses_mesh
+from .parallel.pipeline import PipelineParallel, pipeline_rank_groups
 from .parallel.strategy import DEEPSPEED_STRATEGIES
 from .recipe import resolve
 from .spec import TrainingSpec
@@ -61,17 +62,15 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
     spec, notes = apply_deepspeed(as_spec(spec, fields))
     spec, read = apply_accelerate(spec)
     notes = [*notes, *read]
-    if spec.model_split > 1:
-        raise InputError(
-            "tensor, pipeline and context parallelism are not estimated yet",
-            hint="estimate the data-parallel strategies (--world-size N --strategy ...)",
-        )
     warnings = request_warnings(resolve(spec))
     gpu = spec.gpu_kind()
     if gpu is not None:
         warnings += precision_warnings(gpu, spec.precision)
     groups = rank_groups(spec)
-    ledgers = [(ranks, _estimate_rank(spec, ranks[0], notes)) for ranks in groups]
+    ledgers = [
+        (r, replace(_estimate_rank(spec, r[0], notes), mesh_coords=mesh_coords(r[0], spec)))
+        for r in groups
+    ]
     ranks, worst = max(ledgers, key=lambda item: item[1].allocated_peak_bytes)
     return replace(
         worst,
@@ -90,6 +89,10 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
     tensors, ``deepspeed_layout.py``), ZeroRedundancyOptimizer's (``zero1-torch``) by the
     parameters each rank owns. The first rank of each group is the one traced."""
     everyone = list(range(spec.world_size))
+    if spec.pp > 1:
+        return pipeline_rank_groups(spec)
+    if uses_mesh(spec):
+        return mesh_rank_groups(spec)
     if spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"}:
         return [everyone]
     model = resolve(spec).build_model("meta")
@@ -115,8 +118,14 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
     return list(groups.values())
 
 
-def _engine(spec: TrainingSpec) -> DataParallel:
-    """DeepSpeed's engine for zero1/zero2; torch.distributed's for the others."""
+def _engine(spec: TrainingSpec, rank: int = 0) -> Any:
+    """The pipeline engine (rank ``rank``'s stages) when the layers are split into stages; the
+    N-D mesh's engine when the model is split (tensor, context, expert parallel);
+    DeepSpeed's engine for zero1/zero2; torch.distributed's for the others."""
+    if spec.pp > 1:
+        return PipelineParallel(spec, rank)
+    if uses_mesh(spec):
+        return MeshParallel(spec)
     return DeepSpeedZero(spec) if spec.strategy in DEEPSPEED_STRATEGIES else DataParallel(spec)
 
 
@@ -155,7 +164,7 @@ def _trace_ledger(
         rank=rank,
         extend_blocks=spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"},
         routing=routing,
-        engine=_engine(spec),
+        engine=_engine(spec, rank),
     )
     ledger = build_ledger(
         result.timeline,

@@ -222,16 +222,21 @@ class TrainingSpec:
             object.__setattr__(self, "world_size", world)
         self._check_axes()
         dp = self.dp_degree
-        strategy = self.strategy or ("ddp" if dp > 1 and self.model_split == 1 else None)
+        # --dp-shard, a split model or experts split over data-parallel ranks: FSDP2 by default
+        sharded = self.dp_shard is not None or self.model_split > 1 or self.ep > 1
+        strategy = self.strategy or ("ddp" if dp > 1 and not sharded else None)
         if strategy is None:
-            strategy = "fsdp" if dp > 1 else "none"
+            # context-parallel ranks reduce their gradients as data-parallel ones do (torchtitan
+            # shards over dp_shard x cp)
+            strategy = "fsdp" if dp * self.cp > 1 else "none"
         if strategy not in STRATEGIES:
             raise InputError(
                 f"unknown strategy {strategy!r}", hint=f"use one of {', '.join(STRATEGIES[1:])}"
             )
-        if strategy == "none" and dp > 1:
+        if strategy == "none" and dp * self.cp > 1:
             raise InputError(
-                f"world-size {self.world_size} needs a --strategy",
+                f"world-size {self.world_size} needs a --strategy (data-parallel and "
+                "context-parallel ranks reduce their gradients)",
                 hint=f"use one of {', '.join(STRATEGIES[1:])}",
             )
         if self.model_split > 1 and strategy not in ("none", "ddp", "fsdp", "zero3"):

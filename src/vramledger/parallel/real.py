@@ -48,6 +48,16 @@ def check_world(spec: TrainingSpec) -> None:
 
 
 def wrap_real(model: nn.Module, spec: TrainingSpec, precision_name: str) -> nn.Module:
+    from .mesh import apply_inner_parallelism, build_mesh, uses_mesh
+
+    if uses_mesh(spec):  # tensor / context / expert parallel (and FSDP2 over data parallel)
+        if spec.strategy in DDP_STRATEGIES and spec.dp_degree * spec.cp > 1:
+            raise InputError(
+                "measuring DDP over a tensor/context/expert-parallel model is not supported",
+                hint="measure it with --strategy fsdp over the data-parallel ranks",
+            )
+        device = "cuda" if next(model.parameters()).is_cuda else "cpu"
+        return apply_inner_parallelism(model, build_mesh(spec, device), spec, [], precision_name)
     if spec.strategy in DDP_STRATEGIES:
         from torch.nn.parallel import DistributedDataParallel
 
@@ -62,6 +72,15 @@ def wrap_real(model: nn.Module, spec: TrainingSpec, precision_name: str) -> nn.M
         apply_fully_shard(model, spec, mesh, precision_name)  # as the estimate wraps it
         return model
     return model
+
+
+def in_step_context(run: Any, model: nn.Module) -> Any:
+    """The run, its steps inside what the parallelized model needs around them (loss parallel,
+    context parallel: ``mesh.step_context``), as in the estimate."""
+    from .mesh import applied
+    from .mesh import in_step_context as wrapped
+
+    return wrapped(run, model) if applied(model).words else run
 
 
 def real_optimizer(choice: OptimizerChoice, spec: TrainingSpec) -> OptimizerChoice:

@@ -38,7 +38,9 @@ COLOURS = {
     Category.ALL_GATHER_BUFFERS: "#b07aa1",
     Category.REDUCE_SCATTER_BUFFERS: "#d4a6c8",
     Category.WORKSPACE: "#79706e",
+    Category.PIPELINE_BUFFERS: "#499894",
     Category.ACTIVATIONS: "#edc948",
+    Category.COMM_BUFFERS: "#8cd17d",
     Category.TEMPORARIES: "#86bcb6",
 }
 """One colour per category (Tableau 10 and its light variants)."""

@@ -140,16 +140,27 @@ def _rank_ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:8])) + (" …" if len(ids) > 8 else "")
 
 
+def _split_axes(spec: dict) -> list[str]:
+    """The mesh axes a ranks table shows coordinates on: dp and every axis the model is split
+    along (none for a data-parallel-only run, where the rank is its dp coordinate)."""
+    split = [a for a in ("tp", "pp", "cp", "ep") if (spec.get(a) or 1) > 1]
+    return ["dp", *split] if split else []
+
+
 def ranks_table(ledger: Ledger) -> Table:
     table = Table(
         title=f"{ledger.strategy} on {ledger.world_size} ranks: each distinct rank (worst: {ledger.worst_rank})",
         title_justify="left",
     )
-    for col in ("ranks", "peak", "allocated", "model state", "host (offloaded)"):
-        table.add_column(col, justify="left" if col == "ranks" else "right")
+    axes = _split_axes(ledger.spec)
+    mesh = [("mesh (" + " ".join(axes) + ")")] if axes else []
+    for col in ("ranks", *mesh, "peak", "allocated", "model state", "host (offloaded)"):
+        table.add_column(col, justify="left" if col in ("ranks", *mesh) else "right")
     for ids, rank_ledger in ledger.ranks:
+        coords = rank_ledger.mesh_coords
         table.add_row(
             _rank_ids(ids),
+            *([" ".join(str(coords.get(a, 0)) for a in axes)] if axes else []),
             format_bytes(rank_ledger.peak_bytes),
             format_bytes(rank_ledger.allocated_peak_bytes),
             format_bytes(rank_ledger.model_state_bytes),

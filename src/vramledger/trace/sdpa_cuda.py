@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from ..errors import InputError
 from ..gpus import DEFAULT_COMPUTE_CAPABILITY
 
 aten = torch.ops.aten
@@ -300,6 +301,16 @@ def cuda_sdpa(
     )
     if used is not None:
         used.add(backend)
+    if backend == "math" and _is_dtensor(q):
+        # context parallelism (parallel/context.py): PyTorch's ring attention wraps the fused
+        # kernels only (_attention.py _sdpa_handler: "CP only supports flash attention and
+        # memory efficient attention now")
+        raise InputError(
+            f"context parallelism needs flash or memory-efficient attention, and this run's "
+            f"attention ({q.dtype}, head dim {q.size(-1)}"
+            f"{', grouped-query' if enable_gqa else ''}) falls back to the math kernel on CUDA",
+            hint="train in bf16 or fp16 (--precision bf16-mixed), or drop --cp",
+        )
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
     if backend == "cudnn":
@@ -438,3 +449,9 @@ class CudaSdpa:
         if self._lib is not None:
             self._lib._destroy()
             self._lib = None
+
+
+def _is_dtensor(t: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)

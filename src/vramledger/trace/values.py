@@ -286,8 +286,10 @@ class KnownValues:
             self._register_outputs(fake_out, real_out, routed)
             return fake_out
         if _is_view(func) or not _outputs(fake_out):
-            if _written(func, args, kwargs):
+            if written := _written(func, args, kwargs):
                 self._run_real(func, args, kwargs)  # in place on known values: keep them current
+                if routed:  # counts scattered from routed ids are routed too
+                    self._routed.update(self._key(t) for t in written)
             elif any(not self.known(o) for o in _outputs(fake_out)):
                 # a view of a real constant becomes a new fake storage (``lift_fresh``)
                 self._register_outputs(fake_out, self._run_real(func, args, kwargs), routed)
