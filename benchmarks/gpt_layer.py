@@ -121,7 +121,13 @@ def tp_sp_plan(model=None, mesh=None) -> dict:
         SequenceParallel,
     )
 
-    plan = {}
+    # the embedding's output and the final norm on sequence shards, the logits gathered whole
+    # (torchtitan's tok_embeddings / norm / output, without loss parallel)
+    plan = {
+        "embed": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    }
     for i in range(len(model.layers) if model is not None else LAYERS):
         prefix = f"layers.{i}"
         plan[f"{prefix}.ln1"] = SequenceParallel()

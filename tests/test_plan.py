@@ -268,3 +268,65 @@ def test_narrow_copy_keeps_head_width_and_rejects_partial_heads():
         narrow_config(config, 0.125)  # half a key/value head
     with pytest.raises(InputError, match="between 0 and 1"):
         narrow_config(config, 1.5)
+
+
+# -- model-parallel layouts (plan/layouts.py) ---------------------------------------------------
+def test_layout_pairs_keep_tensor_parallel_in_a_node_and_pipelines_across_nodes():
+    from vramledger.plan.layouts import layout_pairs
+
+    # 16 GPUs in nodes of 4: tp divides 4; pp at most 4 nodes
+    assert layout_pairs(4, 16, (2, 4, 8), (2, 8)) == [(2, 1), (4, 1), (1, 2), (2, 2), (4, 2)]
+    assert layout_pairs(8, 8, (2,), (2,)) == [(2, 1)]  # one node: no pipeline across nodes
+
+
+def test_layout_search_settles_where_one_replica_fewer_does_not_fit():
+    from vramledger.plan.layouts import Layout, search_layout
+
+    peaks = {1: 100, 2: 60, 3: 45, 4: 40, 5: 38}
+    asked = []
+
+    def estimated(layout):
+        asked.append(layout.dp)
+        return peaks[layout.dp], 0
+
+    start = Layout(
+        optimizer="adamw", precision="bf16-mixed", checkpointing=False, micro_batch=1,
+        tp=2, pp=1, dp=4,
+    )  # fmt: skip
+    found = search_layout(start, estimated, capacity=50, max_gpus=10)
+    assert (found.layout.dp, found.fits, found.settled) == (3, True, True)
+    assert found.peak_bytes_per_gpu == 45 and found.headroom_bytes == 5
+    assert found.layout.gpus == 6
+    too_small = search_layout(start, estimated, capacity=30, max_gpus=10)
+    assert not too_small.fits and too_small.layout.dp == 5  # at the most GPUs allowed
+
+
+def test_plan_layouts_are_what_estimate_says():
+    """Every layout the plan shows was re-estimated: estimate gives the same reserved peak;
+    tensor parallelism over 2 GPUs fits where data parallelism needs 3."""
+    spec = TrainingSpec(
+        model=fixture("hub/tiny-llama-tp4-bf16"),
+        seq_len=256,
+        batch_size=1,
+        precision="bf16-mixed",
+        gpu="a100-80gb",
+    )
+    one = estimate(spec)
+    gpu = resolve_gpu("a100-80gb", memory=one.reserved_peak_bytes - MIB)
+    result = plan(
+        spec, gpu, optimizers=["adamw"], margin=0, max_gpus=16, checkpointing=(False,),
+        offloads=("none",), gpus_per_node=4, workers=1, tp_degrees=(2, 4),
+    )  # fmt: skip
+    assert result.fewest_gpus["adamw"].configuration.gpus == 3  # ZeRO-3
+    layouts = result.layouts["adamw"]
+    assert [(r.layout.tp, r.layout.dp, r.fits) for r in layouts] == [
+        (2, 1, True),
+        (4, 1, True),
+    ]
+    for r in layouts:
+        ledger = estimate(r.layout.spec(replace(spec, gpu=gpu, margin=0)))
+        assert ledger.reserved_peak_bytes == r.peak_bytes_per_gpu
+        assert ledger.world_size == r.layout.gpus
+    assert any("fits on 2 GPUs, fewer than data parallelism alone (3)" in n for n in result.notes)
+    data = result.to_dict()["layouts"]["adamw"][0]
+    assert data["layout"]["tp"] == 2 and data["gpus"] == 2 and data["method"] == "estimated"

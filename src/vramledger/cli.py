@@ -445,9 +445,28 @@ def cmd_plan(args: argparse.Namespace) -> int:
             host_memory=_host_memory(args),
             gpus_per_node=args.plan_gpus_per_node,
             progress=progress,
+            tp_degrees=_degrees(args.tp_degrees, "--tp-degrees", auto=True),
+            pp_degrees=_degrees(args.pp_degrees, "--pp-degrees") or (),
         ),
     )
     return _report(args, result, plan_table)
+
+
+def _degrees(text: str, option: str, auto: bool = False) -> list[int] | None:
+    """``auto`` (None: the planner decides), ``none`` (empty) or a list of degrees >= 1."""
+    if auto and text == "auto":
+        return None
+    if text == "none":
+        return []
+    out = []
+    for part in _names(text, option):
+        if not part.isdigit() or int(part) < 1:
+            raise InputError(
+                f"{option} takes positive integers, not {part!r}",
+                hint=f"e.g. {option} 2,4,8" + (", auto" if auto else "") + " or none",
+            )
+        out.append(int(part))
+    return out
 
 
 def _host_memory(args: argparse.Namespace) -> int | None:
@@ -623,7 +642,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="A,B,...",
         help=f"precision modes to search, of {', '.join(PRECISIONS)} (default bf16-mixed)",
     )
-    p.add_argument("--max-gpus", type=int, default=1024, help="largest GPU count (default 1024)")
+    p.add_argument(
+        "--max-gpus",
+        "--gpus",
+        dest="max_gpus",
+        type=int,
+        default=1024,
+        help="the most GPUs to use (default 1024)",
+    )
+    p.add_argument(
+        "--tp-degrees",
+        default="auto",
+        metavar="A,B,...|auto|none",
+        help="tensor-parallel degrees to lay each answer out with (default auto: 2,4,8 when an "
+        "answer spans more than one node)",
+    )
+    p.add_argument(
+        "--pp-degrees",
+        default="none",
+        metavar="A,B,...|none",
+        help="pipeline stages to lay each answer out with, across nodes (default none: a "
+        "pipeline estimate traces every layer, about a minute for a 70B model at pp 4)",
+    )
     p.add_argument("--no-offload", action="store_true", help="do not consider CPU offload")
     p.add_argument(
         "--gpus-per-node",

@@ -39,7 +39,7 @@ from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from ..trace.blocks import find_block_stack
+from ..trace.blocks import config_depth, find_block_stack
 from ..units import GIB, format_bytes
 from ..verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
 from .candidates import (
@@ -56,6 +56,14 @@ from .candidates import (
     preference,
 )
 from .derive import ModelFacts, derive
+from .layouts import (
+    Layout,
+    LayoutResult,
+    auto_tp_degrees,
+    layout_costs,
+    layout_pairs,
+    search_layouts,
+)
 from .runner import Runner
 
 Progress = Callable[[str, int, int], None]
@@ -95,6 +103,9 @@ class Plan:
     host_memory_bytes: int | None = None
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE
     notes: list[str] = field(default_factory=list)
+    layouts: dict[str, list[LayoutResult]] = field(default_factory=dict)
+    """Per optimizer, the model-parallel layouts (tp x pp x FSDP over dp) searched from its
+    answer without offload, each re-estimated (``layouts.py``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -120,6 +131,7 @@ class Plan:
             "estimates": self.estimates,
             "workers": self.workers,
             "notes": self.notes,
+            "layouts": {k: [r.to_dict() for r in v] for k, v in self.layouts.items()},
         }
 
 
@@ -487,11 +499,17 @@ def plan(
     host_memory: int | None = None,
     gpus_per_node: int = DEFAULT_GPUS_PER_NODE,
     progress: Progress | None = None,
+    tp_degrees: Sequence[int] | None = None,
+    pp_degrees: Sequence[int] = (),
 ) -> Plan:
     """``workers``: processes for the traces after the first and for the re-estimates
     (``runner.py``); None: one per CPU when the first trace takes long enough to repay starting
     them, else none. ``host_memory``: bytes of host memory per node of ``gpus_per_node`` GPUs.
-    ``verify=False`` stops after the search: everything is derived (and marked so)."""
+    ``verify=False`` stops after the search: everything is derived (and marked so).
+    ``tp_degrees`` / ``pp_degrees``: the model-parallel layouts searched from each optimizer's
+    answer without offload (``layouts.py``); ``tp_degrees=None``: 2, 4, 8 when an answer spans
+    more than one node of ``gpus_per_node`` GPUs, else none; pipeline layouts only when
+    asked."""
     if max_gpus < 1:
         raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
     if workers is not None and workers < 1:
@@ -589,6 +607,7 @@ def plan(
             planner.notes += [
                 note for note in (planner.roomier(c) for c in fewest_gpus.values() if c) if note
             ]
+            layouts = _layouts(spec, planner, on_gpu, tp_degrees, pp_degrees, facts_cache, progress)
         else:
             error = "not re-estimated (--no-verify)"
             for name in optimizers:
@@ -596,6 +615,7 @@ def plan(
                 plain = [c for c in ranked[name] if c.configuration.offload == "none"]
                 on_gpu[name] = plain[0] if plain else None
             front = [replace(c, error=error) for c in pareto(planner.candidates)]
+            layouts = {}
         return Plan(
             gpu=gpu,
             margin_bytes=margin,
@@ -613,4 +633,54 @@ def plan(
             host_memory_bytes=host_memory,
             gpus_per_node=gpus_per_node,
             notes=list(dict.fromkeys(planner.notes)),
+            layouts=layouts,
         )
+
+
+def _layouts(
+    spec: TrainingSpec,
+    planner: _Planner,
+    answers: dict[str, Candidate | None],
+    tp_degrees: Sequence[int] | None,
+    pp_degrees: Sequence[int],
+    facts_cache: dict[tuple[str, bool], ModelFacts],
+    progress: Progress | None,
+) -> dict[str, list[LayoutResult]]:
+    """The model-parallel layouts of each answer without offload (``layouts.py``), every one
+    re-estimated through the plan's runner."""
+    configs = {k: (c.configuration if c else None) for k, c in answers.items()}
+    tps = auto_tp_degrees(configs, planner.gpus_per_node) if tp_degrees is None else tp_degrees
+    pairs = layout_pairs(planner.gpus_per_node, planner.max_gpus, tps, pp_degrees)
+    if not pairs or not any(c is not None and c.gpus > 1 for c in configs.values()):
+        return {}
+    if progress is not None:
+        progress("model-parallel layouts", 0, 1)
+    config = resolve(spec).source.config
+    text = config.get_text_config() if config is not None else None
+    hidden = getattr(text, "hidden_size", 0) or 0
+    layers = config_depth(config) or 1
+    facts = next(iter(facts_cache.values()))
+
+    def estimated(layout: Layout) -> tuple[int, int]:
+        return planner.runner.reserved(layout, layout.spec(planner.spec))
+
+    results, notes = search_layouts(
+        configs,
+        pairs,
+        estimated=estimated,
+        ahead=lambda items: planner.runner.ahead((x, x.spec(planner.spec)) for x in items),
+        capacity=planner.capacity,
+        max_gpus=planner.max_gpus,
+        cost=lambda x: layout_costs(x, spec.seq_len, hidden, layers, facts.parameter_bytes),
+    )
+    planner.notes += notes
+    for name, found in results.items():
+        best = next((r for r in found if r.fits), None)
+        answer = answers.get(name)
+        if best is not None and answer is not None and best.layout.gpus < answer.configuration.gpus:
+            planner.notes.append(
+                f"{name}: tp {best.layout.tp} x pp {best.layout.pp} x dp {best.layout.dp} fits on "
+                f"{best.layout.gpus} GPUs, fewer than data parallelism alone "
+                f"({answer.configuration.gpus})"
+            )
+    return results

@@ -147,7 +147,49 @@ def plan_table(p: Plan) -> Group:
     if len(p.front) > FRONT_ROWS:
         facts.append(f"{len(p.front) - FRONT_ROWS} more front rows with --json")
     facts += [f"note: {n}" for n in p.notes]
-    return Group(head, fewest, front, Text("\n".join(facts), style="dim"))
+    parts = [head, fewest, front]
+    if any(p.layouts.values()):
+        parts.append(layouts_table(p))
+        facts.append(
+            "layouts: tensor parallel within a node (torchtitan's plan, sequence parallel), "
+            "pipeline stages (1F1B, pp micro-batches) across nodes, FSDP2 over the "
+            "data-parallel ranks; dp moved until one replica fewer does not fit (settled)"
+        )
+    return Group(*parts, Text("\n".join(facts), style="dim"))
+
+
+def layouts_table(p: Plan) -> Table:
+    table = Table(
+        title="model-parallel layouts from each answer without offload (each re-estimated)",
+        title_justify="left",
+    )
+    for col in ("optimizer", "GPUs", "tp × pp × dp", "peak per GPU", "headroom", "costs", "fit"):
+        table.add_column(
+            col, justify="right" if col in ("GPUs", "peak per GPU", "headroom") else "left"
+        )
+    for name, results in p.layouts.items():
+        for r in results:
+            x, k = r.layout, r.costs
+            costs = [f"+{100 * k['recompute_fraction']:.0f} % compute"] * bool(x.checkpointing)
+            if k["tensor_parallel_bytes_per_step"]:
+                costs.append(f"{format_bytes(k['tensor_parallel_bytes_per_step'])} TP comm/step")
+            if k["fsdp_bytes_per_step"]:
+                costs.append(f"{format_bytes(k['fsdp_bytes_per_step'])} FSDP comm/step")
+            if k["pipeline_bubble_fraction"]:
+                costs.append(f"{100 * k['pipeline_bubble_fraction']:.0f} % bubble")
+            fit = "fits" if r.fits else "does not fit"
+            if r.fits and not r.settled:
+                fit += " (one replica fewer not re-estimated)"
+            table.add_row(
+                name,
+                str(x.gpus),
+                f"{x.tp} × {x.pp} × {x.dp}",
+                format_bytes(r.peak_bytes_per_gpu),
+                format_bytes(r.headroom_bytes),
+                "; ".join(costs) or "—",
+                fit,
+            )
+    return table
 
 
 def advice_table(a: Advice) -> Group:

@@ -366,6 +366,16 @@ def trace_error(exc: Exception, tracker: StorageTracker, target: str = "cuda") -
         or "GuardOnDataDependent" in type(exc).__name__
     ):
         return TraceError(f"data-dependent control flow in module {where}: {text}", hint=measure)
+    if "got mixed torch.Tensor and DTensor" in text and where == "the training step":
+        # PyTorch's own limit, on a real run too: a foreach/fused optimizer step over a list
+        # holding both the tensor plan's DTensor parameters and plain (replicated) ones
+        return TraceError(
+            f"the optimizer step mixes DTensor parameters (split by the tensor-parallel plan) "
+            f"with plain ones (modules the plan leaves out), which PyTorch's foreach and fused "
+            f"optimizer steps refuse ({text})",
+            hint="shard the data-parallel axis with FSDP (--dp-shard N), make the plan cover "
+            "every module, or step without foreach (--optimizer-kwargs '{\"foreach\": false}')",
+        )
     return TraceError(f"{type(exc).__name__} in module {where}: {text}", hint=hint)
 
 
