@@ -3,7 +3,7 @@ nodes, FSDP2 over the rest (torchtitan's FSDP x TP x PP mesh, ``parallel/mesh.py
 
 Starting from an optimizer's data-parallel answer (ZeRO-3/FSDP on ``G`` GPUs, no offload), each
 layout ``(tp, pp)`` — ``tp`` dividing the GPUs of a node, ``pp`` at most the nodes — is
-re-estimated with the real engines at ``dp = ceil(G / (tp x pp))`` data-parallel ranks, with
+re-estimated with the real engines from ``dp = floor(G / (tp x pp))`` data-parallel ranks, with
 the answer's checkpointing and micro-batch, and its ``dp`` moved until it fits and one fewer
 replica (``tp x pp`` GPUs fewer: a layout cannot lose a single GPU) does not. Every layout
 shown is what ``estimate`` says for it. A pipeline layout runs ``pp`` micro-batches of the
@@ -17,7 +17,6 @@ machine, where a tensor-parallel one is extended from four blocks in seconds.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -167,7 +166,8 @@ def search_layout(
 
 def start_layout(answer: Configuration, tp: int, pp: int) -> Layout:
     """The layout (tp, pp) of a data-parallel answer, at the data-parallel degree that keeps
-    its GPU count (rounded up)."""
+    its GPU count or just under it (rounded down): a layout shards the model state over its
+    GPUs as FSDP does and splits the activations too, so it rarely needs more."""
     return Layout(
         optimizer=answer.optimizer,
         precision=answer.precision,
@@ -175,7 +175,7 @@ def start_layout(answer: Configuration, tp: int, pp: int) -> Layout:
         micro_batch=answer.micro_batch,
         tp=tp,
         pp=pp,
-        dp=max(1, math.ceil(answer.gpus / (tp * pp))),
+        dp=max(1, answer.gpus // (tp * pp)),
     )
 
 

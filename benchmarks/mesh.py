@@ -1,0 +1,154 @@
+"""Per-rank predictions of tensor, expert and pipeline parallelism against real gloo runs.
+
+    python benchmarks/mesh.py [--json FILE]
+
+For each case the estimate (PyTorch's own engines on a fake process group, ``parallel/mesh.py``
+and ``parallel/pipeline.py``) gives every rank's steady-state peak; the same spec then runs for
+real on 2 or 4 gloo processes on this CPU (``vramledger.measure``), each rank counted twice: by
+the storage tracker and by the CPU allocator itself (``cpu_allocator_count``, every thread).
+The table prints each rank's prediction and both counts; the error is against the allocator's.
+The same cases are the multi-process tests in ``tests/test_tensor_parallel.py`` and
+``tests/test_pipeline.py`` (bound 1 % per rank).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import time
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "src"))
+HUB = ROOT / "tests" / "fixtures" / "hub"
+MOE = ROOT / "tests" / "fixtures" / "moe.py"
+
+LLAMA = str(HUB / "tiny-llama-bf16")
+LLAMA_TP4 = str(HUB / "tiny-llama-tp4-bf16")
+LLAMA8 = str(HUB / "tiny-llama-8l-bf16")
+TEXT = dict(seq_len=32, target="cpu", precision="bf16-mixed")
+CASES: dict[int, dict[str, dict]] = {
+    2: {
+        "tp 2": dict(model=LLAMA, tp=2, batch_size=2, **TEXT),
+        "ep 2 x fsdp 2 (MoE)": dict(
+            model=f"{MOE}:mixtral_grouped_balanced",
+            inputs=f"{MOE}:inputs",
+            loss=f"{MOE}:loss",
+            dp_shard=2,
+            ep=2,
+            batch_size=1,
+            seq_len=64,
+            target="cpu",
+        ),
+        "pp 2 gpipe": dict(
+            model=LLAMA8, pp=2, pp_schedule="gpipe", microbatches=4, batch_size=4, **TEXT
+        ),
+        "pp 2 1f1b": dict(
+            model=LLAMA8, pp=2, pp_schedule="1f1b", microbatches=4, batch_size=4, **TEXT
+        ),
+        "pp 2 interleaved": dict(
+            model=LLAMA8, pp=2, pp_schedule="interleaved-1f1b", microbatches=4, batch_size=4, **TEXT
+        ),
+    },
+    4: {
+        "tp 4": dict(model=LLAMA_TP4, tp=4, batch_size=2, **TEXT),
+        "tp 2 x fsdp 2": dict(model=LLAMA, tp=2, dp_shard=2, batch_size=2, **TEXT),
+        "pp 4 1f1b": dict(model=LLAMA8, pp=4, microbatches=4, batch_size=4, **TEXT),
+        "pp 2 x fsdp 2": dict(model=LLAMA8, pp=2, dp_shard=2, microbatches=2, batch_size=2, **TEXT),
+    },
+}
+
+
+def _worker(rank: int, world: int, port: int, queue) -> None:
+    import torch.distributed as dist
+
+    from vramledger.measure import measure
+    from vramledger.parallel.real import shut_down_group
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for case, spec in CASES[world].items():
+            m = measure(device="cpu", **spec)
+            queue.put((case, rank, m.ledger.peak_bytes, m.measured_peak_bytes))
+    finally:
+        shut_down_group()
+
+
+def run_real(world: int) -> dict[str, dict[int, tuple[int, int]]]:
+    from vramledger import cpu_allocator_count
+
+    cpu_allocator_count.build()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
+    for p in procs:
+        p.start()
+    out: dict[str, dict[int, tuple[int, int]]] = {c: {} for c in CASES[world]}
+    for _ in range(world * len(CASES[world])):
+        case, rank, tracked, counted = queue.get(timeout=900)
+        out[case][rank] = (tracked, counted)
+    for p in procs:
+        p.join(timeout=120)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    from vramledger import estimate
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    rows = []
+    print(
+        f"{'case':<22}{'rank':>5}{'mesh (dp tp pp ep)':>20}{'predicted':>12}{'tracked':>12}"
+        f"{'allocator':>12}{'error':>10}"
+    )
+    for world in CASES:
+        real = run_real(world)
+        for case, spec in CASES[world].items():
+            start = time.perf_counter()
+            ledger = estimate(**spec)
+            seconds = time.perf_counter() - start
+            per_rank = {
+                r: (led.peak_bytes, led.mesh_coords) for ids, led in ledger.ranks for r in ids
+            }
+            for rank, (tracked, counted) in sorted(real[case].items()):
+                want, coords = per_rank[rank]
+                err = (want - counted) / counted
+                mesh = " ".join(str(coords.get(a, 0)) for a in ("dp", "tp", "pp", "ep"))
+                print(
+                    f"{case:<22}{rank:>5}{mesh:>20}{want:>12,}{tracked:>12,}{counted:>12,}"
+                    f"{100 * err:>+9.3f}%"
+                )
+                rows.append(
+                    dict(
+                        case=case,
+                        world=world,
+                        rank=rank,
+                        mesh_coords=coords,
+                        predicted=want,
+                        tracked=tracked,
+                        counted=counted,
+                        error=err,
+                        estimate_seconds=round(seconds, 2),
+                    )
+                )
+    worst = max(abs(r["error"]) for r in rows)
+    print(f"worst |error| against the allocator's count: {100 * worst:.3f} % (bound 1 %)")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
