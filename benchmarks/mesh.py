@@ -103,7 +103,8 @@ def run_real(world: int) -> dict[str, dict[int, tuple[int, int]]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from vramledger import estimate
+    from vramledger import TrainingSpec, estimate
+    from vramledger.parallel.mesh import mesh_coords
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
@@ -120,7 +121,9 @@ def main(argv: list[str] | None = None) -> int:
             ledger = estimate(**spec)
             seconds = time.perf_counter() - start
             per_rank = {
-                r: (led.peak_bytes, led.mesh_coords) for ids, led in ledger.ranks for r in ids
+                r: (led.peak_bytes, mesh_coords(r, TrainingSpec(**spec)))
+                for ids, led in ledger.ranks
+                for r in ids
             }
             for rank, (tracked, counted) in sorted(real[case].items()):
                 want, coords = per_rank[rank]
