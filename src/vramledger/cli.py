@@ -15,6 +15,7 @@ from typing import Any
 from rich.console import Console
 
 from .adapters import QUANTIZE
+from .attention import IMPLEMENTATIONS
 from .errors import InputError, VramledgerError
 from .plan.fit import MAXIMIZE, SEQ_STEP
 from .precision import PRECISIONS
@@ -145,6 +146,11 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
         "metavar": "r=R,alpha=A,targets=M1,M2[,dropout=P]",
         "help": "LoRA adapters through peft (targets=all-linear for every linear layer); the base "
         "is frozen",
+    },
+    "attn_implementation": {
+        "choices": IMPLEMENTATIONS,
+        "help": "attention path of a Hugging Face model: sdpa (transformers' default), eager, "
+        "or flash_attention_2 (the flash-attn package, modelled from its code)",
     },
     "quantize": {
         "choices": QUANTIZE,

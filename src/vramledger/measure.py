@@ -135,6 +135,13 @@ def measure(
     spec, _ = apply_accelerate(as_spec(spec, fields))
     if device not in ("cpu", "cuda"):
         raise InputError(f"unknown device {device!r}", hint="measure on cpu or cuda")
+    if spec.attn_implementation == "flash_attention_2":
+        raise InputError(
+            "flash_attention_2 is modelled from flash-attn's code for estimates; its stand-in "
+            "computes nothing, so a real run cannot use it",
+            hint="measure with --attn-implementation sdpa or eager, or run your own script "
+            "with flash-attn on the GPU",
+        )
     if device == "cuda" and not torch.cuda.is_available():
         raise InputError("no CUDA GPU here", hint="measure on cpu, or run on a machine with a GPU")
     if spec.world_size > 1:

@@ -114,7 +114,7 @@ class Recipe:
 
 def resolve(spec: TrainingSpec) -> Recipe:
     """Resolve every name in the spec (model first, so its errors come first)."""
-    source = resolve_model(spec.model, spec.task)
+    source = resolve_model(spec.model, spec.task, spec.attn_implementation)
     return Recipe(
         spec=spec,
         source=source,

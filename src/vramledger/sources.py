@@ -54,6 +54,9 @@ class ModelSource:
     """A context that skips weight initialisation (memory does not depend on the values)."""
     supports_hf_checkpointing: bool = False
     declared_dtype: str | None = None
+    attn_implementation: str | None = None
+    """The attention path asked for (``--attn-implementation``; attention.py); None: the
+    model's default."""
     """The dtype a Hugging Face config declares (``"dtype"``, older ``"torch_dtype"``): how its
     checkpoint is stored. It does not decide the training precision: models are built in fp32
     and ``--precision`` casts them."""
@@ -199,7 +202,9 @@ def _hf_skip_init() -> contextlib.AbstractContextManager:
     return contextlib.nullcontext()
 
 
-def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
+def hf_source(
+    config: Any, task: str | None, name: str, attn_implementation: str | None = None
+) -> ModelSource:
     transformers = _require_transformers()
     task = task or infer_task(config)
     if task not in KINDS:
@@ -216,9 +221,16 @@ def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
         built = copy.deepcopy(config)
         if built.architectures is None:  # auto classes with several heads iterate over it
             built.architectures = []
+        extra: dict[str, Any] = {}
+        if attn_implementation == "flash_attention_2":
+            from .attention import register_modelled_flash_attention
+
+            extra["attn_implementation"] = register_modelled_flash_attention()
+        elif attn_implementation is not None:
+            extra["attn_implementation"] = attn_implementation
         try:
             # In fp32 whatever dtype the config declares; the precision mode casts afterwards.
-            model = auto_cls.from_config(built, dtype=torch.float32)
+            model = auto_cls.from_config(built, dtype=torch.float32, **extra)
         except ValueError as exc:
             raise InputError(
                 f"transformers has no {task} model for model_type {config.model_type!r}: "
@@ -237,6 +249,7 @@ def hf_source(config: Any, task: str | None, name: str) -> ModelSource:
         skip_init=_hf_skip_init,
         supports_hf_checkpointing=True,
         declared_dtype=declared_dtype(config),
+        attn_implementation=attn_implementation,
     )
 
 
@@ -249,8 +262,21 @@ def declared_dtype(config: Any) -> str | None:
 
 
 # -- resolution -------------------------------------------------------------------------------
-def resolve_model(model: Any, task: str | None = None) -> ModelSource:
+def resolve_model(
+    model: Any, task: str | None = None, attn_implementation: str | None = None
+) -> ModelSource:
     """Turn what the user gave (path, code reference, module, callable, config) into a source."""
+    source = _resolve_model(model, task, attn_implementation)
+    if attn_implementation is not None and source.config is None:
+        raise InputError(
+            "--attn-implementation chooses a Hugging Face model's attention path, and this model "
+            "is Python code",
+            hint="drop it, or give a config.json",
+        )
+    return source
+
+
+def _resolve_model(model: Any, task: str | None, attn: str | None) -> ModelSource:
     if task is not None and task not in TASKS:
         raise InputError(f"unknown task {task!r}", hint=f"use one of {', '.join(TASKS)}")
     if isinstance(model, nn.Module):
@@ -260,8 +286,9 @@ def resolve_model(model: Any, task: str | None = None) -> ModelSource:
         path = Path(text)
         if path.suffix == ".json" or path.is_dir():
             return hf_source(
-                load_hf_config(path), task, name=path.stem if path.is_file() else path.name
-            )
+                load_hf_config(path), task, name=path.stem if path.is_file() else path.name,
+                attn_implementation=attn,
+            )  # fmt: skip
         if ":" in text:
             factory = load_callable(text, "model factory")
             return ModelSource(name=text.rpartition(":")[2], build=_checked_factory(factory, text))
@@ -274,9 +301,11 @@ def resolve_model(model: Any, task: str | None = None) -> ModelSource:
             f"cannot read a model from {text!r}", hint="give a config.json or FILE.py:FUNCTION"
         )
     if hasattr(model, "model_type") and hasattr(model, "to_dict"):  # a transformers config
-        return hf_source(model, task, name=model.model_type)
+        return hf_source(model, task, name=model.model_type, attn_implementation=attn)
     if isinstance(model, dict) and "model_type" in model:
-        return hf_source(hf_config_from_dict(model), task, name=model["model_type"])
+        return hf_source(
+            hf_config_from_dict(model), task, name=model["model_type"], attn_implementation=attn
+        )
     if callable(model):
         name = getattr(model, "__name__", type(model).__name__)
         return ModelSource(name=name, build=_checked_factory(model, name))

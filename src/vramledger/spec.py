@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from .adapters import QUANTIZE, parse_lora
+from .attention import check_implementation
 from .errors import InputError
 from .gpus import Gpu, modelled_compute_capability, resolve_gpu
 from .precision import PRECISIONS, Precision
@@ -136,6 +137,9 @@ class TrainingSpec:
     """LoRA adapters through peft: ``r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]`` or
     ``targets=all-linear``; the base is frozen (adapters.py)."""
     quantize: str | None = None
+    attn_implementation: str | None = None
+    """The attention path of a Hugging Face model: sdpa (transformers' default), eager, or
+    flash_attention_2 (modelled, attention.py); None: the model's default."""
     """Quantized base weights through bitsandbytes: nf4 or fp4 (QLoRA, double quantization) or
     int8 (LLM.int8)."""
     freeze: tuple[str, ...] = ()
@@ -181,6 +185,7 @@ class TrainingSpec:
                 f"optimizer kwargs must be a JSON object, not {type(self.optimizer_kwargs).__name__}",
                 hint="write it like '{\"momentum\": 0.9}'",
             )
+        check_implementation(self.attn_implementation)
         if self.moe_routing not in ROUTINGS:
             raise InputError(
                 f"unknown MoE routing {self.moe_routing!r}", hint=f"use {' or '.join(ROUTINGS)}"

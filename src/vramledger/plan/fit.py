@@ -298,6 +298,7 @@ def fit(
                 notes.append(f"{label}: even the smallest size does not fit on {gpu.name}")
             for batch, seq in sizes:
                 ledger = sizer.ledger(batch, seq)
+                notes += [n for n in ledger.notes if _states_a_kernel(n) and n not in notes]
                 nxt = (batch + 1, seq) if maximize == "batch-size" else (batch, seq + seq_step)
                 next_ledger = sizer.ledger(*nxt)
                 answers.append(
@@ -327,3 +328,9 @@ def fit(
         seconds=time.perf_counter() - start,
         notes=notes,
     )
+
+
+def _states_a_kernel(note: str) -> bool:
+    """A confirming estimate's note on a kernel it assumed (attention path and kernel, fused
+    kernels): each answer says which it rests on."""
+    return note.startswith("attention") or " ran as " in note or "fused" in note

@@ -19,6 +19,7 @@ from torch._subclasses.fake_tensor import (
 )
 
 from ..adapters import carry_quantization
+from ..attention import implementation_note
 from ..categories import Category
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
@@ -131,6 +132,8 @@ def trace(
     resolved = resolve(spec)
     recipe = engine.adapt(resolved)
     log = TraceLog(notes=[recipe.dtype_note()])
+    if (note := implementation_note(recipe.source.attn_implementation)) is not None:
+        log.notes.append(note)
     if recipe.make_inputs.note:
         log.notes.append(recipe.make_inputs.note)
     notes = log.notes
