@@ -68,11 +68,11 @@ def main() -> None:
             seconds = time.perf_counter() - start
             rows.append(
                 {
+                    **result.to_dict(),
                     "model": name,
                     "gpus": gpus,
                     "gpu": gpu_name,
                     "seconds": round(seconds, 1),
-                    **result.to_dict(),
                 }
             )
     table = Table(title=f"fit: largest micro-batch ({datetime.date.today()}, {platform.node()})")
@@ -81,7 +81,15 @@ def main() -> None:
     for row in rows:
         answer = row["answers"][0] if row["answers"] else None
         if answer is None:
-            table.add_row(row["model"], row["gpu"], "none fits", "", "", "", f"{row['seconds']} s")
+            table.add_row(
+                f"{row['model']} (FSDP x{row['gpus']})",
+                row["gpu"],
+                "none fits",
+                "",
+                "",
+                "; ".join(row["notes"][:1]),
+                f"{row['seconds']} s",
+            )
             continue
         nxt = answer["next_size"]
         table.add_row(

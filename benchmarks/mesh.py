@@ -15,13 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import sys
 import time
 from pathlib import Path
-
-import torch.multiprocessing as mp
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -65,45 +61,9 @@ CASES: dict[int, dict[str, dict]] = {
 }
 
 
-def _worker(rank: int, world: int, port: int, queue) -> None:
-    import torch.distributed as dist
-
-    from vramledger.measure import measure
-    from vramledger.parallel.real import shut_down_group
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for case, spec in CASES[world].items():
-            m = measure(device="cpu", **spec)
-            queue.put((case, rank, m.ledger.peak_bytes, m.measured_peak_bytes))
-    finally:
-        shut_down_group()
-
-
-def run_real(world: int) -> dict[str, dict[int, tuple[int, int]]]:
-    from vramledger import cpu_allocator_count
-
-    cpu_allocator_count.build()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    out: dict[str, dict[int, tuple[int, int]]] = {c: {} for c in CASES[world]}
-    for _ in range(world * len(CASES[world])):
-        case, rank, tracked, counted = queue.get(timeout=900)
-        out[case][rank] = (tracked, counted)
-    for p in procs:
-        p.join(timeout=120)
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     from vramledger import TrainingSpec, estimate
+    from vramledger.parallel.local import measure_on_local_gloo
     from vramledger.parallel.mesh import mesh_coords
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -115,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{'allocator':>12}{'error':>10}"
     )
     for world in CASES:
-        real = run_real(world)
+        real = measure_on_local_gloo(world, CASES[world])
         for case, spec in CASES[world].items():
             start = time.perf_counter()
             ledger = estimate(**spec)

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from vramledger import InputError, estimate
-from vramledger.measure import measure
 from vramledger.attention import _FlashAttn2
 from vramledger.ledger import replay
+from vramledger.measure import measure
 
 from .conftest import MODELS_PY, fixture
 

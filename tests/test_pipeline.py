@@ -3,15 +3,12 @@
 and schedules on real gloo processes, each rank counted twice: by the storage tracker and by the
 CPU allocator itself (``cpu_allocator_count``, every thread)."""
 
-import os
-import socket
-
 import pytest
-import torch.multiprocessing as mp
 
-from vramledger import TrainingSpec, cpu_allocator_count, estimate
+from vramledger import TrainingSpec, estimate
 from vramledger.categories import Category
 from vramledger.errors import InputError
+from vramledger.parallel.local import measure_on_local_gloo
 from vramledger.parallel.pipeline import rank_stage_plans, stage_layers
 
 from .conftest import FIXTURES
@@ -87,53 +84,12 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, queue):
-    import torch.distributed as dist
-
-    from vramledger.measure import measure
-    from vramledger.parallel.real import shut_down_group
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for case, spec in CASES[world].items():
-            m = measure(device="cpu", **spec)
-            queue.put((case, rank, m.ledger.peak_bytes, m.measured_peak_bytes))
-    finally:
-        shut_down_group()
-
-
-def run_real(world: int) -> dict[str, dict[int, tuple[int, int]]]:
-    """Per case and rank: (tracked peak, the allocator's counted peak)."""
-    cpu_allocator_count.build()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[str, dict[int, tuple[int, int]]] = {case: {} for case in CASES[world]}
-    for _ in range(world * len(CASES[world])):
-        case, rank, tracked, counted = queue.get(timeout=600)
-        results[case][rank] = (tracked, counted)
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
-    return results
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_prediction_matches_real_pipeline_runs(world):
     """GPipe, 1F1B and interleaved 1F1B on 2 processes; 1F1B over 4 stages, and 2 stages x
     FSDP2 over 2 data-parallel ranks, on 4."""
-    real = run_real(world)
+    real = measure_on_local_gloo(world, CASES[world])
     for case, spec in CASES[world].items():
         predicted = estimate(**spec)
         per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}

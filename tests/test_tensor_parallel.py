@@ -6,16 +6,14 @@ prediction with the real run counted twice, independently: by the storage tracke
 estimate's categories) and by the CPU allocator itself (``cpu_allocator_count``, every
 thread)."""
 
-import os
-import socket
 import time
 
 import pytest
-import torch.multiprocessing as mp
 
-from vramledger import TrainingSpec, cpu_allocator_count, estimate
+from vramledger import TrainingSpec, estimate
 from vramledger.categories import Category, Phase
 from vramledger.errors import InputError
+from vramledger.parallel.local import measure_on_local_gloo
 from vramledger.parallel.mesh import (
     apply_inner_parallelism,
     fake_mesh,
@@ -239,52 +237,11 @@ CASES = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world, port, queue):
-    import torch.distributed as dist
-
-    from vramledger.measure import measure
-    from vramledger.parallel.real import shut_down_group
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for case, spec in CASES[world].items():
-            m = measure(device="cpu", **spec)
-            queue.put((case, rank, m.ledger.peak_bytes, m.measured_peak_bytes))
-    finally:
-        shut_down_group()
-
-
-def run_real(world: int) -> dict[str, dict[int, tuple[int, int]]]:
-    """Per case and rank: (tracked peak, the allocator's counted peak)."""
-    cpu_allocator_count.build()  # compiled once here, loaded by the workers
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, queue)) for r in range(world)]
-    for p in procs:
-        p.start()
-    results: dict[str, dict[int, tuple[int, int]]] = {case: {} for case in CASES[world]}
-    for _ in range(world * len(CASES[world])):
-        case, rank, tracked, counted = queue.get(timeout=600)
-        results[case][rank] = (tracked, counted)
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
-    return results
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_prediction_matches_real_processes(world):
     """tp 2 and ep 2 (x FSDP2) on 2 processes; tp 4, and tp 2 x FSDP2 over dp 2, on 4."""
-    real = run_real(world)
+    real = measure_on_local_gloo(world, CASES[world])
     for case, spec in CASES[world].items():
         predicted = estimate(**spec)
         per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}

@@ -44,7 +44,6 @@ gradients through all micro-batches and reduce-scatters once, after the last
 from __future__ import annotations
 
 import contextlib
-import gc
 import types
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field, replace
@@ -693,36 +692,18 @@ def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> Any:
     storage tracker and counted by the allocator (``cpu_allocator_count`` on CPU, installed
     before the model is built; ``max_memory_allocated`` on CUDA). Returns
     ``real.DeepSpeedMeasurement``'s fields (ledger, counted peaks per step and phase)."""
-    from .. import cpu_allocator_count
     from ..ledger import build_ledger
     from ..predict import policy_for
     from ..recipe import count_parameters, module_names, resolve
     from ..trace.tracker import StorageTracker
     from ..version import __version__
     from .mesh import build_mesh
-    from .real import DeepSpeedMeasurement, _CountingObserver
+    from .real import DeepSpeedMeasurement, _CountingObserver, allocator_counter
 
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
         raise InputError(f"measure_pipeline needs a process group of {spec.world_size} ranks")
-    cuda = device == "cuda"
-    gc.collect()  # what earlier work left for the collector must not be freed inside the run
-    if not cuda:
-        cpu_allocator_count.install()
-    base = torch.cuda.memory_allocated() if cuda else cpu_allocator_count.live()
+    count_start, count_end = allocator_counter(device == "cuda")
     counted: dict[tuple[int, str], int] = {}
-
-    def count_start() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            cpu_allocator_count.reset_peak()
-
-    def count_end() -> int:
-        if cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base
-        return cpu_allocator_count.peak() - base
 
     torch.manual_seed(spec.seed)
     rank = dist.get_rank()

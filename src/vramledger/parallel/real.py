@@ -14,7 +14,8 @@ zero1, zero2   DeepSpeed's own engine (``deepspeed_engine.py``), built by the sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import gc
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -136,6 +137,35 @@ def shut_down_group() -> None:
     dist.destroy_process_group()
 
 
+def allocator_counter(cuda: bool) -> tuple[Callable[[], None], Callable[[], int]]:
+    """The allocator's own count of a run from here on: ``(start, end)`` — ``start()`` resets
+    the peak, ``end()`` is the peak since then above what is live now. CPU: every thread's
+    allocations (``cpu_allocator_count``, installed here); CUDA: ``max_memory_allocated``. What
+    earlier work left for the garbage collector is collected first, so it is not freed (and
+    counted) inside the run."""
+    from .. import cpu_allocator_count
+
+    gc.collect()
+    if not cuda:
+        cpu_allocator_count.install()
+    base = torch.cuda.memory_allocated() if cuda else cpu_allocator_count.live()
+
+    def start() -> None:
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            cpu_allocator_count.reset_peak()
+
+    def end() -> int:
+        if cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - base
+        return cpu_allocator_count.peak() - base
+
+    return start, end
+
+
 @dataclass(frozen=True, kw_only=True)
 class DeepSpeedMeasurement:
     """One rank's real run of DeepSpeed's engine."""
@@ -162,9 +192,7 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasu
     before the model is built); DeepSpeed's shared-memory collectives, which serve only its
     ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
     """
-    import gc
 
-    from .. import cpu_allocator_count
     from ..ledger import build_ledger
     from ..predict import policy_for
     from ..recipe import count_parameters, module_names, resolve
@@ -180,26 +208,8 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasu
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
         raise InputError(f"measure_deepspeed needs a process group of {spec.world_size} ranks")
     cuda = device == "cuda"
-    # What earlier work in this process left for the collector must not be freed (and counted)
-    # inside the run; counts are from here on.
-    gc.collect()
-    if not cuda:
-        cpu_allocator_count.install()
-    base = torch.cuda.memory_allocated() if cuda else cpu_allocator_count.live()
+    count_start, count_end = allocator_counter(cuda)
     counted: dict[tuple[int, str], int] = {}
-
-    def count_start() -> None:
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        else:
-            cpu_allocator_count.reset_peak()
-
-    def count_end() -> int:
-        if cuda:
-            torch.cuda.synchronize()
-            return torch.cuda.max_memory_allocated() - base
-        return cpu_allocator_count.peak() - base
 
     torch.manual_seed(spec.seed)
     recipe = resolve(spec)
