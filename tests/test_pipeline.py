@@ -8,17 +8,13 @@ import pytest
 from vramledger import TrainingSpec, estimate
 from vramledger.categories import Category
 from vramledger.errors import InputError
-from vramledger.parallel.local import measure_on_local_gloo
 from vramledger.parallel.pipeline import rank_stage_plans, stage_layers
 
 from .conftest import FIXTURES
+from .mesh_real import PIPELINE, check_against_real_runs
 
 LLAMA8 = str(FIXTURES / "hub" / "tiny-llama-8l-bf16")  # 8 layers
 TEXT = dict(model=LLAMA8, seq_len=32, target="cpu", precision="bf16-mixed")
-TOLERANCE = 0.01
-"""Per rank, relative, against both counts of the real run (the runs here agree within 32 bytes
-with the allocator's count; the tracker misses up to 0.6 % on the ranks that send: gloo's
-sends hold the tensor on its own thread)."""
 
 
 def test_stages_are_cut_as_torchtitan_cuts_them():
@@ -69,32 +65,9 @@ def test_what_the_pipeline_engine_does_not_model_is_refused():
 
 
 # -- against real processes -------------------------------------------------------------------
-CASES = {
-    2: {
-        "1f1b": dict(pp=2, pp_schedule="1f1b", microbatches=4, batch_size=4, **TEXT),
-        "gpipe": dict(pp=2, pp_schedule="gpipe", microbatches=4, batch_size=4, **TEXT),
-        "interleaved": dict(
-            pp=2, pp_schedule="interleaved-1f1b", microbatches=4, batch_size=4, **TEXT
-        ),
-    },
-    4: {
-        "pp4-1f1b": dict(pp=4, pp_schedule="1f1b", microbatches=4, batch_size=4, **TEXT),
-        "pp2-fsdp2": dict(pp=2, dp_shard=2, microbatches=2, batch_size=2, **TEXT),
-    },
-}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_prediction_matches_real_pipeline_runs(world):
     """GPipe, 1F1B and interleaved 1F1B on 2 processes; 1F1B over 4 stages, and 2 stages x
     FSDP2 over 2 data-parallel ranks, on 4."""
-    real = measure_on_local_gloo(world, CASES[world])
-    for case, spec in CASES[world].items():
-        predicted = estimate(**spec)
-        per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
-        assert sorted(per_rank) == sorted(real[case]) == list(range(world))
-        for rank, (tracked, counted) in real[case].items():
-            want = per_rank[rank]
-            assert abs(want - counted) / counted <= TOLERANCE, (case, rank, want, counted)
-            assert abs(want - tracked) / tracked <= TOLERANCE, (case, rank, want, tracked)
+    check_against_real_runs(world, PIPELINE[world])

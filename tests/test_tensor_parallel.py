@@ -13,7 +13,6 @@ import pytest
 from vramledger import TrainingSpec, estimate
 from vramledger.categories import Category, Phase
 from vramledger.errors import InputError
-from vramledger.parallel.local import measure_on_local_gloo
 from vramledger.parallel.mesh import (
     apply_inner_parallelism,
     fake_mesh,
@@ -24,16 +23,12 @@ from vramledger.parallel.mesh import (
 from vramledger.recipe import resolve
 
 from .conftest import FIXTURES, fixture
+from .mesh_real import TENSOR_PARALLEL, check_against_real_runs
 
 HUB = FIXTURES / "hub"
 LLAMA = str(HUB / "tiny-llama-bf16")  # 4 query heads, 2 kv heads: tp 2
-LLAMA_TP4 = str(HUB / "tiny-llama-tp4-bf16")  # 8 query heads, 4 kv heads: tp 4
-MOE = fixture("moe.py")
 PLANS = fixture("tp_plans.py")
 TEXT = dict(seq_len=32, batch_size=2, target="cpu")
-TOLERANCE = 0.01
-"""Per rank, relative, against both counts of the real run (the runs here agree to the byte
-with the tracker and within 24 bytes with the allocator's count)."""
 
 
 # -- the mesh ---------------------------------------------------------------------------------
@@ -216,40 +211,11 @@ def test_expert_parallel_gathers_only_the_local_experts():
 
 
 # -- against real processes -------------------------------------------------------------------
-CASES = {
-    2: {
-        "tp2": dict(model=LLAMA, tp=2, precision="bf16-mixed", **TEXT),
-        "ep2": dict(
-            model=f"{MOE}:mixtral_grouped_balanced",
-            inputs=f"{MOE}:inputs",
-            loss=f"{MOE}:loss",
-            dp_shard=2,
-            ep=2,
-            batch_size=1,
-            seq_len=64,
-            target="cpu",
-        ),
-    },
-    4: {
-        "tp4": dict(model=LLAMA_TP4, tp=4, precision="bf16-mixed", **TEXT),
-        "tp2-fsdp2": dict(model=LLAMA, tp=2, dp_shard=2, precision="bf16-mixed", **TEXT),
-    },
-}
-
-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_prediction_matches_real_processes(world):
     """tp 2 and ep 2 (x FSDP2) on 2 processes; tp 4, and tp 2 x FSDP2 over dp 2, on 4."""
-    real = measure_on_local_gloo(world, CASES[world])
-    for case, spec in CASES[world].items():
-        predicted = estimate(**spec)
-        per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
-        assert sorted(per_rank) == sorted(real[case]) == list(range(world))
-        for rank, (tracked, counted) in real[case].items():
-            want = per_rank[rank]
-            assert abs(want - counted) / counted <= TOLERANCE, (case, rank, want, counted)
-            assert abs(want - tracked) / tracked <= TOLERANCE, (case, rank, want, tracked)
+    check_against_real_runs(world, TENSOR_PARALLEL[world])
 
 
 def test_measure_refuses_what_it_cannot_run():
