@@ -389,7 +389,8 @@ def partial_hf_inputs(source: ModelSource) -> Inputs:
     """The default batch of the source's task (``tasks.py``)."""
     config, kind = source.config, KINDS[source.task]
     cls = model_class(config, source.task)
-    if source.task == "speech-seq2seq" and not has_audio_inputs(config):
+    text_first = getattr(cls, "main_input_name", None) == "input_ids"
+    if source.task == "speech-seq2seq" and (text_first or not has_audio_inputs(config)):
         # speech LLMs (Voxtral, Granite Speech ...) take a text-only batch as well
         kind = replace(KINDS["causal-lm"], note=TEXT_ONLY_SPEECH)
 

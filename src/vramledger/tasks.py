@@ -135,13 +135,36 @@ def _conv_input_length(config: Any, frames: int) -> int:
     return length
 
 
-def has_audio_inputs(config: Any) -> bool:
-    """Whether ``_audio`` can make this config's audio input."""
+AUDIO_SUBCONFIGS = ("encoder_config",)
+"""Where composite speech configs keep their audio encoder's settings (Parakeet-style CTC and
+speech seq2seq models: ``encoder_config``). Not ``audio_config``: the speech LLMs that keep one
+(Voxtral, Granite Speech, Qwen3-ASR, ...) interleave audio with text tokens, which a default
+batch does not make; they train on a text-only default batch, said in the notes."""
+
+
+def audio_config(config: Any) -> Any:
+    """The config that describes the audio input: the config itself, or its audio encoder's."""
+    if _describes_audio(config):
+        return config
+    for name in AUDIO_SUBCONFIGS:
+        sub = getattr(config, name, None)
+        if sub is not None and not isinstance(sub, dict) and _describes_audio(sub):
+            return sub
+    return config
+
+
+def _describes_audio(config: Any) -> bool:
     return bool(
         (getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None))
         or getattr(config, "num_mel_bins", None)
         or getattr(config, "input_feat_per_channel", None)
+        or getattr(config, "feature_projection_input_dim", None)
     )
+
+
+def has_audio_inputs(config: Any) -> bool:
+    """Whether ``_audio`` can make this config's audio input."""
+    return _describes_audio(audio_config(config))
 
 
 TEXT_ONLY_SPEECH = (
@@ -155,6 +178,14 @@ def _audio(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[st
     """The audio input of ``cls`` (by its ``main_input_name``) for ``shape.seq_len`` frames."""
     b, s = shape.batch_size, shape.seq_len
     name = getattr(cls, "main_input_name", "input_values")
+    config = audio_config(config)
+    if getattr(config, "feature_projection_input_dim", None):
+        # Wav2Vec2-BERT: stacked log-mel features, frames x feature_projection_input_dim
+        return {name: torch.randn(b, s, config.feature_projection_input_dim, device=device)}
+    if getattr(config, "num_mel_bins", None) and getattr(config, "subsampling_factor", None):
+        # Parakeet-style conformer encoders: frames x mel bins, subsampled by the factor
+        frames = s * config.subsampling_factor
+        return {name: torch.randn(b, frames, config.num_mel_bins, device=device)}
     if getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None):
         return {name: torch.randn(b, _conv_input_length(config, s), device=device)}
     if getattr(config, "num_mel_bins", None) and getattr(config, "max_source_positions", None):
