@@ -7,8 +7,8 @@ and ``parallel/pipeline.py``) gives every rank's steady-state peak; the same spe
 real on 2 or 4 gloo processes on this CPU (``vramledger.measure``), each rank counted twice: by
 the storage tracker and by the CPU allocator itself (``cpu_allocator_count``, every thread).
 The table prints each rank's prediction and both counts; the error is against the allocator's.
-The same cases are the multi-process tests in ``tests/test_tensor_parallel.py`` and
-``tests/test_pipeline.py`` (bound 1 % per rank).
+The cases are the multi-process tests' (``tests/mesh_real.py``: ``tests/test_tensor_parallel.py``
+and ``tests/test_pipeline.py``, bound 1 % per rank).
 """
 
 from __future__ import annotations
@@ -22,43 +22,14 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
-HUB = ROOT / "tests" / "fixtures" / "hub"
-MOE = ROOT / "tests" / "fixtures" / "moe.py"
+sys.path.insert(0, str(ROOT))
 
-LLAMA = str(HUB / "tiny-llama-bf16")
-LLAMA_TP4 = str(HUB / "tiny-llama-tp4-bf16")
-LLAMA8 = str(HUB / "tiny-llama-8l-bf16")
-TEXT = dict(seq_len=32, target="cpu", precision="bf16-mixed")
-CASES: dict[int, dict[str, dict]] = {
-    2: {
-        "tp 2": dict(model=LLAMA, tp=2, batch_size=2, **TEXT),
-        "ep 2 x fsdp 2 (MoE)": dict(
-            model=f"{MOE}:mixtral_grouped_balanced",
-            inputs=f"{MOE}:inputs",
-            loss=f"{MOE}:loss",
-            dp_shard=2,
-            ep=2,
-            batch_size=1,
-            seq_len=64,
-            target="cpu",
-        ),
-        "pp 2 gpipe": dict(
-            model=LLAMA8, pp=2, pp_schedule="gpipe", microbatches=4, batch_size=4, **TEXT
-        ),
-        "pp 2 1f1b": dict(
-            model=LLAMA8, pp=2, pp_schedule="1f1b", microbatches=4, batch_size=4, **TEXT
-        ),
-        "pp 2 interleaved": dict(
-            model=LLAMA8, pp=2, pp_schedule="interleaved-1f1b", microbatches=4, batch_size=4, **TEXT
-        ),
-    },
-    4: {
-        "tp 4": dict(model=LLAMA_TP4, tp=4, batch_size=2, **TEXT),
-        "tp 2 x fsdp 2": dict(model=LLAMA, tp=2, dp_shard=2, batch_size=2, **TEXT),
-        "pp 4 1f1b": dict(model=LLAMA8, pp=4, microbatches=4, batch_size=4, **TEXT),
-        "pp 2 x fsdp 2": dict(model=LLAMA8, pp=2, dp_shard=2, microbatches=2, batch_size=2, **TEXT),
-    },
-}
+
+def cases() -> dict[int, dict[str, dict]]:
+    """The multi-process tests' cases (``tests/mesh_real.py``): one definition for both."""
+    from tests.mesh_real import PIPELINE, TENSOR_PARALLEL
+
+    return {w: {**TENSOR_PARALLEL[w], **PIPELINE[w]} for w in (2, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{'case':<22}{'rank':>5}{'mesh (dp tp pp ep)':>20}{'predicted':>12}{'tracked':>12}"
         f"{'allocator':>12}{'error':>10}"
     )
-    for world in CASES:
-        real = measure_on_local_gloo(world, CASES[world])
-        for case, spec in CASES[world].items():
+    for world, specs in cases().items():
+        real = measure_on_local_gloo(world, specs)
+        for case, spec in specs.items():
             start = time.perf_counter()
             ledger = estimate(**spec)
             seconds = time.perf_counter() - start

@@ -692,13 +692,10 @@ def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> Any:
     storage tracker and counted by the allocator (``cpu_allocator_count`` on CPU, installed
     before the model is built; ``max_memory_allocated`` on CUDA). Returns
     ``real.DeepSpeedMeasurement``'s fields (ledger, counted peaks per step and phase)."""
-    from ..ledger import build_ledger
-    from ..predict import policy_for
     from ..recipe import count_parameters, module_names, resolve
     from ..trace.tracker import StorageTracker
-    from ..version import __version__
     from .mesh import build_mesh
-    from .real import DeepSpeedMeasurement, _CountingObserver, allocator_counter
+    from .real import _CountingObserver, allocator_counter, rank_measurement
 
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
         raise InputError(f"measure_pipeline needs a process group of {spec.world_size} ranks")
@@ -733,27 +730,11 @@ def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> Any:
         for step in range(1, spec.steps + 1):
             run.step(step, observer)
         observer.close()
-    timeline = tracker.close()
-    ledger = build_ledger(
-        timeline,
-        target=device,
-        allocator=policy_for(device).allocator,
-        parameters=parameters,
-        trainable_parameters=trainable,
-        optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
-        optimizer_state_method="measured",
-        spec=spec.summary(),
-        notes=["measured", *rank_engine.notes],
-        version=__version__,
-    )
-    steps: dict[int, int] = {}
-    for (step, _), peak in counted.items():
-        steps[step] = max(steps.get(step, 0), peak)
-    return DeepSpeedMeasurement(
-        ledger=replace(ledger, mesh_coords=mesh_coords(rank, spec)),
-        counted_step_peaks=steps,
-        counted_phase_peaks=counted,
-    )
+    run = rank_measurement(
+        tracker.close(), counted, spec, device, (parameters, trainable),
+        ["measured", *rank_engine.notes],
+    )  # fmt: skip
+    return replace(run, ledger=replace(run.ledger, mesh_coords=mesh_coords(rank, spec)))
 
 
 __all__ = [

@@ -193,11 +193,8 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasu
     ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
     """
 
-    from ..ledger import build_ledger
-    from ..predict import policy_for
     from ..recipe import count_parameters, module_names, resolve
     from ..trace.tracker import StorageTracker
-    from ..version import __version__
     from .deepspeed import apply_deepspeed
     from .deepspeed_engine import build_run
     from .deepspeed_runtime import real_deepspeed
@@ -234,17 +231,35 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasu
             for step in range(1, spec.steps + 1):
                 run.step(step, observer)
             observer.close()
-    timeline = tracker.close()
+    return rank_measurement(
+        tracker.close(), counted, spec, device, (parameters, trainable), ["measured", *notes]
+    )
+
+
+def rank_measurement(
+    timeline: Any,
+    counted: dict[tuple[int, str], int],
+    spec: TrainingSpec,
+    device: str,
+    counts: tuple[int, int],
+    notes: list[str],
+) -> DeepSpeedMeasurement:
+    """One rank's real run as a measurement: its tracked timeline as a ledger, and the
+    allocator's counted peaks per (step, phase) folded per step."""
+    from ..ledger import build_ledger
+    from ..predict import policy_for
+    from ..version import __version__
+
     ledger = build_ledger(
         timeline,
         target=device,
         allocator=policy_for(device).allocator,
-        parameters=parameters,
-        trainable_parameters=trainable,
+        parameters=counts[0],
+        trainable_parameters=counts[1],
         optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
         optimizer_state_method="measured",
         spec=spec.summary(),
-        notes=["measured", *notes],
+        notes=notes,
         version=__version__,
     )
     steps: dict[int, int] = {}
