@@ -52,9 +52,9 @@ def test_flash_attention_2_keeps_as_much_as_pytorchs_flash_kernel():
 
 
 def test_flash_attention_2_backward_allocates_its_fp32_accumulator():
-    """dq_accum [b, round128(s), h, round32(d)] fp32 and softmax_d [b, h, round128(s)] fp32:
-    at s = 200 the backward holds 2 x 256 x 4 x 32 x 4 + 2 x 4 x 256 x 4 bytes more than at
-    s = 128 would suggest from the sequence alone."""
+    """flash-attn's mha_bwd (flash_api.cpp): dq_accum [b, round128(s), h, round32(d)] and
+    softmax_d [b, h, round128(s)], both fp32 — at s = 200, d = 16: [2, 256, 4, 32] and
+    [2, 4, 256]."""
     from vramledger.trace.tracker import StorageTracker
 
     b, s, h, d = 2, 200, 4, 16

@@ -43,20 +43,35 @@ class Configuration:
 
     def spec(self, base: TrainingSpec) -> TrainingSpec:
         """The TrainingSpec ``estimate`` takes for this configuration."""
-        return replace(
+        return planned_spec(
             base,
-            optimizer=self.optimizer,
-            precision=self.precision,
-            grad_checkpointing=self.checkpointing and not base.checkpoint_modules,
+            self.optimizer,
+            self.precision,
+            self.checkpointing,
             batch_size=self.micro_batch,
             grad_accum=self.grad_accum,
             world_size=self.gpus,
-            nodes=None,
-            gpus_per_node=None,
             strategy=self.strategy if self.gpus > 1 else None,
             offload=self.offload,
-            target="cuda",
         )
+
+
+def planned_spec(
+    base: TrainingSpec, optimizer: str, precision: str, checkpointing: bool, **layout: Any
+) -> TrainingSpec:
+    """``base`` as a plan estimates one of its answers: this optimizer, precision and
+    checkpointing on a CUDA target, the GPUs given by ``layout`` (world size or axes), not by
+    the user's nodes."""
+    return replace(
+        base,
+        optimizer=optimizer,
+        precision=precision,
+        grad_checkpointing=checkpointing and not base.checkpoint_modules,
+        nodes=None,
+        gpus_per_node=None,
+        target="cuda",
+        **layout,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import VramledgerError
 from ..spec import TrainingSpec
-from .candidates import Configuration
+from .candidates import RECOMPUTE_FRACTION, Configuration, planned_spec
 
 VERIFY_TRIES = 4
 """Re-estimates allowed per layout when moving its data-parallel degree."""
@@ -53,16 +53,14 @@ class Layout:
 
     def spec(self, base: TrainingSpec) -> TrainingSpec:
         """The TrainingSpec ``estimate`` takes for this layout."""
-        return replace(
+        return planned_spec(
             base,
-            optimizer=self.optimizer,
-            precision=self.precision,
-            grad_checkpointing=self.checkpointing and not base.checkpoint_modules,
+            self.optimizer,
+            self.precision,
+            self.checkpointing,
             batch_size=self.micro_batch * self.pp,
             grad_accum=1,
             world_size=1,
-            nodes=None,
-            gpus_per_node=None,
             dp_shard=self.dp,
             tp=self.tp,
             pp=self.pp,
@@ -70,7 +68,6 @@ class Layout:
             pp_schedule="1f1b",
             strategy="fsdp" if self.dp > 1 else None,
             offload="none",
-            target="cuda",
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -190,7 +187,7 @@ def layout_costs(
     tokens = layout.micro_batch * seq_len * layout.pp  # every micro-batch of the step
     per_block = ACTIVATION_COLLECTIVES_PER_LAYER * tokens * hidden * 2 * (layout.tp - 1)
     return {
-        "recompute_fraction": 1 / 3 if layout.checkpointing else 0.0,
+        "recompute_fraction": RECOMPUTE_FRACTION if layout.checkpointing else 0.0,
         "tensor_parallel_bytes_per_step": per_block // layout.tp * (layers // layout.pp),
         "fsdp_bytes_per_step": 3 * parameter_bytes // (layout.tp * layout.pp)
         if layout.dp > 1

@@ -659,7 +659,6 @@ def _layouts(
     text = config.get_text_config() if config is not None else None
     hidden = getattr(text, "hidden_size", 0) or 0
     layers = config_depth(config) or 1
-    facts = next(iter(facts_cache.values()))
 
     def estimated(layout: Layout) -> tuple[int, int]:
         return planner.runner.reserved(layout, layout.spec(planner.spec))
@@ -671,7 +670,13 @@ def _layouts(
         ahead=lambda items: planner.runner.ahead((x, x.spec(planner.spec)) for x in items),
         capacity=planner.capacity,
         max_gpus=planner.max_gpus,
-        cost=lambda x: layout_costs(x, spec.seq_len, hidden, layers, facts.parameter_bytes),
+        cost=lambda x: layout_costs(
+            x,
+            spec.seq_len,
+            hidden,
+            layers,
+            facts_cache[(x.precision, x.checkpointing)].parameter_bytes,
+        ),
     )
     planner.notes += notes
     for name, found in results.items():
