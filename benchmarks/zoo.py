@@ -906,7 +906,7 @@ def plain_batch(case: Case, config: Any) -> dict[str, Any]:
     import torch
 
     b, s = BATCH_SIZE, SEQ_LEN
-    if case.task not in PLAIN_TASKS:
+    if case.task not in PLAIN_TASKS or config.model_type in _patchified():
         return _vramledger_batch(case, config)
     if case.task == "image-classification":
         size = _config_value(config, "image_size") or IMAGE_SIZE
@@ -921,6 +921,15 @@ def plain_batch(case: Case, config: Any) -> dict[str, Any]:
     if case.task == "sequence-classification":
         return {"input_ids": ids, "labels": torch.randint(0, config.num_labels, (b,))}
     return {"input_ids": ids, "labels": torch.randint(0, vocab, (b, s))}
+
+
+def _patchified() -> frozenset[str]:
+    """Image models whose processor cuts images into patches (vramledger's batch makes them)."""
+    try:
+        from vramledger.tasks import PATCHIFIED_IMAGES
+    except ImportError:
+        return frozenset()
+    return PATCHIFIED_IMAGES
 
 
 def _can_feed(task: str) -> bool:
@@ -989,6 +998,18 @@ def _decoder_start_token_id(config: Any) -> int | None:
     return pad if pad is not None else 0
 
 
+PAD_TOKEN_WANTED = "pad_token_id has to be defined"
+"""transformers' ``shift_tokens_right`` error when a seq2seq config has no pad token (a
+checkpoint's config.json has one)."""
+
+
+def _pad_token_id(config: Any) -> int:
+    """A pad token for a config whose defaults lack one: its end-of-sequence token (what many
+    checkpoints pad with), else 0."""
+    eos = getattr(config, "eos_token_id", None)
+    return eos if isinstance(eos, int) else 0
+
+
 class BuildSkip(Exception):
     def __init__(self, reason: str, detail: str) -> None:
         super().__init__(f"{reason}: {detail}")
@@ -1055,6 +1076,18 @@ def build_case(case: Case, check_step: bool = True) -> Built:
         if note:
             attempts.append(f"{level.name}: {note}")
         error = plain_step(case, config) if check_step and _can_feed(case.task) else None
+        if (
+            error is not None
+            and PAD_TOKEN_WANTED in error["message"]
+            and "pad_token_id" not in extra
+        ):
+            # the defaults lack the pad token that shifting the labels right reads (Moonshine)
+            extra["pad_token_id"] = _pad_token_id(config)
+            config = make_config(case.arch, level, extra)
+            attempts.append(
+                f"{level.name}: added pad_token_id {extra['pad_token_id']} (a plain step wants one)"
+            )
+            error = plain_step(case, config)
         if error is None:
             return Built(config, params, level.name, attempts)
         attempts.append(f"{level.name}: plain step: {error['message']}")

@@ -15,6 +15,8 @@ SAMPLE = (
     ("t5", "seq2seq-lm", "none"),
     ("vit", "image-classification", "none"),
     ("gpt2", "sequence-classification", "none"),
+    ("parakeet_ctc", "ctc", "none"),  # frame features with their mask (tasks._ctc)
+    ("t5gemma2", "seq2seq-lm", "none"),  # mask functions under vmap (trace.cpu_scratch)
 )
 
 

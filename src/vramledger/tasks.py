@@ -17,7 +17,7 @@ and optimizer state are counted, its activations are not); pass ``--inputs`` for
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -63,8 +63,14 @@ def text_config(config: Any) -> Any:
     return config.get_text_config() if hasattr(config, "get_text_config") else config
 
 
+CODE_POINT_MODELS = {"canine": 0x110000}
+"""Models whose token ids are Unicode code points, hashed into their embedding buckets (CANINE:
+``CanineEmbeddings`` hashes each code point; Unicode has 0x110000), so any code point is an id."""
+
+
 def vocab_size(config: Any) -> int:
     vocab = getattr(config, "vocab_size", None) or getattr(text_config(config), "vocab_size", None)
+    vocab = vocab or CODE_POINT_MODELS.get(getattr(config, "model_type", None))
     if not vocab:
         raise InputError(
             f"the {config.model_type} config has no vocab_size for default token inputs",
@@ -114,32 +120,62 @@ def _vision_attr(config: Any, name: str) -> Any:
     return value
 
 
+PATCHIFIED_IMAGES = frozenset({"siglip2"})
+"""Models that take images cut into patches by their processor (SigLIP 2's NaFlex: ``pixel_values``
+of ``(batch, patches, channels * patch_size**2)``, a patch mask and each image's patch grid)."""
+
+
 def _images(config: Any, cls: Any, device: torch.device, shape: Shape):
     size = shape.image_size or _vision_attr(config, "image_size") or DEFAULT_IMAGE_SIZE
     if isinstance(size, (list, tuple)):
         size = size[0]
     channels = _vision_attr(config, "num_channels") or 3
     b = shape.batch_size
+    labels = _classes(config, device, b)
+    if config.model_type in PATCHIFIED_IMAGES:
+        return {**_patches(config, shape, channels, device), "labels": labels}
+    return {"pixel_values": torch.randn(b, channels, size, size, device=device), "labels": labels}
+
+
+def _patches(config: Any, shape: Shape, channels: int, device: torch.device):
+    """A square image as SigLIP 2's processor gives it: ``--image-size`` in patches of
+    ``patch_size`` per side, else the config's ``num_patches`` (a square grid)."""
+    patch = _vision_attr(config, "patch_size")
+    side = (
+        (shape.image_size // patch)
+        if shape.image_size
+        else math.isqrt(_vision_attr(config, "num_patches"))
+    )
+    b, n = shape.batch_size, side * side
     return {
-        "pixel_values": torch.randn(b, channels, size, size, device=device),
-        "labels": _classes(config, device, b),
+        "pixel_values": torch.randn(b, n, channels * patch * patch, device=device),
+        "pixel_attention_mask": torch.ones(b, n, dtype=torch.long, device=device),
+        "spatial_shapes": torch.tensor([[side, side]] * b, dtype=torch.long, device=device),
     }
 
 
-def _conv_input_length(config: Any, frames: int) -> int:
-    """Waveform samples the convolutional feature encoder turns into ``frames`` frames:
+def _conv_input_length(kernels: Sequence[int], strides: Sequence[int], frames: int) -> int:
+    """Waveform samples a convolutional feature encoder turns into ``frames`` frames:
     ``L_out = floor((L_in - kernel) / stride) + 1`` per layer, inverted."""
     length = frames
-    for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride, strict=True))):
+    for kernel, stride in reversed(list(zip(kernels, strides, strict=True))):
         length = (length - 1) * stride + kernel
     return length
 
 
-AUDIO_SUBCONFIGS = ("encoder_config",)
-"""Where composite speech configs keep their audio encoder's settings (Parakeet-style CTC and
-speech seq2seq models: ``encoder_config``). Not ``audio_config``: the speech LLMs that keep one
-(Voxtral, Granite Speech, Qwen3-ASR, ...) interleave audio with text tokens, which a default
-batch does not make; they train on a text-only default batch, said in the notes."""
+CONV_STEMS = {"moonshine": ((127, 7, 3), (64, 3, 2))}
+"""Raw-audio encoders whose convolution stem is written in transformers' code rather than their
+config, as (kernels, strides): Moonshine's (``modeling_moonshine.py``, ``MoonshineEncoder``:
+``conv1`` 127 / 64, ``conv2`` 7 / 3, ``conv3`` 3 / 2)."""
+
+
+AUDIO_SUBCONFIGS = ("encoder_config", "encoder", "audio_config")
+"""Where composite speech configs keep their audio encoder's settings: Parakeet-style CTC and
+speech seq2seq models (``encoder_config``), ``SpeechEncoderDecoderConfig`` (``encoder``), CTC
+heads over an audio tower (OmniASR: ``audio_config``). Speech LLMs that keep an ``audio_config``
+but take ``input_ids`` first (Voxtral, Granite Speech, Qwen3-ASR, ...) interleave audio with text
+tokens, which a default batch does not make; they train on a text-only default batch, said in
+the notes (``sources.partial_hf_inputs``)."""
 
 
 def audio_config(config: Any) -> Any:
@@ -155,7 +191,8 @@ def audio_config(config: Any) -> Any:
 
 def _describes_audio(config: Any) -> bool:
     return bool(
-        (getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None))
+        getattr(config, "model_type", None) in CONV_STEMS
+        or (getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None))
         or getattr(config, "num_mel_bins", None)
         or getattr(config, "input_feat_per_channel", None)
         or getattr(config, "feature_projection_input_dim", None)
@@ -174,33 +211,59 @@ TEXT_ONLY_SPEECH = (
 )
 
 
+FEATURES_PER_MEL_BIN = {"granite_speech5_encoder": 4}
+"""Encoders whose frames carry more features than mel bins: Granite Speech 5's
+(``modeling_granite_speech5.py``: ``nn.Linear(config.num_mel_bins * 4, ...)``, each mel frame with
+its delta, two frames stacked, as ``GraniteSpeech5FeatureExtractor`` makes them)."""
+
+WAVEFORM_WITH_CHANNEL = frozenset({"omniasr_audio"})
+"""Raw-audio encoders that take ``(batch, 1, samples)`` (OmniASR's ``input_values``, fed to its
+first ``Conv1d`` as given) rather than wav2vec2's ``(batch, samples)``."""
+
+
 def _audio(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str, torch.Tensor]:
-    """The audio input of ``cls`` (by its ``main_input_name``) for ``shape.seq_len`` frames."""
-    b, s = shape.batch_size, shape.seq_len
-    name = getattr(cls, "main_input_name", "input_values")
+    """The audio input of ``cls`` (by its ``main_input_name``; a composite model's ``inputs``
+    named for its encoder's layout) for ``shape.seq_len`` frames."""
     config = audio_config(config)
+    batch = _audio_tensor(config, device, shape)
+    name = getattr(cls, "main_input_name", None)
+    if name in (None, "inputs"):
+        name = "input_values" if batch.dim() == 2 else "input_features"
+    if config.model_type in WAVEFORM_WITH_CHANNEL:
+        batch = batch.unsqueeze(1)
+    return {name: batch}
+
+
+def _audio_tensor(config: Any, device: torch.device, shape: Shape) -> torch.Tensor:
+    b, s = shape.batch_size, shape.seq_len
     if getattr(config, "feature_projection_input_dim", None):
         # Wav2Vec2-BERT: stacked log-mel features, frames x feature_projection_input_dim
-        return {name: torch.randn(b, s, config.feature_projection_input_dim, device=device)}
+        return torch.randn(b, s, config.feature_projection_input_dim, device=device)
     if getattr(config, "num_mel_bins", None) and getattr(config, "subsampling_factor", None):
         # Parakeet-style conformer encoders: frames x mel bins, subsampled by the factor
         frames = s * config.subsampling_factor
-        return {name: torch.randn(b, frames, config.num_mel_bins, device=device)}
+        return torch.randn(b, frames, config.num_mel_bins, device=device)
     if getattr(config, "conv_stride", None) and getattr(config, "conv_kernel", None):
-        return {name: torch.randn(b, _conv_input_length(config, s), device=device)}
+        samples = _conv_input_length(config.conv_kernel, config.conv_stride, s)
+        return torch.randn(b, samples, device=device)
+    if config.model_type in CONV_STEMS:
+        return torch.randn(b, _conv_input_length(*CONV_STEMS[config.model_type], s), device=device)
     if getattr(config, "num_mel_bins", None) and getattr(config, "max_source_positions", None):
         # Whisper-style: the encoder takes exactly its window of mel frames (two stride-1/2 convs)
         frames = 2 * config.max_source_positions
-        return {name: torch.randn(b, config.num_mel_bins, frames, device=device)}
+        return torch.randn(b, config.num_mel_bins, frames, device=device)
     if getattr(config, "num_mel_bins", None) and getattr(config, "max_length", None):
         # spectrogram transformers (AST): frames x mel bins
-        return {name: torch.randn(b, config.max_length, config.num_mel_bins, device=device)}
+        return torch.randn(b, config.max_length, config.num_mel_bins, device=device)
     if getattr(config, "input_feat_per_channel", None):
         features = config.input_feat_per_channel * getattr(config, "input_channels", 1)
         layers = len(getattr(config, "conv_kernel_sizes", (5, 5)))
-        return {name: torch.randn(b, s * 2**layers, features, device=device)}
+        return torch.randn(b, s * 2**layers, features, device=device)
     if getattr(config, "num_mel_bins", None):
-        return {name: torch.randn(b, config.num_mel_bins, s, device=device)}
+        # conformer encoders that project each frame's features (LASR, Granite Speech 5 CTC):
+        # frames x features, one frame per position
+        features = config.num_mel_bins * FEATURES_PER_MEL_BIN.get(config.model_type, 1)
+        return torch.randn(b, s, features, device=device)
     raise InputError(
         f"no default audio inputs for the {config.model_type} config",
         hint="pass --inputs FILE.py:FUNCTION making its input_features / input_values",
@@ -223,7 +286,28 @@ def _ctc(config: Any, cls: Any, device: torch.device, shape: Shape) -> dict[str,
     length = max(1, s // CTC_LABEL_FRACTION)
     # label 0 is the blank / pad token of the wav2vec2 family's vocabulary
     labels = torch.randint(1, vocab_size(config), (b, length), device=device)
-    return {**_audio(config, cls, device, shape), "labels": labels}
+    batch = _audio(config, cls, device, shape)
+    (name, features), *_ = batch.items()
+    if features.dim() == 3:
+        # frame features (and OmniASR's channel-first waveform) come with their feature
+        # extractor's mask: the CTC losses of these heads read the input lengths from it
+        steps = features.shape[1 if name == "input_features" else -1]
+        mask = torch.ones(b, steps, dtype=torch.long, device=device)
+        batch[_feature_mask_name(config)] = mask
+    return {**batch, "labels": labels}
+
+
+def _feature_mask_name(config: Any) -> str:
+    """What the model's feature extractor calls its mask (``model_input_names``: OmniASR's
+    ``padding_mask``), ``attention_mask`` where transformers cannot say."""
+    from transformers.models.auto import feature_extraction_auto as auto
+
+    name = auto.FEATURE_EXTRACTOR_MAPPING_NAMES.get(config.model_type)
+    try:
+        names = auto.feature_extractor_class_from_name(name).model_input_names if name else []
+    except ImportError:  # an extractor needing a package not installed (torchaudio)
+        names = []
+    return names[1] if len(names) > 1 else "attention_mask"
 
 
 def _speech_seq2seq(config: Any, cls: Any, device: torch.device, shape: Shape):

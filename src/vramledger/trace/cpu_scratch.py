@@ -108,6 +108,10 @@ class CpuScratchProbe:
         if needed > PROBE_LIMIT_BYTES:
             self.skipped.add(str(func))
             return 0
+        if torch._C._functorch.maybe_current_level() is not None:
+            # inside vmap (transformers' mask functions): the tensors are functorch wrappers,
+            # which a probe cannot copy; these are index arithmetic, no kernel scratch
+            return 0
         with _disable_current_modes(), torch.no_grad():
             real_args = [_real(a) for a in args]
             real_kwargs = {k: _real(v) for k, v in kwargs.items()}
