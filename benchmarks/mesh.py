@@ -4,11 +4,12 @@
 
 For each case the estimate (PyTorch's own engines on a fake process group, ``parallel/mesh.py``
 and ``parallel/pipeline.py``) gives every rank's steady-state peak; the same spec then runs for
-real on 2 or 4 gloo processes on this CPU (``vramledger.measure``), each rank counted twice: by
+real on 2, 4 or 8 gloo processes on this CPU (``vramledger.measure``), each rank counted twice: by
 the storage tracker and by the CPU allocator itself (``cpu_allocator_count``, every thread).
 The table prints each rank's prediction and both counts; the error is against the allocator's.
 The cases are the multi-process tests' (``tests/mesh_real.py``: ``tests/test_tensor_parallel.py``
-and ``tests/test_pipeline.py``, bound 1 % per rank).
+and ``tests/test_pipeline.py``, bound 1 % per rank), and the 8-process ones only this script
+runs (pipeline x tensor parallel x FSDP2).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ sys.path.insert(0, str(ROOT))
 
 def cases() -> dict[int, dict[str, dict]]:
     """The multi-process tests' cases (``tests/mesh_real.py``): one definition for both."""
-    from tests.mesh_real import PIPELINE, TENSOR_PARALLEL
+    from tests import mesh_real
 
-    return {w: {**TENSOR_PARALLEL[w], **PIPELINE[w]} for w in (2, 4)}
+    worlds = sorted({*mesh_real.TENSOR_PARALLEL, *mesh_real.PIPELINE})
+    return {w: mesh_real.world_cases(w) for w in worlds}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from .conftest import FIXTURES
 HUB = FIXTURES / "hub"
 LLAMA = str(HUB / "tiny-llama-bf16")  # 4 query heads, 2 kv heads: tp 2
 LLAMA_TP4 = str(HUB / "tiny-llama-tp4-bf16")  # 8 query heads, 4 kv heads: tp 4
-LLAMA8 = str(HUB / "tiny-llama-8l-bf16")  # 8 layers: pipeline stages of 2 and 4
+LLAMA8 = str(HUB / "tiny-llama-8l-bf16")  # 8 layers (4 heads, 2 kv heads): stages, x tp 2
 MOE = str(FIXTURES / "moe.py")
 TEXT = dict(seq_len=32, target="cpu", precision="bf16-mixed")
 TOLERANCE = 0.01
@@ -60,6 +60,25 @@ PIPELINE = {
             model=LLAMA8, pp=4, pp_schedule="1f1b", microbatches=4, batch_size=4, **TEXT
         ),
         "pp2-fsdp2": dict(model=LLAMA8, pp=2, dp_shard=2, microbatches=2, batch_size=2, **TEXT),
+        # 2 stages x tensor (and sequence) parallel over 2 ranks: the sequence's halves between
+        # stages, loss parallel on the last
+        "pp2-tp2": dict(
+            model=LLAMA8, pp=2, tp=2, pp_schedule="1f1b", microbatches=2, batch_size=2, **TEXT
+        ),
+    },
+    # All three axes: run by benchmarks/mesh.py, not by the tests (8 processes: about a minute
+    # on 2 CPU cores, the suite is near its time budget)
+    8: {
+        "pp2-tp2-fsdp2": dict(
+            model=LLAMA8,
+            pp=2,
+            tp=2,
+            dp_shard=2,
+            pp_schedule="1f1b",
+            microbatches=2,
+            batch_size=2,
+            **TEXT,
+        ),
     },
 }
 
@@ -67,7 +86,12 @@ PIPELINE = {
 @functools.cache
 def real_runs(world: int) -> dict[str, dict[int, tuple[int, int]]]:
     """Every case of ``world`` processes, run once per test session."""
-    return measure_on_local_gloo(world, {**TENSOR_PARALLEL[world], **PIPELINE[world]})
+    return measure_on_local_gloo(world, world_cases(world))
+
+
+def world_cases(world: int) -> dict[str, dict]:
+    """The tensor/expert-parallel and pipeline cases of ``world`` processes."""
+    return {**TENSOR_PARALLEL.get(world, {}), **PIPELINE.get(world, {})}
 
 
 def check_against_real_runs(world: int, cases: dict[str, dict]) -> None:

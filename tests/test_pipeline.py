@@ -55,9 +55,34 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_does_not():
         assert activations["1f1b"][stage] * 3 < activations["gpipe"][stage], activations
 
 
+def test_stages_with_tensor_parallelism_and_fsdp_have_a_ledger_per_pipeline_rank():
+    """The issue's shape (--dp-shard x --tp x --pp, 1F1B, --cp 1) at small scale, estimate
+    only: one ledger per pipeline rank (the tp and dp ranks of a stage are symmetric), each
+    with its mesh coordinates, the hidden states between stages split over the sequence."""
+    ledger = estimate(
+        pp=2, tp=2, dp_shard=2, cp=1, pp_schedule="1f1b", microbatches=2, batch_size=2, **TEXT
+    )
+    data = ledger.to_dict()
+    assert data["world_size"] == 8
+    assert [r["rank_ids"] for r in data["ranks"]] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert [r["mesh_coords"] for r in data["ranks"]] == [
+        {"dp": 0, "tp": 0, "pp": p, "cp": 0, "ep": 0} for p in (0, 1)
+    ]
+    first, last = (r for _, r in ledger.ranks)
+    assert first.peak_bytes != last.peak_bytes
+    assert ledger.worst_rank in (0, 4)
+    for rank in (first, last):
+        assert any("tensor parallel over 2 ranks" in n for n in rank.notes)
+        assert any("part of the sequence" in n for n in rank.notes)
+        assert any("FSDP2 fully_shard over the 2 data-parallel ranks" in n for n in rank.notes)
+        assert rank.at_peak.get(Category.PIPELINE_BUFFERS, 0) > 0
+
+
 def test_what_the_pipeline_engine_does_not_model_is_refused():
-    with pytest.raises(InputError, match="not modelled yet"):
-        estimate(pp=2, tp=2, batch_size=2, **TEXT)
+    with pytest.raises(InputError, match="with context parallelism is not modelled yet"):
+        estimate(pp=2, cp=2, batch_size=2, **TEXT)
+    with pytest.raises(InputError, match="splits the sequence"):
+        estimate(pp=2, tp=2, batch_size=2, **{**TEXT, "seq_len": 31})
     with pytest.raises(InputError, match="micro-batches as stages"):
         estimate(pp=4, microbatches=2, batch_size=2, **TEXT)
     with pytest.raises(InputError, match="the micro-batches are the accumulation"):
@@ -68,6 +93,6 @@ def test_what_the_pipeline_engine_does_not_model_is_refused():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_per_rank_prediction_matches_real_pipeline_runs(world):
-    """GPipe, 1F1B and interleaved 1F1B on 2 processes; 1F1B over 4 stages, and 2 stages x
-    FSDP2 over 2 data-parallel ranks, on 4."""
+    """GPipe, 1F1B and interleaved 1F1B on 2 processes; 1F1B over 4 stages, 2 stages x FSDP2
+    over 2 data-parallel ranks, and 2 stages x tensor parallel over 2 ranks, on 4."""
     check_against_real_runs(world, PIPELINE[world])

@@ -152,12 +152,33 @@ def fake_mesh(rank: int, spec: TrainingSpec) -> Iterator[Any]:
             hint="run vramledger estimate outside torchrun",
         )
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:" to tracebacks
+    forget_sharding_propagation()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
     try:
         yield build_mesh(spec, "cpu")
     finally:
         dist.destroy_process_group()
+        forget_sharding_propagation()
         sys.excepthook = hook
+
+
+def forget_sharding_propagation() -> None:
+    """Empty DTensor's sharding-propagation caches (Python's and the C++ fast path's:
+    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``). They are keyed by the
+    operator's input specs, whose meshes compare equal across ranks (``DeviceMesh.__eq__``
+    compares the root rank map and the layout, not the rank's own row: the tp mesh of ranks
+    0, 1 equals that of ranks 2, 3), and they return output specs holding the mesh they were
+    first computed with. One process that traces several ranks in turn, each on its own fake
+    process group, would otherwise run a collective on a group of an earlier process group
+    (pipeline stages x tensor parallelism: stage 0's embedding reduce-scattering on the tp
+    group that stage 1's rank had)."""
+    try:
+        from torch.distributed.tensor import debug
+    except ImportError:  # pragma: no cover - torch without torch.distributed
+        return
+    clear = getattr(debug, "_clear_sharding_prop_cache", None)
+    if clear is not None:
+        clear()
 
 
 def submesh(mesh: Any, name: str) -> Any | None:
@@ -344,7 +365,7 @@ class MeshRankEngine:
         return Category.ALL_GATHER_BUFFERS if fsdp_degree(self.spec) > 1 else None
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
-        with _meshes_outside_the_trace():
+        with meshes_outside_the_trace():
             model = apply_inner_parallelism(model, self.mesh, self.spec, blocks, precision_name)
         coords = mesh_coords(self.rank, self.spec)
         where = ", ".join(f"{k} {v}" for k, v in coords.items())
@@ -399,7 +420,7 @@ class MeshRankEngine:
 
 
 @contextlib.contextmanager
-def _meshes_outside_the_trace() -> Iterator[None]:
+def meshes_outside_the_trace() -> Iterator[None]:
     """FSDP2 on a tensor-parallel model builds a 2-D DeviceMesh (``_init_sharding_spec_tp``:
     ``DeviceMesh._concatenate``) from the mesh's rank tensor, a real tensor that the trace's
     fake mode refuses; meshes are built outside the trace's modes, as on a real rank."""

@@ -34,11 +34,17 @@ and kept; category ``pipeline_buffers``), and the activations of the micro-batch
 which the schedule's order decides: GPipe runs every forward before any backward, 1F1B lets
 stage ``s`` of ``pp`` run ``pp - s`` forwards before its first backward.
 
-Over the data-parallel axis each stage is sharded with FSDP2 (``mesh.apply_inner_parallelism``),
-``reshard_after_forward=False`` unless asked otherwise (torchtitan's default under pipeline
-parallelism); the schedule then keeps the stage's gathered parameters and its unsharded
-gradients through all micro-batches and reduce-scatters once, after the last
-(``stage.py`` ``backward_maybe_with_nosync``, ``perform_reduce_grad``).
+Each stage gets the run's inner axes as torchtitan gives each model part its ``parallelize_fn``
+(``mesh.apply_inner_parallelism``): tensor and sequence parallelism with the family's plan
+(``tp_plans.py``), then FSDP2 over the data-parallel axis, ``reshard_after_forward=False`` unless
+asked otherwise (torchtitan's default under pipeline parallelism); the schedule then keeps the
+stage's gathered parameters and its unsharded gradients through all micro-batches and
+reduce-scatters once, after the last (``stage.py`` ``backward_maybe_with_nosync``,
+``perform_reduce_grad``). Under sequence parallelism the hidden states between stages are each
+tensor-parallel rank's part of the sequence, ``[micro, seq / tp, hidden]`` (what torchtitan's
+stages send), made a DTensor again on the receiving stage before its layers; the last stage's
+logits stay split over the vocabulary and its loss runs under ``loss_parallel()``. Context and
+expert parallelism with pipeline stages are not modelled (refused).
 """
 
 from __future__ import annotations
@@ -63,7 +69,17 @@ from ..timeline import Timeline
 from ..trace.blocks import config_depth, find_block_stack
 from ..training import TrainingRun, assemble, grad_category, track_by_kind
 from .engines import DataParallel, adapt_recipe
-from .mesh import MeshRankEngine, apply_inner_parallelism, fake_mesh, fsdp_degree, mesh_coords
+from .mesh import (
+    MeshRankEngine,
+    applied,
+    apply_inner_parallelism,
+    check_even_tp,
+    fake_mesh,
+    fsdp_degree,
+    mesh_coords,
+    meshes_outside_the_trace,
+)
+from .tp_plans import SEQUENCE_DIM
 
 SCHEDULE_CLASSES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",
@@ -159,9 +175,11 @@ def microbatches(spec: TrainingSpec) -> int:
 def pipeline_rank_groups(spec: TrainingSpec) -> list[list[int]]:
     """Ranks that share one ledger: those of the same pipeline rank (the same stages) are
     symmetric along the data-parallel axis (FSDP2 shards evenly; the traced rank, data-parallel
-    rank 0, holds the largest shard). Every pipeline rank differs: the first holds the embedding,
+    rank 0, holds the largest shard) and along the tensor-parallel one (the plan's splits are
+    checked even, ``mesh.check_even_tp``). Every pipeline rank differs: the first holds the embedding,
     the last the head and the loss, and 1F1B keeps a different number of micro-batches in
     flight on each."""
+    check_even_tp(spec)
     groups: dict[int, list[int]] = {}
     for rank in range(spec.world_size):
         groups.setdefault(pp_rank(rank, spec), []).append(rank)
@@ -256,12 +274,26 @@ def cut_stage(model: nn.Module, plan: StagePlan, parts: DecoderParts) -> nn.Modu
 
 
 def _stage_forward(plan: StagePlan, model_forward: Any) -> Any:
+    """A stage's forward. Under tensor parallelism (``_pipeline_sequence_mesh`` set by
+    ``PipelineRank.wrap``) the hidden states a stage receives are its rank's part of the
+    sequence, ``[micro, seq / tp, hidden]``, made a DTensor sharded along the sequence before the
+    decoder layers (so the model's own code sees the whole sequence: its positions, rotary
+    tables and mask), and those it sends are the local part of its output DTensor. The last
+    stage returns the logits as the plan leaves them (split over the vocabulary under loss
+    parallel)."""
+
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        mesh = getattr(self, "_pipeline_sequence_mesh", None)
+        if mesh is not None and not plan.first:
+            from torch.distributed.tensor import DTensor, Shard
+
+            x = DTensor.from_local(x, mesh, [Shard(SEQUENCE_DIM)], run_check=False)
         fed = {"input_ids": x} if plan.first else {"inputs_embeds": x}
         with autocast(self._pipeline_precision, x.device.type):
             if plan.last:  # the model's own forward: its head and whatever follows it
                 return model_forward(self, **fed, use_cache=False).logits
-            return self.base_model(**fed, use_cache=False).last_hidden_state
+            hidden = self.base_model(**fed, use_cache=False).last_hidden_state
+        return hidden.to_local() if mesh is not None else hidden
 
     return forward
 
@@ -342,10 +374,25 @@ def check_pipeline_spec(spec: TrainingSpec) -> None:
                 f"{rounds} (micro-batches // pp), not {m}",
                 hint=f"use --microbatches {rounds * spec.pp}",
             )
-    if spec.tp > 1 or spec.cp > 1 or spec.ep > 1:
+    if spec.cp > 1 or spec.ep > 1:
+        axis = "context" if spec.cp > 1 else "expert"
         raise InputError(
-            "pipeline parallelism with tensor, context or expert parallelism is not modelled yet",
-            hint="estimate --pp with the data-parallel axis (FSDP) alone",
+            f"pipeline parallelism with {axis} parallelism is not modelled yet (with tensor "
+            "parallelism and FSDP2 over the data-parallel axis it is)",
+            hint=f"drop --{'cp' if spec.cp > 1 else 'ep'}, or estimate without --pp",
+        )
+    if spec.tp > 1 and spec.tp_plan is not None:
+        raise InputError(
+            "--tp-plan with pipeline parallelism: the hidden states between stages are sent as "
+            "the default plan leaves them (each rank's part of the sequence), which a user plan "
+            "need not do",
+            hint="drop --tp-plan to use the model family's plan",
+        )
+    if spec.tp > 1 and spec.seq_len % spec.tp:
+        raise InputError(
+            f"sequence parallelism between pipeline stages splits the sequence ({spec.seq_len}) "
+            f"over the {spec.tp} tensor-parallel ranks evenly",
+            hint=f"use a --seq-len that is a multiple of {spec.tp}",
         )
     if spec.grad_accum > 1:
         raise InputError(
@@ -424,17 +471,33 @@ class PipelineRank:
         return self.spec
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
-        """Each stage model's inner axes (FSDP2 over the data-parallel ranks), as torchtitan
-        applies its ``parallelize_fn`` to each model part."""
+        """Each stage model's inner axes (tensor and sequence parallelism with the family's
+        plan, then FSDP2 over the data-parallel ranks), as torchtitan applies its
+        ``parallelize_fn`` to each model part. Under tensor parallelism each stage is told the
+        tensor-parallel mesh its hidden states are split over along the sequence
+        (``_stage_forward``)."""
         chunks = list(model.children())
-        words = []
+        words: list[str] = []
+        if fsdp_degree(self.spec) > 1 or self.spec.tp > 1:
+            outside = meshes_outside_the_trace() if self.fake else contextlib.nullcontext()
+            with outside:
+                for chunk in chunks:
+                    mine = blocks if len(chunks) == 1 else []
+                    apply_inner_parallelism(
+                        chunk, self.mesh, self.inner_spec(), mine, precision_name
+                    )
+                    if self.spec.tp > 1:
+                        chunk._pipeline_sequence_mesh = self.mesh["tp"]
+            words.extend(applied(chunks[-1]).words)
         if fsdp_degree(self.spec) > 1:
-            for chunk in chunks:
-                mine = blocks if len(chunks) == 1 else []
-                apply_inner_parallelism(chunk, self.mesh, self.inner_spec(), mine, precision_name)
             words.append(
-                f"each stage sharded with FSDP2 over the {self.spec.dp_degree} data-parallel "
-                f"ranks (reshard_after_forward={self.inner_spec().reshard_after_forward})"
+                f"FSDP2 under the pipeline: reshard_after_forward="
+                f"{self.inner_spec().reshard_after_forward}"
+            )
+        if self.spec.tp > 1:
+            words.append(
+                "the hidden states between stages sent as each tensor-parallel rank's part of "
+                "the sequence (sequence parallel, as torchtitan sends them)"
             )
         coords = ", ".join(f"{k} {v}" for k, v in mesh_coords(self.rank, self.spec).items())
         stages = "; ".join(p.words() for p in self.plans)
@@ -471,6 +534,9 @@ class PipelineRun(TrainingRun):
     current_step: int = 0
     observer: Any = None
     fake: bool = False
+    loss_parallel: bool = False
+    """The last stage's logits stay split over the vocabulary (the tensor-parallel plan's loss
+    parallel): the step runs under ``loss_parallel()``, its loss and backward included."""
 
     def step(self, step: int, observer: Any) -> None:
         self.current_step, self.observer = step, observer
@@ -480,7 +546,13 @@ class PipelineRun(TrainingRun):
         losses: list[torch.Tensor] | None = [] if any(s.is_last for s in self.stages) else None
         # the schedule's set-up (first step) and its first action are forward
         observer.phase(step, Phase.FORWARD)
-        with works_hold_tensors() if self.fake else contextlib.nullcontext():
+        with contextlib.ExitStack() as context:
+            if self.fake:
+                context.enter_context(works_hold_tensors())
+            if self.loss_parallel:
+                from torch.distributed.tensor.parallel import loss_parallel
+
+                context.enter_context(loss_parallel())
             self.schedule.step(
                 *self.inputs,
                 target=self.target if losses is not None else None,
@@ -571,7 +643,9 @@ def build_pipeline_run(run: TrainingRun, rank: PipelineRank, batch: dict[str, An
     stages = []
     for plan in rank.plans:
         chunk = chunks[plan.name]
-        inp, out = stage_shapes(chunk, plan, micro, ids.shape[1], rank.hidden_dtype)
+        inp, out = stage_shapes(
+            chunk, plan, micro, ids.shape[1], rank.hidden_dtype, sequence_shards=spec.tp
+        )
         stage = pipelining.PipelineStage(
             chunk, plan.index, plan.num_stages, ids.device,
             input_args=inp, output_args=out, group=group,
@@ -597,6 +671,7 @@ def build_pipeline_run(run: TrainingRun, rank: PipelineRank, batch: dict[str, An
         inputs=(ids,) if any(s.is_first for s in stages) else (),
         target=labels,
         fake=rank.fake,
+        loss_parallel=applied(last).loss_parallel and rank.plans[-1].last,
     )
     for stage in stages:
         _observe(stage, pipeline, rank.hidden_dtype)
@@ -615,14 +690,26 @@ def build_pipeline_run(run: TrainingRun, rank: PipelineRank, batch: dict[str, An
 
 
 def stage_shapes(
-    chunk: nn.Module, plan: StagePlan, micro: int, seq_len: int, hidden_dtype: torch.dtype
+    chunk: nn.Module,
+    plan: StagePlan,
+    micro: int,
+    seq_len: int,
+    hidden_dtype: torch.dtype,
+    sequence_shards: int = 1,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's input and output of a stage, on the meta device: token ids into the
     first, hidden states between stages (in the dtype the model is stored in: the residual
-    stream's, fp32 under autocast), logits out of the last."""
+    stream's, fp32 under autocast; under sequence parallelism each tensor-parallel rank's part
+    of the sequence, ``seq_len / sequence_shards``), logits out of the last (never sent: the
+    schedule gives them to the loss, and does not check their shape)."""
     config = chunk.config.get_text_config()
     hidden = torch.empty(
-        micro, seq_len, config.hidden_size, dtype=hidden_dtype, device="meta", requires_grad=True
+        micro,
+        seq_len // sequence_shards,
+        config.hidden_size,
+        dtype=hidden_dtype,
+        device="meta",
+        requires_grad=True,
     )
     ids = torch.empty(micro, seq_len, dtype=torch.long, device="meta")
     inp = ids if plan.first else hidden
