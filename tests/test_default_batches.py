@@ -4,7 +4,7 @@ model by its auto class, and the default batch must train it in a plain PyTorch 
 decides what it accepts, not this file). Found by the zoo sweep (benchmarks/zoo.py), where each
 of these failed before: CTC conformer heads (frame features and the feature extractor's mask),
 OmniASR's channel-first waveform, a speech encoder-decoder's ``inputs``, Moonshine's
-convolution stem, CANINE's code points, SigLIP 2's patches."""
+convolution stem, CANINE's code points, SigLIP 2's patches, ImageGPT's pixel tokens."""
 
 import pytest
 import torch
@@ -55,6 +55,10 @@ CASES = {
     "canine": (
         "sequence-classification",
         lambda: transformers.CanineConfig(**SMALL, num_hash_buckets=64, pad_token_id=0),
+    ),
+    "imagegpt": (
+        "image-classification",
+        lambda: transformers.ImageGPTConfig(n_embd=32, n_layer=1, n_head=2, n_positions=64),
     ),
     "siglip2": (
         "image-classification",

@@ -134,6 +134,11 @@ def _images(config: Any, cls: Any, device: torch.device, shape: Shape):
     labels = _classes(config, device, b)
     if config.model_type in PATCHIFIED_IMAGES:
         return {**_patches(config, shape, channels, device), "labels": labels}
+    if getattr(cls, "main_input_name", None) == "input_ids":
+        # ImageGPT: one colour-cluster token per pixel of an image resized to fit its learned
+        # positions (32 x 32 for 1024), or --image-size per side
+        side = shape.image_size or math.isqrt(position_limit(config) or 0)
+        return {"input_ids": _ids(config, device, b, side * side), "labels": labels}
     return {"pixel_values": torch.randn(b, channels, size, size, device=device), "labels": labels}
 
 
