@@ -179,6 +179,7 @@ def pipeline_rank_groups(spec: TrainingSpec) -> list[list[int]]:
     checked even, ``mesh.check_even_tp``). Every pipeline rank differs: the first holds the embedding,
     the last the head and the loss, and 1F1B keeps a different number of micro-batches in
     flight on each."""
+    check_pipeline_spec(spec)
     check_even_tp(spec)
     groups: dict[int, list[int]] = {}
     for rank in range(spec.world_size):
@@ -489,11 +490,6 @@ class PipelineRank:
                     if self.spec.tp > 1:
                         chunk._pipeline_sequence_mesh = self.mesh["tp"]
             words.extend(applied(chunks[-1]).words)
-        if fsdp_degree(self.spec) > 1:
-            words.append(
-                f"FSDP2 under the pipeline: reshard_after_forward="
-                f"{self.inner_spec().reshard_after_forward}"
-            )
         if self.spec.tp > 1:
             words.append(
                 "the hidden states between stages sent as each tensor-parallel rank's part of "
