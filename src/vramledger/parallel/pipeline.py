@@ -176,9 +176,9 @@ def pipeline_rank_groups(spec: TrainingSpec) -> list[list[int]]:
     """Ranks that share one ledger: those of the same pipeline rank (the same stages) are
     symmetric along the data-parallel axis (FSDP2 shards evenly; the traced rank, data-parallel
     rank 0, holds the largest shard) and along the tensor-parallel one (the plan's splits are
-    checked even, ``mesh.check_even_tp``). Every pipeline rank differs: the first holds the embedding,
-    the last the head and the loss, and 1F1B keeps a different number of micro-batches in
-    flight on each."""
+    checked even, ``mesh.check_even_tp``). Every pipeline rank differs: the first holds the
+    embedding, the last the head and the loss, and 1F1B keeps a different number of
+    micro-batches in flight on each."""
     check_pipeline_spec(spec)
     check_even_tp(spec)
     groups: dict[int, list[int]] = {}
