@@ -330,3 +330,30 @@ def test_plan_layouts_are_what_estimate_says():
     assert any("fits on 2 GPUs, fewer than data parallelism alone (3)" in n for n in result.notes)
     data = result.to_dict()["layouts"]["adamw"][0]
     assert data["layout"]["tp"] == 2 and data["gpus"] == 2 and data["method"] == "estimated"
+
+
+def test_plan_lays_out_pipeline_stages_with_tensor_parallelism():
+    """Pipeline stages across nodes with tensor parallelism in each (pp x tp): each layout
+    shown is what estimate says of it."""
+    spec = TrainingSpec(
+        model=fixture("hub/tiny-llama-8l-bf16"),
+        seq_len=64,
+        batch_size=1,
+        precision="bf16-mixed",
+        gpu="a100-80gb",
+    )
+    one = estimate(spec)
+    gpu = resolve_gpu("a100-80gb", memory=one.reserved_peak_bytes - MIB)
+    result = plan(
+        spec, gpu, optimizers=["adamw"], margin=0, max_gpus=16, checkpointing=(False,),
+        offloads=("none",), gpus_per_node=2, workers=1, tp_degrees=(2,), pp_degrees=(2,),
+    )  # fmt: skip
+    layouts = {(r.layout.tp, r.layout.pp): r for r in result.layouts["adamw"]}
+    assert set(layouts) == {(2, 1), (1, 2), (2, 2)}, result.notes
+    both = layouts[(2, 2)]
+    assert both.fits
+    ledger = estimate(both.layout.spec(replace(spec, gpu=gpu, margin=0)))
+    assert ledger.reserved_peak_bytes == both.peak_bytes_per_gpu
+    assert ledger.world_size == both.layout.gpus
+    stages = {rank.mesh_coords["pp"] for _, rank in ledger.ranks}
+    assert stages == {0, 1}
