@@ -238,7 +238,7 @@ def test_data_dependent_error_names_operator_and_module_and_suggests_measure(cap
 
 
 def test_process_exit_code_and_debug_traceback():
-    cmd = [sys.executable, "-m", "vramledger.cli", "estimate", fixture("bad/truncated.json")]
+    cmd = [sys.executable, "-m", "vramledger", "estimate", fixture("bad/truncated.json")]
     quiet = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert quiet.returncode == 2 and "Traceback" not in quiet.stderr
     loud = subprocess.run([*cmd, "--debug"], capture_output=True, text=True, timeout=120)
