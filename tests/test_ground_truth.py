@@ -46,6 +46,8 @@ CASES = {
     "mlp-rmsprop": dict(optimizer="rmsprop", **MLP),
     "cnn-adamw": dict(optimizer="adamw", batch_size=4, **CNN),
     "cnn-sgd-bf16-autocast": dict(optimizer="sgd", precision="bf16-autocast", batch_size=4, **CNN),
+    # convolutions around a transposed LayerNorm (fake_corrections: its gradient's layout)
+    "data2vec-audio-ctc-fp32": dict(model=fixture("hub/data2vec-audio-tiny"), **TEXT),
 }
 
 

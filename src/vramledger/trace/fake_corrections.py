@@ -1,7 +1,7 @@
 """Where a fake (meta) kernel differs from the real kernels.
 
 ``CORRECTIONS``: for these operators the meta implementation returns outputs of a different
-dtype than the real CPU and CUDA kernels; the tracker replaces those outputs by fake tensors of
+dtype or layout than the real CPU and CUDA kernels; the tracker replaces those outputs by fake tensors of
 the real dtype before anything sees them, so the ledger, the saved tensors and the backward all
 match a real run. ``SUBSTITUTES``: for these the meta implementation refuses inputs the real
 kernels accept; the tracker computes the output's shape itself. Each entry is checked against a
@@ -40,6 +40,20 @@ def _batch_norm_stats(args: Sequence[Any], out: Any) -> Any:
         if isinstance(stat, torch.Tensor) and stat.dtype in _HALF:
             fixed[i] = torch.empty(stat.shape, dtype=BATCH_NORM_STATS_DTYPE, device=stat.device)
     return type(out)(fixed)
+
+
+def _layer_norm_grad_contiguous(args: Sequence[Any], out: Any) -> Any:
+    """``native_layer_norm_backward``'s input gradient is contiguous: the CPU and CUDA kernels
+    (``layer_norm_backward_cpu`` / ``layer_norm_backward_cuda`` in aten/src/ATen/native/
+    layer_norm.cpp and cuda/layer_norm_kernel.cu) allocate it ``empty_like`` the contiguous
+    input (``input.expect_contiguous()``); the meta kernel keeps the strides of a transposed
+    input, so a convolution after a transposed LayerNorm (the wav2vec2 family's feature
+    encoders) saw a contiguous gradient where the real one copies a strided one."""
+    grad = out[0]
+    if not isinstance(grad, torch.Tensor) or grad.is_contiguous():
+        return out
+    fixed = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    return type(out)((fixed, *out[1:]))
 
 
 Substitute = Callable[..., Any]
@@ -85,6 +99,7 @@ CORRECTIONS: dict[Any, Correction] = {
     aten._native_batch_norm_legit.no_stats: _batch_norm_stats,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_stats,
     aten._native_batch_norm_legit_functional.default: _batch_norm_stats,
+    aten.native_layer_norm_backward.default: _layer_norm_grad_contiguous,
 }
 
 
