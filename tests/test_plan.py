@@ -1,6 +1,7 @@
 """plan, advise and rehearse, checked against re-estimates and real runs."""
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 
@@ -301,18 +302,19 @@ def test_layout_search_settles_where_one_replica_fewer_does_not_fit():
     assert not too_small.fits and too_small.layout.dp == 5  # at the most GPUs allowed
 
 
+def _one_gpu_too_small(model: str, seq_len: int) -> tuple[TrainingSpec, Any]:
+    """A bf16-mixed AdamW spec of ``model`` and a GPU one MiB too small for it alone."""
+    spec = TrainingSpec(
+        model=fixture(model), seq_len=seq_len, batch_size=1, precision="bf16-mixed", gpu="a100-80gb"
+    )
+    one = estimate(spec)
+    return spec, resolve_gpu("a100-80gb", memory=one.reserved_peak_bytes - MIB)
+
+
 def test_plan_layouts_are_what_estimate_says():
     """Every layout the plan shows was re-estimated: estimate gives the same reserved peak;
     tensor parallelism over 2 GPUs fits where data parallelism needs 3."""
-    spec = TrainingSpec(
-        model=fixture("hub/tiny-llama-tp4-bf16"),
-        seq_len=256,
-        batch_size=1,
-        precision="bf16-mixed",
-        gpu="a100-80gb",
-    )
-    one = estimate(spec)
-    gpu = resolve_gpu("a100-80gb", memory=one.reserved_peak_bytes - MIB)
+    spec, gpu = _one_gpu_too_small("hub/tiny-llama-tp4-bf16", seq_len=256)
     result = plan(
         spec, gpu, optimizers=["adamw"], margin=0, max_gpus=16, checkpointing=(False,),
         offloads=("none",), gpus_per_node=4, workers=1, tp_degrees=(2, 4),
@@ -335,15 +337,7 @@ def test_plan_layouts_are_what_estimate_says():
 def test_plan_lays_out_pipeline_stages_with_tensor_parallelism():
     """Pipeline stages across nodes with tensor parallelism in each (pp x tp): each layout
     shown is what estimate says of it."""
-    spec = TrainingSpec(
-        model=fixture("hub/tiny-llama-8l-bf16"),
-        seq_len=64,
-        batch_size=1,
-        precision="bf16-mixed",
-        gpu="a100-80gb",
-    )
-    one = estimate(spec)
-    gpu = resolve_gpu("a100-80gb", memory=one.reserved_peak_bytes - MIB)
+    spec, gpu = _one_gpu_too_small("hub/tiny-llama-8l-bf16", seq_len=64)
     result = plan(
         spec, gpu, optimizers=["adamw"], margin=0, max_gpus=16, checkpointing=(False,),
         offloads=("none",), gpus_per_node=2, workers=1, tp_degrees=(2,), pp_degrees=(2,),
