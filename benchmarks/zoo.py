@@ -11,12 +11,13 @@ image-classification, sequence-classification or audio (audio classification, CT
 seq2seq) head in transformers' own auto mappings (``--tasks token-classification,
 image-text-to-text`` adds those) is built from its config class's defaults, shrunk generically
 (2 layers, width 64, 4 heads, feed-forward 128, vocabulary 1024, 4 experts, 64-pixel images;
-``shrink``; LayerDrop off, ``LAYERDROP_SUFFIX``), and saved as transformers saves it (``save_pretrained``) twice: with a declared
-checkpoint dtype (``"dtype": "bfloat16"``) and without one. For each precision and config
-variant, ``vramledger.estimate(model=config.json, task=HEAD, target="cpu")`` of the steady-state
-step peak (``peak_bytes``) is compared with the real CPU run of the same step
-(``vramledger.measure``; its ``measured_peak_bytes`` is the CPU allocator's own count):
-error = (estimate - measured) / measured. Batch 2 x 32 tokens, AdamW. Each (architecture, head)
+``shrink``; LayerDrop off, ``LAYERDROP_SUFFIX``), and saved as transformers saves it
+(``save_pretrained``) twice: with a declared checkpoint dtype (``"dtype": "bfloat16"``) and
+without one. For each precision and config variant,
+``vramledger.estimate(model=config.json, task=HEAD, target="cpu")`` of the steady-state step peak
+(``peak_bytes``) is compared with the real CPU run of the same step (``vramledger.measure``; its
+``measured_peak_bytes`` is the CPU allocator's own count): error = (estimate - measured) /
+measured. Batch 2 x 32 tokens, AdamW. Each (architecture, head)
 runs in its own subprocess, with a timeout per run.
 
 Before vramledger sees a config, the head's model built from it takes one plain PyTorch
@@ -945,18 +946,16 @@ def plain_batch(case: Case, config: Any) -> dict[str, Any]:
 def _unusual_images(case: Case, config: Any) -> bool:
     """Image classifiers that take no image tensor of (batch, channels, height, width): patches
     cut by their processor (SigLIP 2) or one token per pixel (ImageGPT); vramledger's default
-    batch makes them."""
+    batch makes them (``vramledger.tasks.image_input``)."""
     if case.task != "image-classification":
         return False
     import transformers
 
     try:
-        from vramledger.tasks import PATCHIFIED_IMAGES
+        from vramledger.tasks import image_input
     except ImportError:
         return False
-    cls = getattr(transformers, case.class_name, None)
-    takes_ids = getattr(cls, "main_input_name", None) == "input_ids"
-    return config.model_type in PATCHIFIED_IMAGES or takes_ids
+    return image_input(config, getattr(transformers, case.class_name, None)) != "pixels"
 
 
 def _can_feed(task: str) -> bool:

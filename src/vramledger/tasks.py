@@ -125,6 +125,17 @@ PATCHIFIED_IMAGES = frozenset({"siglip2"})
 of ``(batch, patches, channels * patch_size**2)``, a patch mask and each image's patch grid)."""
 
 
+def image_input(config: Any, cls: Any) -> Literal["pixels", "patches", "pixel-tokens"]:
+    """How an image classifier takes its image: ``pixel_values`` of (batch, channels, height,
+    width); patches its processor cuts (``PATCHIFIED_IMAGES``); or one token per pixel (a model
+    whose main input is ``input_ids``: ImageGPT's colour clusters)."""
+    if config.model_type in PATCHIFIED_IMAGES:
+        return "patches"
+    if getattr(cls, "main_input_name", None) == "input_ids":
+        return "pixel-tokens"
+    return "pixels"
+
+
 def _images(config: Any, cls: Any, device: torch.device, shape: Shape):
     size = shape.image_size or _vision_attr(config, "image_size") or DEFAULT_IMAGE_SIZE
     if isinstance(size, (list, tuple)):
@@ -132,11 +143,11 @@ def _images(config: Any, cls: Any, device: torch.device, shape: Shape):
     channels = _vision_attr(config, "num_channels") or 3
     b = shape.batch_size
     labels = _classes(config, device, b)
-    if config.model_type in PATCHIFIED_IMAGES:
+    kind = image_input(config, cls)
+    if kind == "patches":
         return {**_patches(config, shape, channels, device), "labels": labels}
-    if getattr(cls, "main_input_name", None) == "input_ids":
-        # ImageGPT: one colour-cluster token per pixel of an image resized to fit its learned
-        # positions (32 x 32 for 1024), or --image-size per side
+    if kind == "pixel-tokens":
+        # an image resized to fit the learned positions (32 x 32 for 1024), or --image-size
         side = shape.image_size or math.isqrt(position_limit(config) or 0)
         return {"input_ids": _ids(config, device, b, side * side), "labels": labels}
     return {"pixel_values": torch.randn(b, channels, size, size, device=device), "labels": labels}
@@ -312,7 +323,7 @@ def _feature_mask_name(config: Any) -> str:
         names = auto.feature_extractor_class_from_name(name).model_input_names if name else []
     except ImportError:  # an extractor needing a package not installed (torchaudio)
         names = []
-    return names[1] if len(names) > 1 else "attention_mask"
+    return next((n for n in names if n.endswith("mask")), "attention_mask")
 
 
 def _speech_seq2seq(config: Any, cls: Any, device: torch.device, shape: Shape):
