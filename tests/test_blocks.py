@@ -63,3 +63,78 @@ def test_blocks_that_differ_are_traced_in_full():
     full = trace(spec, policy_for("cuda"), extend_blocks=False)
     assert any("traced every block" in n for n in result.notes), result.notes
     assert same_timeline(result.timeline, full.timeline)
+
+
+VERIFIED_CASES = {
+    "llama-bf16-mixed-ckpt-cuda": CASES["llama-bf16-mixed-ckpt-cuda"],
+    "vit-adam-cuda": CASES["vit-adam-cuda"],
+    "llama-fsdp-3-ranks-adamw8bit": dict(
+        model=deep("tiny-llama.json"),
+        precision="bf16-mixed",
+        optimizer="adamw8bit",
+        world_size=3,
+        strategy="fsdp",
+        seq_len=32,
+    ),
+    "llama-tp2-fsdp2": dict(
+        model=deep("tiny-llama.json"), precision="bf16-mixed", dp_shard=2, tp=2, seq_len=32
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(VERIFIED_CASES))
+def test_verified_extension_from_the_smaller_trace_equals_full_trace(name):
+    """A plan's re-estimates that differ only in data-parallel degree skip the check once one of
+    them passed it (``blocks_verified``) and extend the smaller trace: still the full trace."""
+    from vramledger.predict import _engine
+
+    spec = TrainingSpec(**VERIFIED_CASES[name])
+    policy = policy_for(spec.target)
+    verified = trace(spec, policy, engine=_engine(spec), blocks_verified=True)
+    full = trace(spec, policy, engine=_engine(spec), extend_blocks=False)
+    assert verified.extended and not full.extended
+    assert any("verified exact on this run at another" in n for n in verified.notes)
+    assert same_timeline(verified.timeline, full.timeline)
+    assert (verified.parameters, verified.trainable_parameters) == (
+        full.parameters,
+        full.trainable_parameters,
+    )
+
+
+STEP_MEMO_CASES = {
+    "adamw8bit-cuda": dict(
+        model=deep("tiny-llama.json"), precision="bf16-mixed", optimizer="adamw8bit", seq_len=32
+    ),
+    "adam4bit-fsdp-3-ranks": dict(
+        model=deep("tiny-llama.json"),
+        precision="bf16-mixed",
+        optimizer="adam4bit",
+        world_size=3,
+        strategy="fsdp",
+        seq_len=32,
+    ),
+    "adamwfp8-tp2-fsdp2": dict(
+        model=deep("tiny-llama.json"),
+        precision="bf16-mixed",
+        optimizer="adamwfp8",
+        dp_shard=2,
+        tp=2,
+        seq_len=32,
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(STEP_MEMO_CASES))
+def test_replayed_optimizer_steps_equal_running_every_step(name, monkeypatch):
+    """torchao's per-parameter steps are run once per argument layout and replayed after
+    (``trace/step_memo.py``): the timeline is the one running every step makes."""
+    from vramledger.predict import _engine
+    from vramledger.trace import step_memo
+
+    spec = TrainingSpec(**STEP_MEMO_CASES[name])
+    policy = policy_for(spec.target)
+    replayed = trace(spec, policy, engine=_engine(spec), extend_blocks=False)
+    monkeypatch.setattr(step_memo, "STEP_FUNCTIONS", ())
+    every = trace(spec, policy, engine=_engine(spec), extend_blocks=False)
+    assert same_timeline(replayed.timeline, every.timeline)
+    assert replayed.optimizer_state_bytes == every.optimizer_state_bytes

@@ -254,6 +254,25 @@ def steady_peak(r: Replay) -> PeakPoint:
     return max(steady, key=lambda p: p.total)
 
 
+def steady_tensor_peak(timeline: Timeline) -> int:
+    """``steady_peak(replay(timeline)).total`` (device tensor bytes, no allocator) without the
+    per-category bookkeeping: one cumulative sum over the events, for a planner that asks it of
+    hundreds of derived timelines."""
+    import torch
+
+    start = min((index for index, step, _ in timeline.marks if step >= 2), default=None)
+    if start is None:
+        raise ValueError("the timeline has no steady-state step (steps >= 2)")
+    events = torch.tensor(timeline.events, dtype=torch.int64)
+    sids = torch.where(events >= 0, events, ~events)
+    sizes = torch.tensor(timeline.nbytes, dtype=torch.int64)
+    sizes[torch.tensor(timeline.on_host, dtype=torch.bool)] = 0
+    delta = sizes[sids]
+    total = torch.where(events >= 0, delta, -delta).cumsum(0)
+    entering = int(total[start - 1]) if start > 0 else 0
+    return max(entering, int(total[start:].max())) if start < len(total) else entering
+
+
 def steady_reserved_peak(r: Replay) -> int:
     """The most the allocator held in a steady-state step (the allocated peak where the replay
     had no allocator that reserves)."""
@@ -331,6 +350,9 @@ class Ledger:
     moe_routing_peaks: dict[str, int] = field(default_factory=dict)
     """When the peak depends on how MoE routers route: the allocated peak under each routing
     traced (trace/values.py); empty when it does not."""
+    blocks_extended: bool = False
+    """The timeline was extended from a few of the model's identical blocks (trace/blocks.py)
+    rather than traced block by block."""
     verdict: Verdict | None = None
     """Whether the step fits the GPU asked for (``--gpu``/``--gpu-memory``), with the margin;
     None when no GPU was given."""

@@ -52,12 +52,16 @@ def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:
     return spec
 
 
-def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
+def estimate(
+    spec: TrainingSpec | None = None, /, *, blocks_verified: bool = False, **fields: Any
+) -> Ledger:
     """Predict the peak memory of ``spec``'s training step on its target device.
 
     ``estimate(TrainingSpec(model="config.json", ...))`` or ``estimate(model=..., ...)``. With
     ``world_size`` > 1 the ledger is the worst rank's, and ``ledger.ranks`` holds every distinct
-    rank's.
+    rank's. ``blocks_verified``: the block extension was verified exact on this run at another
+    data-parallel degree (``trace/fake.py``; the planner's re-estimates): the values are the
+    same, the check's smaller trace is not made again.
     """
     spec, notes = apply_deepspeed(as_spec(spec, fields))
     spec, read = apply_accelerate(spec)
@@ -68,7 +72,13 @@ def estimate(spec: TrainingSpec | None = None, /, **fields: Any) -> Ledger:
         warnings += precision_warnings(gpu, spec.precision)
     groups = rank_groups(spec)
     ledgers = [
-        (r, replace(_estimate_rank(spec, r[0], notes), mesh_coords=mesh_coords(r[0], spec)))
+        (
+            r,
+            replace(
+                _estimate_rank(spec, r[0], notes, blocks_verified),
+                mesh_coords=mesh_coords(r[0], spec),
+            ),
+        )
         for r in groups
     ]
     ranks, worst = max(ledgers, key=lambda item: item[1].allocated_peak_bytes)
@@ -129,18 +139,20 @@ def _engine(spec: TrainingSpec, rank: int = 0) -> Any:
     return DeepSpeedZero(spec) if spec.strategy in DEEPSPEED_STRATEGIES else DataParallel(spec)
 
 
-def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
+def _estimate_rank(
+    spec: TrainingSpec, rank: int, notes: list[str], blocks_verified: bool = False
+) -> Ledger:
     """One rank's ledger. When the memory depends on how an MoE router routes (a value-dependent
     operator read the routing), every routing is traced and the answer is the asked one's —
     the largest for ``worst`` — with each routing's peak in ``moe_routing_peaks``."""
     first = spec.moe_routing if spec.moe_routing in CONCRETE_ROUTINGS else "balanced"
-    ledger, dependent = _trace_ledger(spec, rank, notes, first)
+    ledger, dependent = _trace_ledger(spec, rank, notes, first, blocks_verified)
     if not dependent:
         return ledger
     ledgers = {first: ledger}
     for routing in CONCRETE_ROUTINGS:
         if routing not in ledgers:
-            ledgers[routing] = _trace_ledger(spec, rank, notes, routing)[0]
+            ledgers[routing] = _trace_ledger(spec, rank, notes, routing, blocks_verified)[0]
     peaks = {r: ledgers[r].allocated_peak_bytes for r in CONCRETE_ROUTINGS}
     chosen = max(peaks, key=peaks.get) if spec.moe_routing == "worst" else first
     band = ", ".join(f"{r} {format_bytes(b)}" for r, b in peaks.items())
@@ -154,7 +166,7 @@ def _estimate_rank(spec: TrainingSpec, rank: int, notes: list[str]) -> Ledger:
 
 
 def _trace_ledger(
-    spec: TrainingSpec, rank: int, notes: list[str], routing: str
+    spec: TrainingSpec, rank: int, notes: list[str], routing: str, blocks_verified: bool = False
 ) -> tuple[Ledger, dict[str, str]]:
     policy = policy_for(spec)
     # Under ZeRO-1/2 a rank owns different parameters in each block: not identical blocks.
@@ -165,6 +177,7 @@ def _trace_ledger(
         extend_blocks=spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"},
         routing=routing,
         engine=_engine(spec, rank),
+        blocks_verified=blocks_verified,
     )
     ledger = build_ledger(
         result.timeline,
@@ -179,4 +192,4 @@ def _trace_ledger(
         seconds=result.seconds,
         version=__version__,
     )
-    return ledger, result.routing_dependent
+    return replace(ledger, blocks_extended=result.extended), result.routing_dependent

@@ -176,6 +176,15 @@ def start_layout(answer: Configuration, tp: int, pp: int) -> Layout:
     )
 
 
+def likely_layouts(answer: Configuration, pairs: Sequence[tuple[int, int]]) -> list[Layout]:
+    """What the layout searches of ``answer`` most likely re-estimate: each start and one
+    replica fewer (to run ahead)."""
+    if answer.gpus <= 1:
+        return []
+    starts = [start_layout(answer, tp, pp) for tp, pp in pairs]
+    return [replace(x, dp=dp) for x in starts for dp in (x.dp, x.dp - 1) if dp >= 1]
+
+
 def layout_costs(
     layout: Layout, seq_len: int, hidden: int, layers: int, parameter_bytes: int
 ) -> dict[str, Any]:
@@ -214,16 +223,7 @@ def search_layouts(
         for name, cfg in answers.items()
         if cfg is not None and cfg.gpus > 1
     }
-    # run ahead what the searches most likely need: each start and one replica fewer
-    ahead(
-        [
-            replace(layout, dp=dp)
-            for layouts in starts.values()
-            for layout in layouts
-            for dp in (layout.dp, layout.dp - 1)
-            if dp >= 1
-        ]
-    )
+    ahead([x for cfg in answers.values() if cfg is not None for x in likely_layouts(cfg, pairs)])
     results: dict[str, list[LayoutResult]] = {}
     notes: list[str] = []
     for name, layouts in starts.items():

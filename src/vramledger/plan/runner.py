@@ -7,6 +7,14 @@ processes (``spawn``: fresh interpreters, nothing shared with this one) while th
 through those already back, and the re-estimates the answers will most likely need run ahead
 there in the order the planner will ask for them. The values are the same with or without
 workers; only the wall time changes.
+
+Re-estimates that differ only in their data-parallel degree (an answer at ``n`` GPUs and at
+``n - 1``, a layout at ``dp`` and ``dp - 1``) are the same run with other shard sizes: once one of
+them has verified that its identical blocks extend exactly (``trace/blocks.py``), the others trace
+only the smaller of the two shallow models (``blocks_verified``; about half the tracing). Such
+re-estimates are handed to the workers one at a time, at most one per worker, so each can use
+what those before it verified: the first of a family waits for no one, and a second of a family
+whose first is still running is started only when nothing else is waiting.
 """
 
 from __future__ import annotations
@@ -14,10 +22,12 @@ from __future__ import annotations
 import logging
 import multiprocessing
 import os
+import threading
 import time
 import warnings
 from collections.abc import Hashable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
+from dataclasses import fields
 from typing import Any
 
 from ..spec import TrainingSpec
@@ -36,13 +46,34 @@ def traced_timeline(spec: TrainingSpec) -> Timeline:
     return trace(spec, policy_for(spec)).timeline
 
 
-def reserved_peak(spec: TrainingSpec) -> tuple[int, int]:
-    """What the real engines say ``spec`` reserves on its worst GPU, and that rank's host bytes
-    (what it offloads)."""
+EXTENSIBLE_ALIKE_STRATEGIES = frozenset({None, "none", "ddp", "fsdp", "zero3"})
+"""Strategies whose traced step has the same events at every data-parallel degree, only other
+shard sizes (DDP, FSDP2; tensor parallelism on the mesh): whether its identical blocks extend
+exactly does not depend on the degree. Not ZeRO-1/2 (DeepSpeed's partitions cut its flat buffers
+at other parameters on other degrees; never extended anyway) nor pipelines (stages change)."""
+
+
+def extension_family(spec: TrainingSpec) -> str | None:
+    """What ``spec`` shares with the re-estimates that differ from it only in their
+    data-parallel degree (degrees of two and more alike: one rank or sharded), or None when the
+    block extension must be checked on every degree."""
+    if spec.strategy not in EXTENSIBLE_ALIKE_STRATEGIES or spec.pp > 1:
+        return None
+    degrees = {
+        "world_size": min(spec.world_size, 2),
+        "dp_shard": None if spec.dp_shard is None else min(spec.dp_shard, 2),
+    }
+    return repr([(f.name, degrees.get(f.name, getattr(spec, f.name))) for f in fields(spec)])
+
+
+def reserved_peak(spec: TrainingSpec, blocks_verified: bool = False) -> tuple[int, int, bool]:
+    """What the real engines say ``spec`` reserves on its worst GPU, that rank's host bytes
+    (what it offloads), and whether every traced rank's blocks were extended (verified)."""
     from ..predict import estimate
 
-    ledger = estimate(spec)
-    return ledger.reserved_peak_bytes, ledger.host_bytes
+    ledger = estimate(spec, blocks_verified=blocks_verified)
+    extended = all(rank.blocks_extended for _, rank in ledger.ranks) if ledger.ranks else False
+    return ledger.reserved_peak_bytes, ledger.host_bytes, extended and not blocks_verified
 
 
 def available_cpus() -> int:
@@ -56,8 +87,17 @@ class Runner:
         """``workers``: processes to use; None: one per CPU if the first trace is slow enough."""
         self.workers = workers
         self._values: dict[Hashable, tuple[int, int]] = {}
-        self._pending: dict[Hashable, tuple[TrainingSpec, Future[tuple[int, int]]]] = {}
+        self._errors: dict[Hashable, BaseException] = {}
+        self._asked: set[Hashable] = set()
+        self._queued: dict[Hashable, TrainingSpec] = {}
+        """Re-estimates run ahead, not yet handed to a worker, in the order to hand them."""
+        self._running: dict[Future[tuple[int, int, bool]], tuple[Hashable, TrainingSpec]] = {}
+        self._verified: set[str] = set()
+        """Extension families (``extension_family``) whose blocks were verified to extend."""
         self._pool: ProcessPoolExecutor | None = None
+        self._lock = threading.Condition(threading.RLock())
+        """Guards the queue, the running re-estimates and their answers: workers' answers are
+        taken in the pool's thread, as they come back, and the next one handed out there."""
 
     # -- traces ------------------------------------------------------------------------------
     def traces(self, specs: list[TrainingSpec]) -> Iterator[tuple[TrainingSpec, Timeline]]:
@@ -80,33 +120,87 @@ class Runner:
 
     # -- re-estimates ------------------------------------------------------------------------
     def ahead(self, items: Iterable[tuple[Hashable, TrainingSpec]]) -> None:
-        """Start these re-estimates (a key and its spec) in the workers, in this order (nothing
+        """Queue these re-estimates (a key and its spec) for the workers, in this order (nothing
         without workers)."""
-        for key, spec in items:
-            if key not in self._values and key not in self._pending:
-                future = self._submit(reserved_peak, spec)
-                if future is not None:
-                    self._pending[key] = (spec, future)
+        if self._pool is None:
+            return
+        with self._lock:
+            for key, spec in items:
+                if not self._known(key) and not self._is_running(key):
+                    self._queued.setdefault(key, spec)
+            self._pump()
 
     def reserved(self, key: Hashable, spec: TrainingSpec) -> tuple[int, int]:
         """Reserved peak bytes of ``spec`` on its worst GPU and that rank's host bytes,
         estimated once per ``key``."""
-        if key not in self._values:
-            _, future = self._pending.pop(key, (spec, None))
-            if future is None and self._pool is not None:
-                # With workers the CPUs are theirs: run it there, before what runs ahead.
-                queued = [(k, sf[0]) for k, sf in self._pending.items() if sf[1].cancel()]
-                for k, _ in queued:
-                    del self._pending[k]
-                future = self._submit(reserved_peak, spec)
-                self.ahead(queued)
-            self._values[key] = future.result() if future else reserved_peak(spec)
+        self._asked.add(key)
+        if self._pool is None:
+            if not self._known(key):
+                self._record(key, spec, lambda verified: reserved_peak(spec, verified))
+        else:
+            with self._lock:
+                if not self._known(key) and not self._is_running(key):
+                    # The planner waits for this one: it goes first to the next free worker.
+                    self._queued.pop(key, None)
+                    self._queued = {key: spec, **self._queued}
+                    self._pump(first=key)
+                self._lock.wait_for(lambda: self._known(key))
+        if key in self._errors:
+            raise self._errors[key]
         return self._values[key]
+
+    def _known(self, key: Hashable) -> bool:
+        return key in self._values or key in self._errors
+
+    def _record(self, key: Hashable, spec: TrainingSpec, run: Any) -> None:
+        family = extension_family(spec)
+        try:
+            peak, host, verified = run(family in self._verified)
+        except Exception as exc:  # the planner decides what an engine's refusal means
+            self._errors[key] = exc
+            return
+        if verified and family is not None:
+            self._verified.add(family)
+        self._values[key] = (peak, host)
+
+    def _is_running(self, key: Hashable) -> bool:
+        return any(k == key for k, _ in self._running.values())
+
+    def _finished(self, future: Future[tuple[int, int, bool]]) -> None:
+        """A worker is back (in the pool's thread): keep its answer, hand it the next one."""
+        with self._lock:
+            key, spec = self._running.pop(future)
+            self._record(key, spec, lambda _verified: future.result())
+            self._pump()
+            self._lock.notify_all()
+
+    def _pump(self, first: Hashable | None = None) -> None:
+        """Hand queued re-estimates to free workers: ``first`` if given, then the first that can
+        use a verified extension or is its family's first, else the first queued."""
+        while self._pool is not None and self._queued and len(self._running) < (self.workers or 1):
+            running = {extension_family(spec) for _, spec in self._running.values()}
+            key = first if first in self._queued else None
+            if key is None:
+                key = next(
+                    (
+                        k
+                        for k, spec in self._queued.items()
+                        if (family := extension_family(spec)) is None
+                        or family in self._verified
+                        or family not in running
+                    ),
+                    next(iter(self._queued)),
+                )
+            spec = self._queued.pop(key)
+            verified = extension_family(spec) in self._verified
+            future = self._pool.submit(reserved_peak, spec, verified)
+            self._running[future] = (key, spec)
+            future.add_done_callback(self._finished)
 
     @property
     def estimates(self) -> int:
         """Re-estimates the plan used (not those run ahead and never asked for)."""
-        return len(self._values)
+        return len(self._asked)
 
     # -- workers -----------------------------------------------------------------------------
     def _start(self) -> None:
@@ -123,6 +217,8 @@ class Runner:
 
     def close(self) -> None:
         if self._pool is not None:
+            with self._lock:
+                self._queued.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
 

@@ -34,7 +34,7 @@ from typing import Any
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import replay, steady_peak, steady_reserved_peak
+from ..ledger import replay, steady_reserved_peak, steady_tensor_peak
 from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
@@ -62,6 +62,7 @@ from .layouts import (
     auto_tp_degrees,
     layout_costs,
     layout_pairs,
+    likely_layouts,
     search_layouts,
 )
 from .runner import Runner
@@ -80,6 +81,10 @@ THIN_HEADROOM = 0.05
 variant at the same GPU count."""
 ROOMIER = GIB
 """...and the variant is named when it leaves at least this much more headroom."""
+WHOLE_PARAMETER_STRATEGIES = frozenset({"none", "ddp", "zero1", "zero2"})
+"""Strategies that keep every trainable parameter on each GPU whatever the count (ZeRO-1/2
+partition only the optimizer's side; no planned offload moves parameters): a model whose
+parameters alone exceed a GPU cannot fit under them, which is known before deriving any count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,7 +185,7 @@ class DerivedPeaks:
 
     def tensors(self, n: int) -> int:
         if n not in self._tensors:
-            self._tensors[n] = steady_peak(replay(self._derive(n))).total
+            self._tensors[n] = steady_tensor_peak(self._derive(n))
         return self._tensors[n]
 
     def reserved(self, n: int) -> int:
@@ -233,13 +238,14 @@ def fewest(
 
 
 def _likely_counts(config: Configuration | None, max_gpus: int) -> list[Configuration]:
-    """The re-estimates an answer most likely needs: its derived count and the counts either
-    side (an answer rests on its count and one fewer)."""
+    """The re-estimates an answer most likely needs: its derived count and one fewer (an answer
+    rests on both; one more is needed only when the derived count does not fit, and run ahead
+    it would hold a worker the others need)."""
     if config is None:
         return []
     if config.strategy in ("none", "ddp"):
         return [config]
-    counts = (config.gpus, config.gpus - 1, config.gpus + 1)
+    counts = (config.gpus, config.gpus - 1)
     return [replace(config, gpus=n) for n in counts if 2 <= n <= max_gpus]
 
 
@@ -323,6 +329,8 @@ class _Planner:
                     gpus=1,
                 )
                 self.derived[_derived_key(cfg)] = peaks
+                if strategy in WHOLE_PARAMETER_STRATEGIES and facts.parameter_bytes > self.capacity:
+                    continue
                 # One GPU runs without a strategy; strategies start at two.
                 lo, hi = (1, 1) if strategy == "none" else (2, self.max_gpus)
                 if strategy == "ddp":
@@ -561,6 +569,8 @@ def plan(
             runner=runner,
             reference=optimizers[0],
         )
+        ranked: dict[str, list[Candidate]] = {name: [] for name in optimizers}
+        left = {name: sum(b.optimizer == name for b in bases) for name in optimizers}
         for base, timeline in runner.traces(bases):
             key = (base.precision, base.grad_checkpointing)
             if key not in facts_cache:
@@ -569,21 +579,22 @@ def plan(
             if progress is not None:
                 progress("traces", traces, len(bases))
             configurations += planner.add(base, timeline, facts_cache[key], offloads)
-        searched = time.perf_counter()
-        ranked = {
-            name: sorted(
-                (c for c in planner.candidates if c.configuration.optimizer == name), key=preference
-            )
-            for name in optimizers
-        }
-        if verify:
-            runner.ahead(
-                (cfg, cfg.spec(spec))
-                for name in optimizers
-                for cfg in _likely_counts(
-                    ranked[name][0].configuration if ranked[name] else None, max_gpus
+            left[base.optimizer] -= 1
+            if not left[base.optimizer]:
+                name = base.optimizer
+                ranked[name] = sorted(
+                    (c for c in planner.candidates if c.configuration.optimizer == name),
+                    key=preference,
                 )
-            )
+                if verify:  # its answers' re-estimates start while the others are derived
+                    plain = [c for c in ranked[name] if c.configuration.offload == "none"]
+                    runner.ahead(
+                        (cfg, cfg.spec(spec))
+                        for best in (ranked[name][:1], plain[:1])
+                        for cfg in _likely_counts(best[0].configuration if best else None, max_gpus)
+                    )
+        searched = time.perf_counter()
+        if verify:
             for name in optimizers:
                 if progress is not None:
                     progress("re-estimating answers", optimizers.index(name), len(optimizers))
@@ -591,6 +602,8 @@ def plan(
                 on_gpu[name] = planner.answer(
                     [c for c in ranked[name] if c.configuration.offload == "none"]
                 )
+                # its layouts' re-estimates start while the other optimizers are settled
+                _layouts_ahead(planner, on_gpu[name], tp_degrees, pp_degrees)
             front = planner.front()
             # the answers are the front's best per optimizer: the tables agree
             for table in (fewest_gpus, on_gpu):
@@ -635,6 +648,22 @@ def plan(
             notes=list(dict.fromkeys(planner.notes)),
             layouts=layouts,
         )
+
+
+def _layouts_ahead(
+    planner: _Planner,
+    answer: Candidate | None,
+    tp_degrees: Sequence[int] | None,
+    pp_degrees: Sequence[int],
+) -> None:
+    """Run ahead the layout re-estimates one optimizer's answer without offload will most likely
+    need (``_layouts`` searches them once every answer is settled)."""
+    cfg = answer.configuration if answer is not None else None
+    if cfg is None:
+        return
+    tps = auto_tp_degrees({"": cfg}, planner.gpus_per_node) if tp_degrees is None else tp_degrees
+    pairs = layout_pairs(planner.gpus_per_node, planner.max_gpus, tps, pp_degrees)
+    planner.runner.ahead((x, x.spec(planner.spec)) for x in likely_layouts(cfg, pairs))
 
 
 def _layouts(

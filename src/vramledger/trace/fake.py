@@ -46,6 +46,7 @@ from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values, ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
 from .policy import DevicePolicy
+from .step_memo import repeated_steps
 from .tracker import StorageTracker, TrackerObserver
 from .values import CONCRETE_ROUTINGS, KnownValues
 
@@ -67,6 +68,9 @@ class TraceResult:
     routing_dependent: dict[str, str] = field(default_factory=dict)
     """Value-dependent operators that read MoE routing values (operator -> module): the memory
     depends on the routing policy (``trace/values.py``)."""
+    extended: bool = False
+    """The timeline was extended from a few identical blocks (``blocks.py``), not traced in
+    full."""
 
 
 @dataclass(kw_only=True)
@@ -116,6 +120,7 @@ def trace(
     rank: int = 0,
     routing: str | None = None,
     engine: Engine | None = None,
+    blocks_verified: bool = False,
 ) -> TraceResult:
     """Run ``spec.steps`` training steps on fake tensors under ``policy``; return the Timeline.
 
@@ -124,6 +129,9 @@ def trace(
     MoE routing policy the trace answers routers with (default: the spec's, ``balanced`` for
     ``worst``, which ``predict.py`` makes of several traces). ``engine``: what the step runs
     under (``trace/engine.py``; ``parallel/`` has the data-parallel ones), default one device.
+    ``blocks_verified``: the extension was verified exact on this same run at another
+    data-parallel degree (a plan's re-estimates, ``plan/runner.py``): only ``SMALL`` blocks are
+    traced and extended, without tracing ``SMALL + 1`` to check it again.
     """
     start = time.perf_counter()
     if routing is None:
@@ -142,7 +150,11 @@ def trace(
     if choice.package == "torchao":
         notes.append(TORCHAO_NOTE)
     log.routing = routing
-    result = _extended(recipe, choice, policy, log, engine, rank) if extend_blocks else None
+    result = (
+        _extended(recipe, choice, policy, log, engine, rank, verified=blocks_verified)
+        if extend_blocks
+        else None
+    )
     if result is None:
         model = recipe.build_model("meta")
         counts = count_parameters(model)
@@ -160,6 +172,7 @@ def trace(
         seconds=time.perf_counter() - start,
         notes=list(dict.fromkeys(policy.notes() + notes)),
         routing_dependent=log.routing_dependent,
+        extended=result is not None,
     )
 
 
@@ -170,10 +183,13 @@ def _extended(
     log: TraceLog,
     engine: Engine,
     rank: int = 0,
+    *,
+    verified: bool = False,
 ) -> tuple[Timeline, tuple[int, int]] | None:
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
-    never built; Python models are built (on meta) to find their blocks."""
+    never built; Python models are built (on meta) to find their blocks. ``verified``: the check
+    was made on the same run at another data-parallel degree; only SMALL is traced."""
     depth = config_depth(recipe.source.config)
     if depth is not None:
         if depth < MIN_BLOCKS:
@@ -198,18 +214,28 @@ def _extended(
         traced = {
             d: _run(recipe, choice, models[d], policy, log, engine, stack=stack, rank=rank)
             for d in models
+            if d == SMALL or not verified
         }
-        check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
-        if not same_timeline(check, traced[SMALL + 1]):
-            raise NotExtensible("the extended trace differs from the traced one")
-        full_timeline = extend(traced[SMALL + 1], SMALL + 1, stack.length, stack.fqn)
+        if verified:  # extending SMALL blocks was shown to reproduce SMALL + 1 on this run
+            full_timeline = extend(traced[SMALL], SMALL, stack.length, stack.fqn)
+        else:
+            check = extend(traced[SMALL], SMALL, SMALL + 1, stack.fqn)
+            if not same_timeline(check, traced[SMALL + 1]):
+                raise NotExtensible("the extended trace differs from the traced one")
+            full_timeline = extend(traced[SMALL + 1], SMALL + 1, stack.length, stack.fqn)
     except NotExtensible as exc:
         log.notes.append(f"traced every block of {stack.fqn} ({exc})")
         return None
-    log.notes.append(
-        f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in {stack.fqn} and "
-        "extended the timeline to all of them (verified exact on the smaller pair)"
+    how = (
+        f"traced {SMALL} of the {stack.length} identical blocks in {stack.fqn} and extended the "
+        "timeline to all of them (the extension was verified exact on this run at another "
+        f"data-parallel degree: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block "
+        "trace)"
+        if verified
+        else f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in "
+        f"{stack.fqn} and extended the timeline to all of them (verified exact on the smaller pair)"
     )
+    log.notes.append(how)
     # Identical blocks: each adds the same parameters.
     extra = stack.length - (SMALL + 1)
     totals = tuple(
@@ -285,6 +311,8 @@ def _run_rank(
         untracked_sharding_propagation(),
         eager,
         tracker,
+        # torchao's per-parameter steps: each argument layout traced once, then replayed
+        repeated_steps(tracker),
     ):
         tracker.label_blocks(blocks)
         try:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,7 +32,18 @@ from torch.utils._python_dispatch import (
 from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
-from .values import KnownValues
+from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
+
+
+@dataclass(frozen=True)
+class Recording:
+    """The events of one call, relative to where they began (``StorageTracker.recording``):
+    ``storages`` as (bytes, category, on host, module, operator, block, block is the call's,
+    label); ``events`` as (relative ``sid`` or ``~sid``, event block, event block is the call's)."""
+
+    storages: list[tuple[Any, ...]]
+    events: list[tuple[int, int | None, bool]]
+
 
 OpObserver = Callable[[Any, tuple[Any, ...], dict[str, Any], Any, "StorageTracker"], None]
 """Called after each operator, before its outputs are recorded:
@@ -322,6 +334,80 @@ class StorageTracker(TorchDispatchMode):
     def _block_backward(self, k: int | None, _grad: torch.Tensor) -> None:
         self._block = k
 
+    # -- recording a call's events to replay it (trace/step_memo.py) ----------------------------
+    def position(self) -> tuple[int, int, int]:
+        """Where the timeline is now (events, storages, marks): the start of a recording."""
+        tl = self.timeline
+        return len(tl.events), tl.num_storages, len(tl.marks)
+
+    def recording(self, start: tuple[int, int, int], block: int | None) -> Recording | None:
+        """The events since ``start``, if they are self-contained: every storage they allocate
+        is freed among them and they touch no other (and no phase began). ``block``: the block
+        label the call ran for, which a replay replaces with its own."""
+        first_event, first_sid, marks = start
+        tl = self.timeline
+        if len(tl.marks) != marks:
+            return None
+        events: list[tuple[int, int | None, bool]] = []
+        live: set[int] = set()
+        for e, event_block in zip(
+            tl.events[first_event:], tl.event_block[first_event:], strict=True
+        ):
+            sid = e if e >= 0 else ~e
+            if sid < first_sid or (e < 0 and sid not in live):
+                return None
+            (live.add if e >= 0 else live.discard)(sid)
+            same = block is not None and event_block == block
+            events.append((e - first_sid if e >= 0 else ~(sid - first_sid), event_block, same))
+        if live:
+            return None
+        sids = range(first_sid, tl.num_storages)
+        return Recording(
+            events=events,
+            storages=[
+                (
+                    tl.nbytes[s],
+                    tl.tags[s],
+                    tl.on_host[s],
+                    tl.module[s],
+                    tl.op[s],
+                    tl.block[s],
+                    block is not None and tl.block[s] == block,
+                    tl.labels.get(s),
+                )
+                for s in sids
+            ],
+        )
+
+    def replay(self, recording: Recording, block: int | None) -> None:
+        """Append a recording's events again, for a call that would make exactly them, its
+        block labels made ``block``'s."""
+        tl = self.timeline
+        base = tl.num_storages
+        for nbytes, tag, on_host, module, op, own_block, same, label in recording.storages:
+            sid = tl.add_storage(nbytes, tag or Category.TEMPORARIES)
+            tl.tags[sid] = tag
+            tl.on_host[sid] = on_host
+            tl.module[sid] = module
+            tl.op[sid] = op
+            tl.origin[sid] = (self.step, self.phase)
+            tl.block[sid] = block if same else own_block
+            if label is not None:
+                tl.labels[sid] = label
+        for e, event_block, same in recording.events:
+            tl.events.append(e + base if e >= 0 else ~(~e + base))
+            tl.event_block.append(block if same else event_block)
+
+    def block_of(self, t: Any) -> int | None:
+        """The block label of the storage behind ``t`` (inside a wrapper subclass, its first
+        plain tensor's)."""
+        while isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
+            attrs, _ = t.__tensor_flatten__()
+            if not attrs:
+                return None
+            t = getattr(t, attrs[0])
+        return self._storage_block(t)
+
     # -- what the training loop tells the tracker -----------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
         """Register (if new) and tag the storages of ``tensors``."""
@@ -360,6 +446,12 @@ class StorageTracker(TorchDispatchMode):
             self._end_region()
         self.step, self.phase = step, phase
         self.timeline.mark(step, phase)
+        if self.values is not None:
+            self.values.cap = (
+                OPTIMIZER_KNOWN_VALUE_CAP_BYTES
+                if phase is Phase.OPTIMIZER
+                else KNOWN_VALUE_CAP_BYTES
+            )
         if phase is Phase.FORWARD:
             self._region = []
 

@@ -36,7 +36,8 @@ routing is checked against a real run whose router is forced to it
 (``tests/test_real_inputs.py``).
 
 A known storage is forgotten when an operator with an unknown input writes into it. Outputs over
-``KNOWN_VALUE_CAP_BYTES`` are not kept (their values stay unknown), and a value-dependent
+``KNOWN_VALUE_CAP_BYTES`` (``OPTIMIZER_KNOWN_VALUE_CAP_BYTES`` in the optimizer step) are not
+kept (their values stay unknown), and a value-dependent
 operator on an unknown value still stops the trace with a message naming it.
 """
 
@@ -70,6 +71,12 @@ CONCRETE_ROUTINGS: tuple[str, ...] = ("balanced", "first", "last")
 KNOWN_VALUE_CAP_BYTES = 64 * 1024**2
 """Largest output whose real values are kept (a causal mask of 4096 x 4096 in fp32 is 64 MiB);
 larger outputs stay unknown, so the real computation never costs more than this per operator."""
+
+OPTIMIZER_KNOWN_VALUE_CAP_BYTES = 64 * 1024
+"""The cap in the optimizer step: step counters, learning rates and quantization tables stay
+known; the states' values never decide a shape there, and computing them for real (an 8-bit
+optimizer's zero-initialised codes and scales, dequantized and requantized at its first step)
+took a third of its trace."""
 
 VALUE_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException)
 """What a fake kernel raises when its output (shape or Python value) depends on tensor values."""
@@ -153,13 +160,16 @@ class KnownValues:
         self.pending_scratch = 0
         """Bytes of index tensors the last operator's real kernel makes from boolean masks and
         frees before returning; the tracker records them as the operator's scratch."""
+        self.cap = KNOWN_VALUE_CAP_BYTES
+        """Largest output whose values are kept now (the tracker lowers it to
+        ``OPTIMIZER_KNOWN_VALUE_CAP_BYTES`` in the optimizer step)."""
 
     # -- the store -------------------------------------------------------------------------------
     def register(self, fake: torch.Tensor, real: torch.Tensor, *, routed: bool = False) -> None:
         """Remember ``real`` as the contents of ``fake`` (same shape, strides and offset)."""
         if not isinstance(fake, FakeTensor) or is_traceable_wrapper_subclass(fake):
             return
-        if real.nbytes > KNOWN_VALUE_CAP_BYTES:
+        if real.nbytes > self.cap:
             return
         with _disable_current_modes(), unset_fake_temporarily():
             if (
@@ -294,7 +304,7 @@ class KnownValues:
                 # a view of a real constant becomes a new fake storage (``lift_fresh``)
                 self._register_outputs(fake_out, self._run_real(func, args, kwargs), routed)
             return fake_out
-        if sum(o.nbytes for o in _outputs(fake_out)) > KNOWN_VALUE_CAP_BYTES:
+        if sum(o.nbytes for o in _outputs(fake_out)) > self.cap:
             for t in _written(func, args, kwargs):
                 self.forget(t)
             return fake_out
@@ -315,7 +325,7 @@ class KnownValues:
             if func is aten.uniform_.default
             else 1.0
         )
-        if isinstance(target, FakeTensor) and target.nbytes <= KNOWN_VALUE_CAP_BYTES:
+        if isinstance(target, FakeTensor) and target.nbytes <= self.cap:
             with _disable_current_modes(), unset_fake_temporarily():
                 top = torch.nextafter(torch.tensor(high), torch.tensor(float("-inf")))
                 value = torch.full(target.shape, top.item(), dtype=target.dtype)
@@ -361,7 +371,7 @@ class KnownValues:
                 return  # argmax over everything: one scalar, no routing
             indices = out[1] if func is aten.max.dim else out
         n = x.shape[dim]
-        if n <= 1 or indices.nbytes > KNOWN_VALUE_CAP_BYTES:
+        if n <= 1 or indices.nbytes > self.cap:
             return
         dim = dim % max(indices.dim(), 1)
         with _disable_current_modes(), unset_fake_temporarily():
