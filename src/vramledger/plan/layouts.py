@@ -3,11 +3,11 @@ nodes, FSDP2 over the rest (torchtitan's FSDP x TP x PP mesh, ``parallel/mesh.py
 
 Starting from an optimizer's data-parallel answer (ZeRO-3/FSDP on ``G`` GPUs, no offload), each
 layout ``(tp, pp)`` — ``tp`` dividing the GPUs of a node, ``pp`` at most the nodes — is
-re-estimated with the real engines from ``dp = floor(G / (tp x pp))`` data-parallel ranks, with
-the answer's checkpointing and micro-batch, and its ``dp`` moved until it fits and one fewer
-replica (``tp x pp`` GPUs fewer: a layout cannot lose a single GPU) does not. Every layout
-shown is what ``estimate`` says for it. A pipeline layout runs ``pp`` micro-batches of the
-answer's micro-batch (1F1B, its fewest: a batch of ``pp x micro-batch`` per data-parallel rank).
+re-estimated with the real engines from ``dp = floor((G - 1) / (tp x pp))`` data-parallel ranks,
+with the answer's checkpointing and micro-batch, and its ``dp`` moved until it fits and one fewer
+replica (``tp x pp`` GPUs fewer: a layout cannot lose a single GPU) does not. Every layout shown is
+what ``estimate`` says for it. A pipeline layout runs ``pp`` micro-batches of the answer's
+micro-batch (1F1B, its fewest: a batch of ``pp x micro-batch`` per data-parallel rank).
 
 Pipeline layouts are opt-in (``pp_degrees``): a pipeline estimate traces every layer of every
 stage (the schedule interleaves the micro-batches, so a stage's trace is not a repeat of one
@@ -162,9 +162,10 @@ def search_layout(
 
 
 def start_layout(answer: Configuration, tp: int, pp: int) -> Layout:
-    """The layout (tp, pp) of a data-parallel answer, at the data-parallel degree that keeps
-    its GPU count or just under it (rounded down): a layout shards the model state over its
-    GPUs as FSDP does and splits the activations too, so it rarely needs more."""
+    """The layout (tp, pp) of a data-parallel answer, at the data-parallel degree that fits
+    in one GPU fewer than the answer (rounded down): a layout shards the model state over its
+    GPUs as FSDP does and splits the activations too, so it rarely needs as many GPUs (where it
+    does, the search moves up; this only decides which count is estimated first)."""
     return Layout(
         optimizer=answer.optimizer,
         precision=answer.precision,
@@ -172,7 +173,7 @@ def start_layout(answer: Configuration, tp: int, pp: int) -> Layout:
         micro_batch=answer.micro_batch,
         tp=tp,
         pp=pp,
-        dp=max(1, answer.gpus // (tp * pp)),
+        dp=max(1, (answer.gpus - 1) // (tp * pp)),
     )
 
 

@@ -118,6 +118,13 @@ class Runner:
                 (future.result() if future else traced_timeline(spec)),
             )
 
+    def start_workers(self) -> None:
+        """Start the workers now (one per CPU unless told), before any trace has timed the
+        model."""
+        if self.workers is None:
+            self.workers = available_cpus()
+        self._start()
+
     # -- re-estimates ------------------------------------------------------------------------
     def ahead(self, items: Iterable[tuple[Hashable, TrainingSpec]]) -> None:
         """Queue these re-estimates (a key and its spec) for the workers, in this order (nothing

@@ -81,6 +81,10 @@ THIN_HEADROOM = 0.05
 variant at the same GPU count."""
 ROOMIER = GIB
 """...and the variant is named when it leaves at least this much more headroom."""
+WORKERS_AT_ONCE_PARAMETERS = 1_000_000_000
+"""Models this large start the planner's workers before the first trace (whose time otherwise
+decides it, ``runner.py``): their traces take seconds each, so the workers always repay their
+start-up (about two seconds here)."""
 WHOLE_PARAMETER_STRATEGIES = frozenset({"none", "ddp", "zero1", "zero2"})
 """Strategies that keep every trainable parameter on each GPU whatever the count (ZeRO-1/2
 partition only the optimizer's side; no planned offload moves parameters): a model whose
@@ -559,6 +563,12 @@ def plan(
     fewest_gpus: dict[str, Candidate | None] = {}
     on_gpu: dict[str, Candidate | None] = {}
     with Runner(workers) as runner:
+        first = bases[0]
+        facts_cache[(first.precision, first.grad_checkpointing)] = model_facts(first)
+        if facts_cache[(first.precision, first.grad_checkpointing)].trainable_parameters >= (
+            WORKERS_AT_ONCE_PARAMETERS
+        ):
+            runner.start_workers()  # their start-up overlaps the first trace
         planner = _Planner(
             spec,
             gpu,
