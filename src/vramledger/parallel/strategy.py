@@ -100,6 +100,8 @@ def apply_offload(
         _master_shards_to_host(timeline, half_shard_fraction)
     offloaded = OFFLOADED[offload]
     step_on_host = offload in STEP_ON_HOST
+    if not offloaded and not step_on_host:
+        return
     for sid in range(timeline.num_storages):
         category = timeline.category(sid)
         if category in offloaded or (

@@ -387,15 +387,25 @@ class _Planner:
                 lambda k: round(peaks.tensors(k) * min(1.0, ratio)),
             )
             n = guess if guess is not None else self.max_gpus
+            # the largest count known not to fit and the smallest known to fit: bisect between
+            # them (memory per GPU never grows with the count); one step at a time from the
+            # guess while only one side is known (the guess is rarely far off)
+            lo = max((k for k in known if not fits(k)), default=None)
+            hi = min((k for k in known if fits(k)), default=None)
             for _ in range(VERIFY_TRIES):
-                if not fits(n):
-                    if n >= self.max_gpus:
-                        break
-                    n += 1
-                elif n == lowest or not fits(n - 1):
-                    break
+                if fits(n):
+                    hi = n if hi is None else min(hi, n)
                 else:
-                    n -= 1
+                    lo = n if lo is None else max(lo, n)
+                if hi is not None and (hi == lowest or hi - 1 == lo):
+                    break
+                if hi is None:
+                    if lo >= self.max_gpus:
+                        break
+                    n = lo + 1
+                else:
+                    n = hi - 1 if lo is None else (lo + hi) // 2
+            n = hi if hi is not None else n
         peak, host = at(n)
         moved = replace(cfg, gpus=n)
         ok = fits(n)
