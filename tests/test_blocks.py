@@ -65,20 +65,22 @@ def test_blocks_that_differ_are_traced_in_full():
     assert same_timeline(result.timeline, full.timeline)
 
 
+def llama_run(optimizer: str = "adamw", **layout) -> dict:
+    """A 7-block tiny Llama in bf16-mixed with ``optimizer`` on ``layout``'s GPUs."""
+    return dict(
+        model=deep("tiny-llama.json"),
+        precision="bf16-mixed",
+        optimizer=optimizer,
+        seq_len=32,
+        **layout,
+    )
+
+
 VERIFIED_CASES = {
     "llama-bf16-mixed-ckpt-cuda": CASES["llama-bf16-mixed-ckpt-cuda"],
     "vit-adam-cuda": CASES["vit-adam-cuda"],
-    "llama-fsdp-3-ranks-adamw8bit": dict(
-        model=deep("tiny-llama.json"),
-        precision="bf16-mixed",
-        optimizer="adamw8bit",
-        world_size=3,
-        strategy="fsdp",
-        seq_len=32,
-    ),
-    "llama-tp2-fsdp2": dict(
-        model=deep("tiny-llama.json"), precision="bf16-mixed", dp_shard=2, tp=2, seq_len=32
-    ),
+    "llama-fsdp-3-ranks-adamw8bit": llama_run("adamw8bit", world_size=3, strategy="fsdp"),
+    "llama-tp2-fsdp2": llama_run(dp_shard=2, tp=2),
 }
 
 
@@ -102,25 +104,9 @@ def test_verified_extension_from_the_smaller_trace_equals_full_trace(name):
 
 
 STEP_MEMO_CASES = {
-    "adamw8bit-cuda": dict(
-        model=deep("tiny-llama.json"), precision="bf16-mixed", optimizer="adamw8bit", seq_len=32
-    ),
-    "adam4bit-fsdp-3-ranks": dict(
-        model=deep("tiny-llama.json"),
-        precision="bf16-mixed",
-        optimizer="adam4bit",
-        world_size=3,
-        strategy="fsdp",
-        seq_len=32,
-    ),
-    "adamwfp8-tp2-fsdp2": dict(
-        model=deep("tiny-llama.json"),
-        precision="bf16-mixed",
-        optimizer="adamwfp8",
-        dp_shard=2,
-        tp=2,
-        seq_len=32,
-    ),
+    "adamw8bit-cuda": llama_run("adamw8bit"),
+    "adam4bit-fsdp-3-ranks": llama_run("adam4bit", world_size=3, strategy="fsdp"),
+    "adamwfp8-tp2-fsdp2": llama_run("adamwfp8", dp_shard=2, tp=2),
 }
 
 

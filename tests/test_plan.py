@@ -351,3 +351,27 @@ def test_plan_lays_out_pipeline_stages_with_tensor_parallelism():
     assert ledger.world_size == both.layout.gpus
     stages = {rank.mesh_coords["pp"] for _, rank in ledger.ranks}
     assert stages == {0, 1}
+
+
+@pytest.mark.slow
+def test_runner_reuses_a_verified_block_extension_across_data_parallel_degrees():
+    """In the workers, re-estimates that differ only in data-parallel degree reuse the block
+    check one of them made (``runner.py``); each value is what ``estimate`` says."""
+    from vramledger.ledger import steady_tensor_peak
+    from vramledger.plan.runner import Runner, extension_family
+
+    config = fixture("hub/tiny-llama-8l-bf16")
+    base = dict(model=config, seq_len=32, precision="bf16-mixed", target="cuda")
+    specs = {
+        ("fsdp", n): TrainingSpec(**base, world_size=n, strategy="fsdp") for n in (2, 3, 4)
+    } | {("tp", dp): TrainingSpec(**base, dp_shard=dp, tp=2) for dp in (2, 3)}
+    with Runner(workers=2) as runner:
+        runner.start_workers()
+        runner.ahead(specs.items())
+        values = {key: runner.reserved(key, spec) for key, spec in specs.items()}
+        verified = set(runner._verified)
+    assert {extension_family(s) for s in specs.values()} == verified  # both families checked
+    for key, spec in specs.items():
+        ledger = estimate(spec)
+        assert values[key] == (ledger.reserved_peak_bytes, ledger.host_bytes), key
+        assert steady_tensor_peak(ledger.timeline) == ledger.peak_bytes

@@ -176,10 +176,12 @@ class Runner:
     def _finished(self, future: Future[tuple[int, int, bool]]) -> None:
         """A worker is back (in the pool's thread): keep its answer, hand it the next one."""
         with self._lock:
-            key, spec = self._running.pop(future)
-            self._record(key, spec, lambda _verified: future.result())
-            self._pump()
-            self._lock.notify_all()
+            try:
+                key, spec = self._running.pop(future)
+                self._record(key, spec, lambda _verified: future.result())
+                self._pump()
+            finally:
+                self._lock.notify_all()
 
     def _pump(self, first: Hashable | None = None) -> None:
         """Hand queued re-estimates to free workers: ``first`` if given, then the first that can
@@ -200,7 +202,11 @@ class Runner:
                 )
             spec = self._queued.pop(key)
             verified = extension_family(spec) in self._verified
-            future = self._pool.submit(reserved_peak, spec, verified)
+            try:
+                future = self._pool.submit(reserved_peak, spec, verified)
+            except Exception as exc:  # a broken pool: whoever waits for it hears why
+                self._errors[key] = exc
+                continue
             self._running[future] = (key, spec)
             future.add_done_callback(self._finished)
 
