@@ -90,15 +90,14 @@ def derive(
     def shard(categories: set[Category], rename: dict[Category, Category]) -> None:
         """Divide ``categories`` over the ranks, and the optimizer step's temporaries (the fp32
         gradients of a master-weight step among them): each rank steps its own part."""
-        for sid in range(out.num_storages):
-            category = out.category(sid)
-            step_temporary = (
-                category is Category.TEMPORARIES and out.origin[sid][1] is Phase.OPTIMIZER
-            )
-            if category in categories or step_temporary:
-                out.nbytes[sid] = -(-out.nbytes[sid] // n)
+        nbytes, tags, origin = out.nbytes, out.tags, out.origin
+        temporary, optimizer = Category.TEMPORARIES, Phase.OPTIMIZER
+        for sid, tag in enumerate(tags):
+            category = tag or temporary  # Timeline.category, inlined (hundreds of thousands)
+            if category in categories or (category is temporary and origin[sid][1] is optimizer):
+                nbytes[sid] = -(-nbytes[sid] // n)
                 if category in rename:
-                    out.tags[sid] = rename[category]
+                    tags[sid] = rename[category]
 
     extra: list[tuple[int, Category]] = []
     copy_fraction = None
@@ -144,14 +143,18 @@ def _fsdp_master_layout(tl: Timeline, facts: ModelFacts) -> None:
     parameters (the half-precision ones exist only gathered), gradients are fp32, and the step
     makes no fp32 copies of them."""
     widen = FP32_ITEMSIZE // facts.parameter_itemsize
-    for sid in range(tl.num_storages):
-        category = tl.category(sid)
-        if category is Category.PARAMETERS:
-            tl.nbytes[sid] = 0
-        elif category is Category.GRADIENTS:
-            tl.nbytes[sid] *= widen
-        elif tl.labels.get(sid) == MASTER_GRADIENT:
-            tl.nbytes[sid] = 0
+    nbytes = tl.nbytes
+    for sid, tag in enumerate(tl.tags):
+        if tag is Category.PARAMETERS:
+            nbytes[sid] = 0
+        elif tag is Category.GRADIENTS:
+            nbytes[sid] *= widen
+    for sid, label in tl.labels.items():
+        if label == MASTER_GRADIENT and tl.tags[sid] not in (
+            Category.PARAMETERS,
+            Category.GRADIENTS,
+        ):
+            nbytes[sid] = 0
 
 
 def _add_during_passes(tl: Timeline, storages: list[tuple[int, Category]]) -> None:
