@@ -689,8 +689,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="processes for traces and re-estimates (default: one per CPU when the model's "
-        "trace takes over a second, else 1)",
+        help="processes for traces and re-estimates (default: one per CPU for models of 1B "
+        "parameters or more, or when the first trace takes over a second; else 1)",
     )
     _add_output_options(p)
     p.set_defaults(func=cmd_plan)
