@@ -46,7 +46,7 @@ def round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
-@dataclass
+@dataclass(eq=False, slots=True)
 class Block:
     addr: int
     size: int
