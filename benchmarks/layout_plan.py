@@ -47,7 +47,7 @@ TARGET_SECONDS = 60
 ABOUT = 0.10
 """'About' a minute read as within this share of it (the median run)."""
 PROBE_ITERATIONS = 20_000_000
-"""The speed probe: a Python loop adding this many integers (1.1-1.9 s on this VM)."""
+"""The speed probe: a Python loop adding this many integers (0.5-0.9 s on this VM)."""
 TIMING_KEYS = ("seconds", "search_seconds", "estimates", "workers")
 
 
