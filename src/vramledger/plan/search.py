@@ -573,12 +573,11 @@ def plan(
     fewest_gpus: dict[str, Candidate | None] = {}
     on_gpu: dict[str, Candidate | None] = {}
     with Runner(workers) as runner:
-        first = bases[0]
-        facts_cache[(first.precision, first.grad_checkpointing)] = model_facts(first)
-        if facts_cache[(first.precision, first.grad_checkpointing)].trainable_parameters >= (
-            WORKERS_AT_ONCE_PARAMETERS
-        ):
-            runner.start_workers()  # their start-up overlaps the first trace
+        if bases:
+            first = (bases[0].precision, bases[0].grad_checkpointing)
+            facts_cache[first] = model_facts(bases[0])
+            if facts_cache[first].trainable_parameters >= WORKERS_AT_ONCE_PARAMETERS:
+                runner.start_workers()  # their start-up overlaps the first trace
         planner = _Planner(
             spec,
             gpu,
