@@ -357,7 +357,6 @@ def test_plan_lays_out_pipeline_stages_with_tensor_parallelism():
 def test_runner_reuses_a_verified_block_extension_across_data_parallel_degrees():
     """In the workers, re-estimates that differ only in data-parallel degree reuse the block
     check one of them made (``runner.py``); each value is what ``estimate`` says."""
-    from vramledger.ledger import steady_tensor_peak
     from vramledger.plan.runner import Runner, extension_family
 
     config = fixture("hub/tiny-llama-8l-bf16")
@@ -374,4 +373,17 @@ def test_runner_reuses_a_verified_block_extension_across_data_parallel_degrees()
     for key, spec in specs.items():
         ledger = estimate(spec)
         assert values[key] == (ledger.reserved_peak_bytes, ledger.host_bytes), key
-        assert steady_tensor_peak(ledger.timeline) == ledger.peak_bytes
+
+
+@pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "zero2", "zero3", "zero1-torch"])
+def test_steady_tensor_peak_equals_the_replay_on_derived_timelines(strategy):
+    """The search's one-pass tensor peak (``ledger.steady_tensor_peak``) is the full replay's."""
+    from vramledger.ledger import steady_tensor_peak
+
+    spec = replace(SMALL, precision="bf16-mixed", target="cuda")
+    timeline = trace(spec, CudaPolicy()).timeline
+    facts = model_facts(spec)
+    for offload in ("none", "optimizer"):
+        for n in (1, 3) if strategy == "none" else (2, 3):
+            derived = derive(timeline, facts, strategy, n, offload)
+            assert steady_tensor_peak(derived) == steady_peak(replay(derived)).total, (offload, n)

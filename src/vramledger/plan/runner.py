@@ -25,7 +25,7 @@ import os
 import threading
 import time
 import warnings
-from collections.abc import Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import fields
 from typing import Any
@@ -68,7 +68,8 @@ def extension_family(spec: TrainingSpec) -> str | None:
 
 def reserved_peak(spec: TrainingSpec, blocks_verified: bool = False) -> tuple[int, int, bool]:
     """What the real engines say ``spec`` reserves on its worst GPU, that rank's host bytes
-    (what it offloads), and whether every traced rank's blocks were extended (verified)."""
+    (what it offloads), and whether this run verified its block extension (every traced rank's
+    blocks extended after the check; False when the check was skipped, ``blocks_verified``)."""
     from ..predict import estimate
 
     ledger = estimate(spec, blocks_verified=blocks_verified)
@@ -143,7 +144,7 @@ class Runner:
         self._asked.add(key)
         if self._pool is None:
             if not self._known(key):
-                self._record(key, spec, lambda verified: reserved_peak(spec, verified))
+                self._record(key, spec, lambda: reserved_peak(spec, self._is_verified(spec)))
         else:
             with self._lock:
                 if not self._known(key) and not self._is_running(key):
@@ -159,13 +160,20 @@ class Runner:
     def _known(self, key: Hashable) -> bool:
         return key in self._values or key in self._errors
 
-    def _record(self, key: Hashable, spec: TrainingSpec, run: Any) -> None:
+    def _is_verified(self, spec: TrainingSpec) -> bool:
         family = extension_family(spec)
+        return family is not None and family in self._verified
+
+    def _record(
+        self, key: Hashable, spec: TrainingSpec, outcome: Callable[[], tuple[int, int, bool]]
+    ) -> None:
+        """Keep a re-estimate's ``outcome()`` (``reserved_peak``'s) or the error it raised."""
         try:
-            peak, host, verified = run(family in self._verified)
+            peak, host, verified = outcome()
         except Exception as exc:  # the planner decides what an engine's refusal means
             self._errors[key] = exc
             return
+        family = extension_family(spec)
         if verified and family is not None:
             self._verified.add(family)
         self._values[key] = (peak, host)
@@ -178,7 +186,7 @@ class Runner:
         with self._lock:
             try:
                 key, spec = self._running.pop(future)
-                self._record(key, spec, lambda _verified: future.result())
+                self._record(key, spec, future.result)
                 self._pump()
             finally:
                 self._lock.notify_all()
@@ -201,9 +209,8 @@ class Runner:
                     next(iter(self._queued)),
                 )
             spec = self._queued.pop(key)
-            verified = extension_family(spec) in self._verified
             try:
-                future = self._pool.submit(reserved_peak, spec, verified)
+                future = self._pool.submit(reserved_peak, spec, self._is_verified(spec))
             except Exception as exc:  # a broken pool: whoever waits for it hears why
                 self._errors[key] = exc
                 continue

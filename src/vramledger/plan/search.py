@@ -84,7 +84,7 @@ ROOMIER = GIB
 WORKERS_AT_ONCE_PARAMETERS = 1_000_000_000
 """Models this large start the planner's workers before the first trace (whose time otherwise
 decides it, ``runner.py``): their traces take seconds each, so the workers always repay their
-start-up (about two seconds here)."""
+start-up (1.6 s from the first trace's end to the workers' first traces in the 70B plan)."""
 WHOLE_PARAMETER_STRATEGIES = frozenset({"none", "ddp", "zero1", "zero2"})
 """Strategies that keep every trainable parameter on each GPU whatever the count (ZeRO-1/2
 partition only the optimizer's side; no planned offload moves parameters): a model whose
@@ -680,9 +680,20 @@ def _layouts_ahead(
     cfg = answer.configuration if answer is not None else None
     if cfg is None:
         return
-    tps = auto_tp_degrees({"": cfg}, planner.gpus_per_node) if tp_degrees is None else tp_degrees
-    pairs = layout_pairs(planner.gpus_per_node, planner.max_gpus, tps, pp_degrees)
+    pairs = _layout_pairs(planner, {"": cfg}, tp_degrees, pp_degrees)
     planner.runner.ahead((x, x.spec(planner.spec)) for x in likely_layouts(cfg, pairs))
+
+
+def _layout_pairs(
+    planner: _Planner,
+    configs: dict[str, Configuration | None],
+    tp_degrees: Sequence[int] | None,
+    pp_degrees: Sequence[int],
+) -> list[tuple[int, int]]:
+    """The (tp, pp) layouts searched for these answers (tensor-parallel degrees by default when
+    one spans more than a node, ``auto_tp_degrees``)."""
+    tps = auto_tp_degrees(configs, planner.gpus_per_node) if tp_degrees is None else tp_degrees
+    return layout_pairs(planner.gpus_per_node, planner.max_gpus, tps, pp_degrees)
 
 
 def _layouts(
@@ -697,8 +708,7 @@ def _layouts(
     """The model-parallel layouts of each answer without offload (``layouts.py``), every one
     re-estimated through the plan's runner."""
     configs = {k: (c.configuration if c else None) for k, c in answers.items()}
-    tps = auto_tp_degrees(configs, planner.gpus_per_node) if tp_degrees is None else tp_degrees
-    pairs = layout_pairs(planner.gpus_per_node, planner.max_gpus, tps, pp_degrees)
+    pairs = _layout_pairs(planner, configs, tp_degrees, pp_degrees)
     if not pairs or not any(c is not None and c.gpus > 1 for c in configs.values()):
         return {}
     if progress is not None:

@@ -2,7 +2,7 @@
 
 torchao's low-bit Adam steps each parameter with its own call of ``single_param_adam``
 (``torchao/optim/adam.py``), compiled on a GPU and run eagerly here (``fake.py``): on fake
-tensors a few hundred operators per parameter (the 8-bit states are dequantized and
+tensors about two hundred operators per parameter (the 8-bit states are dequantized and
 requantized through a 256-entry table, eight lookups per element), and a model's blocks repeat
 the same few parameter shapes. What such a call allocates depends only on its arguments' layout
 (the shapes, strides, dtypes and subclass structure of the parameter, its gradient and its
