@@ -81,13 +81,22 @@ VERIFIED_CASES = {
     "vit-adam-cuda": CASES["vit-adam-cuda"],
     "llama-fsdp-3-ranks-adamw8bit": llama_run("adamw8bit", world_size=3, strategy="fsdp"),
     "llama-tp2-fsdp2": llama_run(dp_shard=2, tp=2),
+    # a plan verifies once per family: tensor-parallel degrees and offload settings alike too
+    "llama-tp4-fsdp2": {
+        **llama_run(dp_shard=2, tp=4),
+        "model": {**deep("tiny-llama.json"), "num_key_value_heads": 4},
+    },
+    "llama-zero3-3-ranks-offload-optimizer": llama_run(
+        world_size=3, strategy="zero3", offload="optimizer"
+    ),
 }
 
 
 @pytest.mark.parametrize("name", list(VERIFIED_CASES))
 def test_verified_extension_from_the_smaller_trace_equals_full_trace(name):
-    """A plan's re-estimates that differ only in data-parallel degree skip the check once one of
-    them passed it (``blocks_verified``) and extend the smaller trace: still the full trace."""
+    """A plan's re-estimates that differ only in data-parallel or tensor-parallel degree or in
+    offload skip the check once one of them passed it (``blocks_verified``) and extend the
+    smaller trace: still the full trace."""
     from vramledger.predict import _engine
 
     spec = TrainingSpec(**VERIFIED_CASES[name])

@@ -16,6 +16,7 @@ from vramledger.plan.narrow import narrow_config
 from vramledger.plan.rehearse import rehearse
 from vramledger.plan.search import model_facts, plan
 from vramledger.recipe import resolve
+from vramledger.sources import load_hf_config
 from vramledger.spec import TrainingSpec
 from vramledger.trace.cuda_policy import CudaPolicy
 from vramledger.trace.fake import trace
@@ -354,16 +355,20 @@ def test_plan_lays_out_pipeline_stages_with_tensor_parallelism():
 
 
 @pytest.mark.slow
-def test_runner_reuses_a_verified_block_extension_across_data_parallel_degrees():
-    """In the workers, re-estimates that differ only in data-parallel degree reuse the block
-    check one of them made (``runner.py``); each value is what ``estimate`` says."""
+def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
+    """In the workers, re-estimates that differ only in data-parallel or tensor-parallel degree
+    or in offload reuse the block check one of them made (``runner.py``); each value is what
+    ``estimate`` says."""
     from vramledger.plan.runner import Runner, extension_family
 
-    config = fixture("hub/tiny-llama-8l-bf16")
+    config = load_hf_config(fixture("hub/tiny-llama-8l-bf16")).to_dict()
+    config["num_key_value_heads"] = 4  # tp 4 splits the heads evenly
     base = dict(model=config, seq_len=32, precision="bf16-mixed", target="cuda")
     specs = {
-        ("fsdp", n): TrainingSpec(**base, world_size=n, strategy="fsdp") for n in (2, 3, 4)
-    } | {("tp", dp): TrainingSpec(**base, dp_shard=dp, tp=2) for dp in (2, 3)}
+        ("fsdp", n, offload): TrainingSpec(**base, world_size=n, strategy="fsdp", offload=offload)
+        for n, offload in ((2, "none"), (3, "none"), (4, "none"), (3, "optimizer"))
+    } | {("tp", dp, tp): TrainingSpec(**base, dp_shard=dp, tp=tp) for dp, tp in ((2, 2), (3, 2))}
+    specs[("tp", 2, 4)] = TrainingSpec(**base, dp_shard=2, tp=4)
     with Runner(workers=2) as runner:
         runner.start_workers()
         runner.ahead(specs.items())

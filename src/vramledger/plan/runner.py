@@ -8,10 +8,12 @@ through those already back, and the re-estimates the answers will most likely ne
 there in the order the planner will ask for them. The values are the same with or without
 workers; only the wall time changes.
 
-Re-estimates that differ only in their data-parallel degree (an answer at ``n`` GPUs and at
-``n - 1``, a layout at ``dp`` and ``dp - 1``) are the same run with other shard sizes: once one of
-them has verified that its identical blocks extend exactly (``trace/blocks.py``), the others trace
-only the smaller of the two shallow models (``blocks_verified``; about half the tracing). Such
+Re-estimates that differ only in their data-parallel or tensor-parallel degree (an answer at
+``n`` GPUs and at ``n - 1``, a layout at ``dp`` and ``dp - 1``, at tp 2 and tp 8) are the same run
+with other shard sizes, and those that differ only in their offload the same trace with other
+storages marked as host memory afterwards: once one of them has verified that its identical
+blocks extend exactly (``trace/blocks.py``), the others trace only the smaller of the two shallow
+models (``blocks_verified``; about half the tracing). Such
 re-estimates are handed to the workers one at a time, at most one per worker, so each can use
 what those before it verified: the first of a family waits for no one, and a second of a family
 whose first is still running is started only when nothing else is waiting.
@@ -47,23 +49,29 @@ def traced_timeline(spec: TrainingSpec) -> Timeline:
 
 
 EXTENSIBLE_ALIKE_STRATEGIES = frozenset({None, "none", "ddp", "fsdp", "zero3"})
-"""Strategies whose traced step has the same events at every data-parallel degree, only other
-shard sizes (DDP, FSDP2; tensor parallelism on the mesh): whether its identical blocks extend
-exactly does not depend on the degree. Not ZeRO-1/2 (DeepSpeed's partitions cut its flat buffers
-at other parameters on other degrees; never extended anyway) nor pipelines (stages change)."""
+"""Strategies whose traced step has the same events at every data-parallel and tensor-parallel
+degree, only other shard sizes (DDP, FSDP2 on a 1-D mesh or the data-parallel axis of the N-D
+one; ``parallelize_module``'s plan on the tensor-parallel axis): whether its identical blocks
+extend exactly does not depend on the degree. Not ZeRO-1/2 (DeepSpeed's partitions cut its flat
+buffers at other parameters on other degrees; never extended anyway) nor pipelines (stages
+change)."""
 
 
 def extension_family(spec: TrainingSpec) -> str | None:
     """What ``spec`` shares with the re-estimates that differ from it only in their
-    data-parallel degree (degrees of two and more alike: one rank or sharded), or None when the
-    block extension must be checked on every degree."""
+    data-parallel or tensor-parallel degree (degrees of two and more alike: one rank or sharded)
+    or in their offload (the engines mark what it keeps in host memory on the finished
+    timeline, ``trace.engine.Engine.finish``: the traced events are the same), or None when
+    the block extension must be checked on every such run."""
     if spec.strategy not in EXTENSIBLE_ALIKE_STRATEGIES or spec.pp > 1:
         return None
-    degrees = {
+    alike = {
         "world_size": min(spec.world_size, 2),
         "dp_shard": None if spec.dp_shard is None else min(spec.dp_shard, 2),
+        "tp": min(spec.tp, 2),
+        "offload": None,
     }
-    return repr([(f.name, degrees.get(f.name, getattr(spec, f.name))) for f in fields(spec)])
+    return repr([(f.name, alike.get(f.name, getattr(spec, f.name))) for f in fields(spec)])
 
 
 def reserved_peak(spec: TrainingSpec, blocks_verified: bool = False) -> tuple[int, int, bool]:

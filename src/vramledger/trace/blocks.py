@@ -27,6 +27,7 @@ from typing import Any
 
 from torch import nn
 
+from ..gc_pause import gc_paused
 from ..timeline import Timeline
 
 SMALL = 4
@@ -246,6 +247,11 @@ def _rename(module: str | None, prefix: str, old: int, new: int | None) -> str |
 
 def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
     """The timeline of the same run with ``depth`` blocks instead of ``blocks``."""
+    with gc_paused():  # hundreds of thousands of tuples, no cycles
+        return _extend(tl, blocks, depth, prefix)
+
+
+def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
     if blocks < HEAD + 2:
         raise NotExtensible(f"need at least {HEAD + 2} traced blocks")
     regions = _regions(tl, blocks)

@@ -130,8 +130,9 @@ def trace(
     ``worst``, which ``predict.py`` makes of several traces). ``engine``: what the step runs
     under (``trace/engine.py``; ``parallel/`` has the data-parallel ones), default one device.
     ``blocks_verified``: the extension was verified exact on this same run at another
-    data-parallel degree (a plan's re-estimates, ``plan/runner.py``): only ``SMALL`` blocks are
-    traced and extended, without tracing ``SMALL + 1`` to check it again.
+    data-parallel or tensor-parallel degree or offload setting (a plan's re-estimates,
+    ``plan/runner.py``): only ``SMALL`` blocks are traced and extended, without tracing
+    ``SMALL + 1`` to check it again.
     """
     start = time.perf_counter()
     if routing is None:
@@ -189,7 +190,8 @@ def _extended(
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
     never built; Python models are built (on meta) to find their blocks. ``verified``: the check
-    was made on the same run at another data-parallel degree; only SMALL is traced."""
+    was made on the same run at another data-parallel or tensor-parallel degree or offload
+    setting; only SMALL is traced."""
     depth = config_depth(recipe.source.config)
     if depth is not None:
         if depth < MIN_BLOCKS:
@@ -229,8 +231,8 @@ def _extended(
     how = (
         f"traced {SMALL} of the {stack.length} identical blocks in {stack.fqn} and extended the "
         "timeline to all of them (the extension was verified exact on this run at another "
-        f"data-parallel degree: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block "
-        "trace)"
+        "data-parallel or tensor-parallel degree or offload setting: extending its "
+        f"{SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
         if verified
         else f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in "
         f"{stack.fqn} and extended the timeline to all of them (verified exact on the smaller pair)"
