@@ -6,6 +6,7 @@ from typing import Any
 import pytest
 
 from vramledger import InputError, estimate
+from vramledger.allocator import CUDA_CACHING_ALLOCATOR
 from vramledger.gpus import CATALOGUE, resolve_gpu
 from vramledger.ledger import replay, steady_peak
 from vramledger.measure import measure
@@ -369,26 +370,42 @@ def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
         for n, offload in ((2, "none"), (3, "none"), (4, "none"), (3, "optimizer"))
     } | {("tp", dp, tp): TrainingSpec(**base, dp_shard=dp, tp=tp) for dp, tp in ((2, 2), (3, 2))}
     specs[("tp", 2, 4)] = TrainingSpec(**base, dp_shard=2, tp=4)
+    # too shallow to extend: its family never verifies, and the second does not wait for it
+    shallow = dict(base, model=fixture("tiny-llama.json"))
+    specs |= {
+        ("shallow", n): TrainingSpec(**shallow, world_size=n, strategy="fsdp") for n in (2, 3)
+    }
     with Runner(workers=2) as runner:
         runner.start_workers()
         runner.ahead(specs.items())
         values = {key: runner.reserved(key, spec) for key, spec in specs.items()}
-        verified = set(runner._verified)
-    assert {extension_family(s) for s in specs.values()} == verified  # both families checked
+        verified, unverifiable = set(runner._verified), set(runner._unverifiable)
+    families = {k[0]: extension_family(s) for k, s in specs.items()}
+    assert {families["fsdp"], families["tp"]} == verified  # both families checked
+    assert unverifiable == {families["shallow"]}
     for key, spec in specs.items():
         ledger = estimate(spec)
         assert values[key] == (ledger.reserved_peak_bytes, ledger.host_bytes), key
 
 
 @pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "zero2", "zero3", "zero1-torch"])
-def test_steady_tensor_peak_equals_the_replay_on_derived_timelines(strategy):
-    """The search's one-pass tensor peak (``ledger.steady_tensor_peak``) is the full replay's."""
-    from vramledger.ledger import steady_tensor_peak
+def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
+    """The search's one-pass peaks (``ledger.steady_tensor_peak``, ``ledger.steady_peaks``) are
+    the full replays': tensor bytes, the allocator's allocated and reserved bytes, and the host
+    bytes (of the tensors, not of allocator blocks: offload keeps them out of the allocator)."""
+    from vramledger.ledger import steady_peaks, steady_reserved_peak, steady_tensor_peak
 
     spec = replace(SMALL, precision="bf16-mixed", target="cuda")
     timeline = trace(spec, CudaPolicy()).timeline
     facts = model_facts(spec)
-    for offload in ("none", "optimizer"):
+    for offload in ("none", "optimizer", "both"):
         for n in (1, 3) if strategy == "none" else (2, 3):
             derived = derive(timeline, facts, strategy, n, offload)
-            assert steady_tensor_peak(derived) == steady_peak(replay(derived)).total, (offload, n)
+            raw, blocks = replay(derived), replay(derived, CUDA_CACHING_ALLOCATOR)
+            peaks = steady_peaks(derived, CUDA_CACHING_ALLOCATOR)
+            assert steady_tensor_peak(derived) == steady_peak(raw).total, (offload, n)
+            assert peaks.allocated == steady_peak(blocks).total, (offload, n)
+            assert peaks.reserved == steady_reserved_peak(blocks), (offload, n)
+            assert peaks.host == raw.host_peak, (offload, n)
+            if offload != "none":  # the optimizer's state, at least, is on the host
+                assert peaks.host > MIB, (offload, n)

@@ -57,25 +57,37 @@ class Block:
     next: Block | None = None
 
 
+_ADDRESS_BITS = 48
+"""A free block's sort key is ``size << _ADDRESS_BITS | address``: one int orders like
+(size, address) (smallest fitting, then lowest address) and compares far faster than a tuple.
+Addresses are the sum of the segments reserved so far, far below 2**48 (256 TiB)."""
+_ADDRESS_MASK = (1 << _ADDRESS_BITS) - 1
+
+
 @dataclass
 class _Pool:
-    free: list[tuple[int, int]] = field(default_factory=list)  # sorted (size, addr)
+    free: list[int] = field(default_factory=list)
+    """Free blocks' keys (``size << _ADDRESS_BITS | address``), sorted."""
     by_addr: dict[int, Block] = field(default_factory=dict)
 
     def insert(self, block: Block) -> None:
-        bisect.insort(self.free, (block.size, block.addr))
+        bisect.insort(self.free, block.size << _ADDRESS_BITS | block.addr)
         self.by_addr[block.addr] = block
 
     def remove(self, block: Block) -> None:
-        i = bisect.bisect_left(self.free, (block.size, block.addr))
-        del self.free[i]
+        free = self.free
+        del free[bisect.bisect_left(free, block.size << _ADDRESS_BITS | block.addr)]
         del self.by_addr[block.addr]
 
-    def best_fit(self, size: int) -> Block | None:
-        i = bisect.bisect_left(self.free, (size, -1))
-        if i == len(self.free):
+    def take_best_fit(self, size: int) -> Block | None:
+        """The smallest free block of at least ``size`` bytes (lowest address on ties), taken
+        out of the pool."""
+        free = self.free
+        i = bisect.bisect_left(free, size << _ADDRESS_BITS)
+        if i == len(free):
             return None
-        return self.by_addr[self.free[i][1]]
+        key = free.pop(i)
+        return self.by_addr.pop(key & _ADDRESS_MASK)
 
 
 class CudaCachingAllocatorSim:
@@ -92,31 +104,28 @@ class CudaCachingAllocatorSim:
         """The first block of each segment, by address (walk ``next`` for its blocks)."""
 
     def malloc(self, nbytes: int) -> Block:
-        size = max(CUDA_MIN_BLOCK, round_up(nbytes, CUDA_MIN_BLOCK))
+        size = -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK or CUDA_MIN_BLOCK
         small = size <= SMALL_SIZE
         pool = self.small if small else self.large
-        block = pool.best_fit(size)
-        if block is not None:
-            pool.remove(block)
-        else:
+        block = pool.take_best_fit(size)
+        if block is None:
             if small:
                 segment = SMALL_BUFFER
             elif size < MIN_LARGE_ALLOC:
                 segment = LARGE_BUFFER
             else:
                 segment = round_up(size, ROUND_LARGE)
-            block = Block(addr=self._next_addr, size=segment, small=small)
+            block = Block(self._next_addr, segment, small)
             self.segments.append((block.addr, segment, small))
             self.heads[block.addr] = block
             self._next_addr += segment
             self.reserved += segment
         remaining = block.size - size
-        if (small and remaining >= CUDA_MIN_BLOCK) or (not small and remaining > SMALL_SIZE):
-            rest = Block(
-                addr=block.addr + size, size=remaining, small=small, prev=block, next=block.next
-            )
-            if block.next is not None:
-                block.next.prev = rest
+        if (remaining >= CUDA_MIN_BLOCK) if small else (remaining > SMALL_SIZE):
+            after = block.next
+            rest = Block(block.addr + size, remaining, small, True, block, after)
+            if after is not None:
+                after.prev = rest
             block.next = rest
             block.size = size
             pool.insert(rest)
@@ -128,20 +137,21 @@ class CudaCachingAllocatorSim:
         pool = self.small if block.small else self.large
         self.allocated -= block.size
         block.free = True
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and neighbour.free:
-                pool.remove(neighbour)
-                if neighbour is block.prev:
-                    neighbour.size += block.size
-                    neighbour.next = block.next
-                    if block.next is not None:
-                        block.next.prev = neighbour
-                    block = neighbour
-                else:
-                    block.size += neighbour.size
-                    block.next = neighbour.next
-                    if neighbour.next is not None:
-                        neighbour.next.prev = block
+        before = block.prev
+        if before is not None and before.free:
+            pool.remove(before)
+            before.size += block.size
+            before.next = after = block.next
+            if after is not None:
+                after.prev = before
+            block = before
+        after = block.next
+        if after is not None and after.free:
+            pool.remove(after)
+            block.size += after.size
+            block.next = beyond = after.next
+            if beyond is not None:
+                beyond.prev = block
         pool.insert(block)
 
 
@@ -158,19 +168,22 @@ class AllocatorModel:
         if not self.simulate_cuda:
             return list(nbytes), []
         sim = CudaCachingAllocatorSim()
+        malloc, free = sim.malloc, sim.free
         sizes = [0] * len(nbytes)
         blocks: dict[int, Block] = {}
         reserved: list[int] = []
+        append = reserved.append
         for ev in events:
-            sid = ev if ev >= 0 else ~ev
-            if not on_host[sid] and nbytes[sid] > 0:  # zero-byte requests allocate nothing
-                if ev >= 0:
-                    block = sim.malloc(nbytes[sid])
-                    blocks[sid] = block
-                    sizes[sid] = block.size
-                elif sid in blocks:
-                    sim.free(blocks.pop(sid))
-            reserved.append(sim.reserved)
+            if ev >= 0:
+                n = nbytes[ev]
+                if n > 0 and not on_host[ev]:  # zero-byte requests allocate nothing
+                    block = blocks[ev] = malloc(n)
+                    sizes[ev] = block.size
+            else:
+                block = blocks.pop(~ev, None)
+                if block is not None:
+                    free(block)
+            append(sim.reserved)
         return sizes, reserved
 
 

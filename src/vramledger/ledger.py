@@ -258,17 +258,63 @@ def steady_tensor_peak(timeline: Timeline) -> int:
     """``steady_peak(replay(timeline)).total`` (device tensor bytes, no allocator) without the
     per-category bookkeeping: one cumulative sum over the events, for a planner that asks it of
     hundreds of derived timelines."""
-    import torch
+    device = [0 if host else n for n, host in zip(timeline.nbytes, timeline.on_host, strict=True)]
+    return _steady_total_peak(timeline, device)
 
+
+@dataclass(frozen=True)
+class SteadyPeaks:
+    """What a planner needs of a timeline under an allocator, without a full replay."""
+
+    allocated: int
+    """``steady_peak(replay(timeline, allocator)).total``."""
+    reserved: int
+    """``steady_reserved_peak(replay(timeline, allocator))``."""
+    host: int
+    """``replay(timeline).host_peak``: the most bytes held in host memory at once."""
+
+
+def steady_peaks(timeline: Timeline, allocator: AllocatorModel) -> SteadyPeaks:
+    """The allocator's steady-state allocated and reserved peaks and the host peak, by
+    cumulative sums over the events (a plan's re-estimates and derivations need nothing else of
+    their timelines)."""
+    sizes, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, timeline.on_host)
+    allocated = _steady_total_peak(timeline, sizes)
+    # ``replay`` counts the reserved bytes after an event to the step before a mark at that
+    # event: the steady state's are those after the first event of step 2.
+    after = reserved[_steady_start(timeline) + 1 :]
+    host = [
+        n if on_host else 0 for n, on_host in zip(timeline.nbytes, timeline.on_host, strict=True)
+    ]
+    return SteadyPeaks(
+        allocated=allocated,
+        reserved=max(after) if after else allocated,
+        host=max(0, int(_running_totals(timeline, host).max())) if timeline.events else 0,
+    )
+
+
+def _steady_start(timeline: Timeline) -> int:
     start = min((index for index, step, _ in timeline.marks if step >= 2), default=None)
     if start is None:
         raise ValueError("the timeline has no steady-state step (steps >= 2)")
+    return start
+
+
+def _running_totals(timeline: Timeline, sizes: list[int]) -> Any:
+    """Bytes held after each event, ``sizes`` per storage (a torch int64 tensor)."""
+    import torch
+
     events = torch.tensor(timeline.events, dtype=torch.int64)
     sids = torch.where(events >= 0, events, ~events)
-    sizes = torch.tensor(timeline.nbytes, dtype=torch.int64)
-    sizes[torch.tensor(timeline.on_host, dtype=torch.bool)] = 0
-    delta = sizes[sids]
-    total = torch.where(events >= 0, delta, -delta).cumsum(0)
+    delta = torch.tensor(sizes, dtype=torch.int64)[sids]
+    return torch.where(events >= 0, delta, -delta).cumsum(0)
+
+
+def _steady_total_peak(timeline: Timeline, sizes: list[int]) -> int:
+    """The largest total in a steady-state step (steps >= 2), counting ``sizes`` per storage:
+    the total entering step 2 and after every event from there."""
+    start = _steady_start(timeline)
+    total = _running_totals(timeline, sizes)
     entering = int(total[start - 1]) if start > 0 else 0
     return max(entering, int(total[start:].max())) if start < len(total) else entering
 

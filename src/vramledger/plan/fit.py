@@ -24,7 +24,7 @@ from typing import Any, Literal
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import Ledger, replay, steady_peak, steady_reserved_peak
+from ..ledger import Ledger, steady_peaks, steady_tensor_peak
 from ..predict import estimate
 from ..spec import TrainingSpec
 from ..timeline import Timeline
@@ -127,12 +127,12 @@ def interpolate(timelines: dict[int, Timeline], x: int) -> Timeline | None:
 
 
 def _reserved(tl: Timeline) -> int:
-    return steady_reserved_peak(replay(tl, CUDA_CACHING_ALLOCATOR))
+    return steady_peaks(tl, CUDA_CACHING_ALLOCATOR).reserved
 
 
 def _derived_peak(tl: Timeline, cuda: bool) -> int:
     """What must fit: the caching allocator's reserved bytes on CUDA, the bytes allocated on CPU."""
-    return _reserved(tl) if cuda else steady_peak(replay(tl)).total
+    return _reserved(tl) if cuda else steady_tensor_peak(tl)
 
 
 def device_peak(ledger: Ledger) -> int:

@@ -16,7 +16,7 @@ blocks extend exactly (``trace/blocks.py``), the others trace only the smaller o
 models (``blocks_verified``; about half the tracing). Such
 re-estimates are handed to the workers one at a time, at most one per worker, so each can use
 what those before it verified: the first of a family waits for no one, and a second of a family
-whose first is still running is started only when nothing else is waiting.
+whose first is still running waits for it.
 """
 
 from __future__ import annotations
@@ -103,6 +103,9 @@ class Runner:
         self._running: dict[Future[tuple[int, int, bool]], tuple[Hashable, TrainingSpec]] = {}
         self._verified: set[str] = set()
         """Extension families (``extension_family``) whose blocks were verified to extend."""
+        self._unverifiable: set[str | None] = set()
+        """Families whose first re-estimate did not verify an extension (blocks that differ, a
+        model too shallow to extend, an error): the others need not wait for one."""
         self._pool: ProcessPoolExecutor | None = None
         self._lock = threading.Condition(threading.RLock())
         """Guards the queue, the running re-estimates and their answers: workers' answers are
@@ -176,14 +179,15 @@ class Runner:
         self, key: Hashable, spec: TrainingSpec, outcome: Callable[[], tuple[int, int, bool]]
     ) -> None:
         """Keep a re-estimate's ``outcome()`` (``reserved_peak``'s) or the error it raised."""
+        family = extension_family(spec)
         try:
             peak, host, verified = outcome()
         except Exception as exc:  # the planner decides what an engine's refusal means
             self._errors[key] = exc
+            self._unverifiable.add(family)
             return
-        family = extension_family(spec)
-        if verified and family is not None:
-            self._verified.add(family)
+        if family is not None and family not in self._verified:
+            (self._verified if verified else self._unverifiable).add(family)
         self._values[key] = (peak, host)
 
     def _is_running(self, key: Hashable) -> bool:
@@ -200,22 +204,15 @@ class Runner:
                 self._lock.notify_all()
 
     def _pump(self, first: Hashable | None = None) -> None:
-        """Hand queued re-estimates to free workers: ``first`` if given, then the first that can
-        use a verified extension or is its family's first, else the first queued."""
+        """Hand queued re-estimates to free workers: ``first`` if given, then the others in
+        order; but none whose family's first is still running and may verify its extension
+        (it waits for it, then traces half as much; a worker left idle meanwhile leaves its CPU
+        to the planner)."""
         while self._pool is not None and self._queued and len(self._running) < (self.workers or 1):
-            running = {extension_family(spec) for _, spec in self._running.values()}
-            key = first if first in self._queued else None
+            order = [first] if first in self._queued else []
+            key = next((k for k in [*order, *self._queued] if self._ready(self._queued[k])), None)
             if key is None:
-                key = next(
-                    (
-                        k
-                        for k, spec in self._queued.items()
-                        if (family := extension_family(spec)) is None
-                        or family in self._verified
-                        or family not in running
-                    ),
-                    next(iter(self._queued)),
-                )
+                return
             spec = self._queued.pop(key)
             try:
                 future = self._pool.submit(reserved_peak, spec, self._is_verified(spec))
@@ -224,6 +221,14 @@ class Runner:
                 continue
             self._running[future] = (key, spec)
             future.add_done_callback(self._finished)
+
+    def _ready(self, spec: TrainingSpec) -> bool:
+        """Whether ``spec`` may start now: no re-estimate of its family that may verify the
+        extension is running."""
+        family = extension_family(spec)
+        if family is None or family in self._verified or family in self._unverifiable:
+            return True
+        return all(extension_family(s) != family for _, s in self._running.values())
 
     @property
     def estimates(self) -> int:

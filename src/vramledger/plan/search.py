@@ -34,7 +34,7 @@ from typing import Any
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import replay, steady_reserved_peak, steady_tensor_peak
+from ..ledger import steady_peaks, steady_tensor_peak
 from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
@@ -194,9 +194,9 @@ class DerivedPeaks:
 
     def reserved(self, n: int) -> int:
         if n not in self._reserved:
-            derived = replay(self._derive(n), CUDA_CACHING_ALLOCATOR)
-            self._reserved[n] = steady_reserved_peak(derived)
-            self._host[n] = derived.host_peak
+            peaks = steady_peaks(self._derive(n), CUDA_CACHING_ALLOCATOR)
+            self._reserved[n] = peaks.reserved
+            self._host[n] = peaks.host
         return self._reserved[n]
 
     def host(self, n: int) -> int:
