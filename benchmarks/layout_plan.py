@@ -9,7 +9,8 @@ Each run is the command line ``vramledger plan examples/configs/llama-3-70b.json
 a fixed pure-Python loop is timed: this machine's single-core speed drifts from minute to minute,
 and the loop says how fast it was just then. The table gives each run's planning time, its search
 part, the re-estimates and the loop; the runs must give the same answers (checked, field for
-field). Results go to benchmarks/results/layout-plan-<date>-<host>.json.
+field; ``--compare`` an earlier results file). Results go to
+benchmarks/results/layout-plan-<date>-<host>-<commit>.json.
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ def probe_seconds() -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument(
+        "--compare", metavar="RESULTS.json", help="an earlier results file: same answers?"
+    )
     args = parser.parse_args()
     rows, answers = [], []
     for _ in range(args.runs):
@@ -97,11 +101,22 @@ def main() -> None:
         f"median {median:.1f} s against about {TARGET_SECONDS} s: {verdict}; the runs give "
         + ("the same answers" if same else "DIFFERENT ANSWERS")
     )
+    if args.compare:
+        before = json.loads(Path(args.compare).read_text())["answers"]
+        console.print(
+            f"answers {'the same as' if before == answers[0] else 'DIFFERENT FROM'} {args.compare}"
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
     out = ROOT / "benchmarks" / "results"
     out.mkdir(parents=True, exist_ok=True)
-    name = f"layout-plan-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    name = f"layout-plan-{datetime.date.today()}-{platform.node() or 'host'}-{commit}.json"
     (out / name).write_text(
-        json.dumps({"runs": rows, "same_answers": same, "answers": answers[0]}, indent=1)
+        json.dumps(
+            {"commit": commit, "runs": rows, "same_answers": same, "answers": answers[0]},
+            indent=1,
+        )
     )
     console.print(f"results: benchmarks/results/{name}")
 

@@ -90,18 +90,20 @@ def half_shard_fraction(itemsize: int) -> float:
 
 def apply_offload(
     timeline: Timeline, offload: str, *, half_shard_fraction: float | None = None
-) -> None:
-    """Mark what ``offload`` keeps in host memory.
+) -> dict[int, int]:
+    """Mark what ``offload`` keeps in host memory. Returns the half-precision copies it added
+    (copy's sid -> its shard's sid), each of ``half_shard_fraction`` of its shard's bytes.
 
     ``half_shard_fraction``: the traced sharded parameters are fp32 master weights (ZeRO-3 or
     FSDP with master-weight precision); ``optimizer`` offload moves them to the host and keeps a
     half-precision copy of that fraction of their bytes (2/4 for bf16) on the GPU."""
+    copies: dict[int, int] = {}
     if half_shard_fraction is not None and offload == "optimizer":
-        _master_shards_to_host(timeline, half_shard_fraction)
+        copies = _master_shards_to_host(timeline, half_shard_fraction)
     offloaded = OFFLOADED[offload]
     step_on_host = offload in STEP_ON_HOST
     if not offloaded and not step_on_host:
-        return
+        return copies
     for sid in range(timeline.num_storages):
         category = timeline.category(sid)
         if category in offloaded or (
@@ -110,23 +112,39 @@ def apply_offload(
             and timeline.origin[sid][1] is Phase.OPTIMIZER
         ):
             timeline.on_host[sid] = True
+    return copies
 
 
-def _master_shards_to_host(timeline: Timeline, fraction: float) -> None:
+def _master_shards_to_host(timeline: Timeline, fraction: float) -> dict[int, int]:
     """Re-tag the fp32 shards as master weights in host memory, each with a half-precision copy
-    on the GPU for as long as it lives."""
-    allocated = {e: i for i, e in enumerate(timeline.events) if e >= 0}
-    freed = {~e: i for i, e in enumerate(timeline.events) if e < 0}
+    on the GPU for as long as it lives; returns the copies (copy's sid -> its shard's sid)."""
+    shards = [
+        sid
+        for sid in range(timeline.num_storages)
+        if timeline.category(sid) is Category.SHARDED_PARAMETERS
+    ]
+    if not shards:
+        return {}
+    wanted = set(shards)
+    allocated: dict[int, int] = {}
+    freed: dict[int, int] = {}
+    for i, e in enumerate(timeline.events):
+        if e >= 0:
+            if e in wanted:
+                allocated[e] = i
+        elif ~e in wanted:
+            freed[~e] = i
     insertions: dict[int, list[int]] = defaultdict(list)
-    for sid in range(timeline.num_storages):
-        if timeline.category(sid) is not Category.SHARDED_PARAMETERS:
-            continue
+    copies: dict[int, int] = {}
+    for sid in shards:
         copy = timeline.add_storage(
             round(timeline.nbytes[sid] * fraction), Category.SHARDED_PARAMETERS, like=sid
         )
+        copies[copy] = sid
         timeline.tags[sid] = Category.MASTER_WEIGHTS
         timeline.on_host[sid] = True
         insertions[allocated[sid] + 1].append(copy)
         if sid in freed:
             insertions[freed[sid] + 1].append(~copy)
     timeline.insert_events(insertions)
+    return copies

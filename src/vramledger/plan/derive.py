@@ -34,7 +34,7 @@ with, with the real engines.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -69,10 +69,51 @@ class ModelFacts:
     empty: read from the timeline's parameters in the order they were registered."""
 
 
+RANK_INDEPENDENT_STRATEGIES = frozenset({"none", "ddp", "zero1-torch", "zero3", "fsdp"})
+"""Strategies whose derived events, categories and host placement are the same at every rank
+count, only the sizes of what is divided over the ranks change (``DerivedLayout``); not
+DeepSpeed's ZeRO-1/2, whose partition cuts the flat buffer at other parameters."""
+
+
+@dataclass(frozen=True)
+class DerivedLayout:
+    """A strategy applied to a traced timeline, at any rank count where it does not change the
+    events (``RANK_INDEPENDENT_STRATEGIES``): the planner asks for a dozen counts of each."""
+
+    timeline: Timeline
+    """The derived timeline with the divided storages whole."""
+    divided: list[int]
+    """Storages divided over the ranks: ``ceil(nbytes / n)`` each."""
+    copies: dict[int, int]
+    """Half-precision copies (sid -> its shard's sid) that optimizer offload keeps on the GPU:
+    ``copy_fraction`` of the divided shard's bytes."""
+    copy_fraction: float | None
+
+    def at(self, world_size: int) -> Timeline:
+        """The timeline on ``world_size`` ranks (shares every list but the sizes)."""
+        nbytes = list(self.timeline.nbytes)
+        for sid in self.divided:
+            nbytes[sid] = -(-nbytes[sid] // world_size)
+        if self.copy_fraction is not None:
+            for copy, shard in self.copies.items():
+                nbytes[copy] = round(nbytes[shard] * self.copy_fraction)
+        return replace(self.timeline, nbytes=nbytes)
+
+
 def derive(
     tl: Timeline, facts: ModelFacts, strategy: str, world_size: int, offload: str
 ) -> Timeline:
+    return derive_layout(tl, facts, strategy, offload, world_size).at(world_size)
+
+
+def derive_layout(
+    tl: Timeline, facts: ModelFacts, strategy: str, offload: str, world_size: int | None = None
+) -> DerivedLayout:
+    """``strategy`` and ``offload`` applied to the single-GPU trace ``tl``; ``world_size`` is
+    needed (and the layout valid only there) for DeepSpeed's ZeRO-1/2."""
     n = world_size
+    if strategy not in RANK_INDEPENDENT_STRATEGIES and n is None:
+        raise ValueError(f"{strategy}'s layout depends on the rank count: give world_size")
     out = Timeline(
         nbytes=list(tl.nbytes),
         tags=list(tl.tags),
@@ -86,16 +127,17 @@ def derive(
         block=list(tl.block),
         event_block=list(tl.event_block),
     )
+    divided: list[int] = []
 
     def shard(categories: set[Category], rename: dict[Category, Category]) -> None:
         """Divide ``categories`` over the ranks, and the optimizer step's temporaries (the fp32
         gradients of a master-weight step among them): each rank steps its own part."""
-        nbytes, tags, origin = out.nbytes, out.tags, out.origin
+        tags, origin = out.tags, out.origin
         temporary, optimizer = Category.TEMPORARIES, Phase.OPTIMIZER
         for sid, tag in enumerate(tags):
             category = tag or temporary  # Timeline.category, inlined (hundreds of thousands)
             if category in categories or (category is temporary and origin[sid][1] is optimizer):
-                nbytes[sid] = -(-nbytes[sid] // n)
+                divided.append(sid)
                 if category in rename:
                     tags[sid] = rename[category]
 
@@ -105,7 +147,7 @@ def derive(
         extra.append((facts.parameter_bytes, Category.GRADIENT_BUCKETS))
     if strategy == "zero1-torch":
         shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE}, {})
-    if strategy in ("zero1", "zero2") and n > 1:
+    if strategy in ("zero1", "zero2") and n is not None and n > 1:
         extra += _deepspeed_layout(out, facts, 1 if strategy == "zero1" else 2, n)
     if strategy in ("zero3", "fsdp"):
         if Category.MASTER_WEIGHTS in out.tags:
@@ -134,8 +176,8 @@ def derive(
         )
     if extra:
         _add_at_setup_end(out, extra)
-    apply_offload(out, offload, half_shard_fraction=copy_fraction)
-    return out
+    copies = apply_offload(out, offload, half_shard_fraction=copy_fraction)
+    return DerivedLayout(timeline=out, divided=divided, copies=copies, copy_fraction=copy_fraction)
 
 
 def _fsdp_master_layout(tl: Timeline, facts: ModelFacts) -> None:

@@ -55,7 +55,13 @@ from .candidates import (
     pareto,
     preference,
 )
-from .derive import ModelFacts, derive
+from .derive import (
+    RANK_INDEPENDENT_STRATEGIES,
+    DerivedLayout,
+    ModelFacts,
+    derive,
+    derive_layout,
+)
 from .layouts import (
     Layout,
     LayoutResult,
@@ -182,7 +188,17 @@ class DerivedPeaks:
 
     def __init__(self, timeline: Timeline, facts: ModelFacts, strategy: str, offload: str):
         self.facts = facts
-        self._derive = lambda n: derive(timeline, facts, strategy, n, offload)
+        self._layout: DerivedLayout | None = None
+        if strategy in RANK_INDEPENDENT_STRATEGIES:  # derived once, resized per count
+
+            def at(n: int) -> Timeline:
+                if self._layout is None:
+                    self._layout = derive_layout(timeline, facts, strategy, offload)
+                return self._layout.at(n)
+
+            self._derive = at
+        else:
+            self._derive = lambda n: derive(timeline, facts, strategy, n, offload)
         self._tensors: dict[int, int] = {}
         self._reserved: dict[int, int] = {}
         self._host: dict[int, int] = {}
