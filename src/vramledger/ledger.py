@@ -254,12 +254,12 @@ def steady_peak(r: Replay) -> PeakPoint:
     return max(steady, key=lambda p: p.total)
 
 
-def steady_tensor_peak(timeline: Timeline) -> int:
+def steady_tensor_peak(timeline: Timeline, totals: EventTotals | None = None) -> int:
     """``steady_peak(replay(timeline)).total`` (device tensor bytes, no allocator) without the
     per-category bookkeeping: one cumulative sum over the events, for a planner that asks it of
-    hundreds of derived timelines."""
+    hundreds of derived timelines (``totals``: made once for their shared events)."""
     device = [0 if host else n for n, host in zip(timeline.nbytes, timeline.on_host, strict=True)]
-    return _steady_total_peak(timeline, device)
+    return (totals or EventTotals(timeline)).steady_peak(device)
 
 
 @dataclass(frozen=True)
@@ -274,49 +274,60 @@ class SteadyPeaks:
     """``replay(timeline).host_peak``: the most bytes held in host memory at once."""
 
 
-def steady_peaks(timeline: Timeline, allocator: AllocatorModel) -> SteadyPeaks:
+def steady_peaks(
+    timeline: Timeline, allocator: AllocatorModel, totals: EventTotals | None = None
+) -> SteadyPeaks:
     """The allocator's steady-state allocated and reserved peaks and the host peak, by
     cumulative sums over the events (a plan's re-estimates and derivations need nothing else of
-    their timelines)."""
+    their timelines; ``totals``: made once for timelines sharing these events)."""
+    totals = totals or EventTotals(timeline)
     sizes, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, timeline.on_host)
-    allocated = _steady_total_peak(timeline, sizes)
+    allocated = totals.steady_peak(sizes)
     # ``replay`` counts the reserved bytes after an event to the step before a mark at that
     # event: the steady state's are those after the first event of step 2.
-    after = reserved[_steady_start(timeline) + 1 :]
+    after = reserved[totals.steady_start + 1 :]
     host = [
         n if on_host else 0 for n, on_host in zip(timeline.nbytes, timeline.on_host, strict=True)
     ]
     return SteadyPeaks(
         allocated=allocated,
         reserved=max(after) if after else allocated,
-        host=max(0, int(_running_totals(timeline, host).max())) if timeline.events else 0,
+        host=totals.peak(host),
     )
 
 
-def _steady_start(timeline: Timeline) -> int:
-    start = min((index for index, step, _ in timeline.marks if step >= 2), default=None)
-    if start is None:
-        raise ValueError("the timeline has no steady-state step (steps >= 2)")
-    return start
+class EventTotals:
+    """Bytes held after each event of one event order, for any sizes of its storages: cumulative
+    sums (torch), the events converted once for all the sizes a planner tries on them."""
 
+    def __init__(self, timeline: Timeline):
+        import torch
 
-def _running_totals(timeline: Timeline, sizes: list[int]) -> Any:
-    """Bytes held after each event, ``sizes`` per storage (a torch int64 tensor)."""
-    import torch
+        start = min((index for index, step, _ in timeline.marks if step >= 2), default=None)
+        if start is None:
+            raise ValueError("the timeline has no steady-state step (steps >= 2)")
+        self.steady_start = start
+        """Index of the first event of step 2."""
+        events = torch.tensor(timeline.events, dtype=torch.int64)
+        self._sids = torch.where(events >= 0, events, ~events)
+        self._sign = torch.where(events >= 0, 1, -1)
 
-    events = torch.tensor(timeline.events, dtype=torch.int64)
-    sids = torch.where(events >= 0, events, ~events)
-    delta = torch.tensor(sizes, dtype=torch.int64)[sids]
-    return torch.where(events >= 0, delta, -delta).cumsum(0)
+    def _totals(self, sizes: list[int]) -> Any:
+        import torch
 
+        return (torch.tensor(sizes, dtype=torch.int64)[self._sids] * self._sign).cumsum(0)
 
-def _steady_total_peak(timeline: Timeline, sizes: list[int]) -> int:
-    """The largest total in a steady-state step (steps >= 2), counting ``sizes`` per storage:
-    the total entering step 2 and after every event from there."""
-    start = _steady_start(timeline)
-    total = _running_totals(timeline, sizes)
-    entering = int(total[start - 1]) if start > 0 else 0
-    return max(entering, int(total[start:].max())) if start < len(total) else entering
+    def peak(self, sizes: list[int]) -> int:
+        """The most bytes held at once over the whole run (at least 0)."""
+        total = self._totals(sizes)
+        return max(0, int(total.max())) if len(total) else 0
+
+    def steady_peak(self, sizes: list[int]) -> int:
+        """The largest total in a steady-state step (steps >= 2): the total entering step 2 and
+        after every event from there."""
+        total, start = self._totals(sizes), self.steady_start
+        entering = int(total[start - 1]) if start > 0 else 0
+        return max(entering, int(total[start:].max())) if start < len(total) else entering
 
 
 def steady_reserved_peak(r: Replay) -> int:

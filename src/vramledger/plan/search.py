@@ -34,7 +34,7 @@ from typing import Any
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import steady_peaks, steady_tensor_peak
+from ..ledger import EventTotals, steady_peaks, steady_tensor_peak
 from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
@@ -188,29 +188,33 @@ class DerivedPeaks:
 
     def __init__(self, timeline: Timeline, facts: ModelFacts, strategy: str, offload: str):
         self.facts = facts
-        self._layout: DerivedLayout | None = None
-        if strategy in RANK_INDEPENDENT_STRATEGIES:  # derived once, resized per count
-
-            def at(n: int) -> Timeline:
-                if self._layout is None:
-                    self._layout = derive_layout(timeline, facts, strategy, offload)
-                return self._layout.at(n)
-
-            self._derive = at
-        else:
-            self._derive = lambda n: derive(timeline, facts, strategy, n, offload)
+        self._base = timeline
+        self._strategy, self._offload = strategy, offload
+        self._layout: tuple[DerivedLayout, EventTotals] | None = None
         self._tensors: dict[int, int] = {}
         self._reserved: dict[int, int] = {}
         self._host: dict[int, int] = {}
 
+    def _derive(self, n: int) -> tuple[Timeline, EventTotals | None]:
+        """The derived timeline at ``n`` GPUs, and its events' totals when they are shared by
+        every count (rank-independent strategies: derived once, resized per count)."""
+        if self._strategy not in RANK_INDEPENDENT_STRATEGIES:
+            return derive(self._base, self.facts, self._strategy, n, self._offload), None
+        if self._layout is None:
+            layout = derive_layout(self._base, self.facts, self._strategy, self._offload)
+            self._layout = layout, EventTotals(layout.timeline)
+        layout, totals = self._layout
+        return layout.at(n), totals
+
     def tensors(self, n: int) -> int:
         if n not in self._tensors:
-            self._tensors[n] = steady_tensor_peak(self._derive(n))
+            self._tensors[n] = steady_tensor_peak(*self._derive(n))
         return self._tensors[n]
 
     def reserved(self, n: int) -> int:
         if n not in self._reserved:
-            peaks = steady_peaks(self._derive(n), CUDA_CACHING_ALLOCATOR)
+            timeline, totals = self._derive(n)
+            peaks = steady_peaks(timeline, CUDA_CACHING_ALLOCATOR, totals)
             self._reserved[n] = peaks.reserved
             self._host[n] = peaks.host
         return self._reserved[n]
