@@ -16,6 +16,7 @@ from rich.console import Console
 
 from .adapters import QUANTIZE
 from .attention import IMPLEMENTATIONS
+from .chatter import quiet_import_chatter
 from .errors import InputError, VramledgerError
 from .plan.fit import MAXIMIZE, SEQ_STEP
 from .precision import PRECISIONS
@@ -774,15 +775,7 @@ def _quiet_libraries(debug: bool) -> None:
     import warnings
 
     warnings.filterwarnings("ignore")
-    # Optional libraries log their missing GPU kernels at import; none of it concerns a user here.
-    for name in (
-        "torchao",
-        "bitsandbytes",
-        "torch._dynamo",
-        "torch._inductor",
-        "torch.utils._pytree",
-    ):
-        logging.getLogger(name).setLevel(logging.ERROR)
+    quiet_import_chatter()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

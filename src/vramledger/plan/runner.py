@@ -3,7 +3,8 @@
 A plan of a 70B model makes a few single-GPU traces and a dozen or more re-estimates with the
 real engines, seconds each, most of them independent. The first trace runs here and times the
 model: if it took long enough to repay starting workers, the other traces run in worker
-processes (``spawn``: fresh interpreters, nothing shared with this one) while the search works
+processes (forked from a fork server that imported what they need, ``worker_preload.py``;
+nothing shared with this one) while the search works
 through those already back, and the re-estimates the answers will most likely need run ahead
 there in the order the planner will ask for them. The values are the same with or without
 workers; only the wall time changes.
@@ -240,10 +241,14 @@ class Runner:
         if self._pool is None and (self.workers or 1) > 1:
             self._pool = ProcessPoolExecutor(
                 self.workers,
-                mp_context=multiprocessing.get_context("spawn"),
+                mp_context=_worker_context(),
                 initializer=_quiet_like,
                 initargs=_quiet_settings(),
             )
+            # The pool starts a process per task submitted: start them all now, so that their
+            # start-up (the fork server's imports) overlaps what this process does next.
+            for _ in range(self.workers or 1):
+                self._pool.submit(_started)
 
     def _submit(self, fn: Any, *args: Any) -> Future[Any] | None:
         return self._pool.submit(fn, *args) if self._pool is not None else None
@@ -260,6 +265,21 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _worker_context() -> Any:
+    """Fresh worker processes: forked from a fork server that has imported what they need
+    (``worker_preload.py``: nothing but imports has run in it), or spawned where there is no
+    fork server (Windows)."""
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload([f"{__package__}.worker_preload"])
+    return context
+
+
+def _started() -> None:
+    """A worker's first task: nothing (it makes the pool start the process)."""
 
 
 def _quiet_settings() -> tuple[dict[str, int], list[Any]]:

@@ -1,0 +1,31 @@
+"""What the planner's worker processes import before their first re-estimate.
+
+``runner.py`` forks its workers from a fork server that imports this module once: torch,
+transformers' modelling code, torchao's optimizers and vramledger's engines (about 4.5 s of
+imports and first-use loading per process on the 2-core VM: 1.5 s for vramledger's modules,
+3 s more on the first estimate, mostly ``transformers.modeling_utils``). Each worker inherits
+them instead of importing them itself. Only imports run here (no tensor operation, no thread
+started by Python code), so forking from this process is safe.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+
+from ..chatter import quiet_import_chatter
+
+PRELOADED = (
+    "vramledger.predict",
+    "vramledger.trace.fake",
+    "vramledger.parallel.engines",
+    "vramledger.parallel.mesh",
+    "vramledger.parallel.pipeline",
+    "transformers.modeling_utils",
+    "torchao.optim",
+)
+
+quiet_import_chatter()
+for _name in PRELOADED:
+    with contextlib.suppress(ImportError):  # an optional library missing: imported on use
+        importlib.import_module(_name)
