@@ -230,19 +230,24 @@ def _timed_events(tl: Timeline) -> list[bool]:
     return timed
 
 
-def _rename(module: str | None, prefix: str, old: int, new: int | None) -> str | None:
-    """Move a module name from block ``old`` to block ``new``, keeping its offset: a name in
-    block ``old + d`` (FSDP prefetching the next block's parameters, say) goes to ``new + d``;
-    ``new=None`` writes the offset itself (``prefix.@+1``), for identities."""
+def _block_offset(module: str | None, prefix: str, block: int) -> tuple[int, str] | None:
+    """Where a module name in ``prefix``'s blocks is relative to ``block``: (offset, the rest of
+    the name), so that a name in block ``block + d`` (FSDP prefetching the next block's
+    parameters, say) can be written for any block as ``prefix.{new + d}{rest}``; None for a
+    name outside the blocks."""
     if module is None or not module.startswith(prefix + "."):
-        return module
-    rest = module[len(prefix) + 1 :]
-    index, dot, tail = rest.partition(".")
+        return None
+    index, dot, tail = module[len(prefix) + 1 :].partition(".")
     if not index.isdigit():
-        return module
-    offset = int(index) - old
-    where = f"@{offset:+d}" if new is None else str(new + offset)
-    return f"{prefix}.{where}{dot}{tail}"
+        return None
+    return int(index) - block, dot + tail
+
+
+def _relative(module: str | None, prefix: str, block: int) -> str | None:
+    """A module name with its block written relative to ``block`` (``prefix.@+1.mlp``), for
+    identities that must not depend on the block."""
+    found = _block_offset(module, prefix, block)
+    return module if found is None else f"{prefix}.@{found[0]:+d}{found[1]}"
 
 
 def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
@@ -269,7 +274,7 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
                 if ev >= 0:
                     base = (
                         tl.op[ev],
-                        _rename(tl.module[ev], prefix, k, None),
+                        _relative(tl.module[ev], prefix, k),
                         tl.nbytes[ev],
                         tl.labels.get(ev),
                     )
@@ -283,51 +288,124 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
     for index, step, phase in tl.marks:
         mark_at.setdefault(index, []).append((step, phase))
 
-    def copy_storage(sid: int, block: int | None, source_block: int | None) -> int:
-        module = tl.module[sid]
-        if block is not None and source_block is not None:
-            module = _rename(module, prefix, source_block, block)
-        step, phase = tl.origin[sid]
-        nsid = out.new_storage(tl.nbytes[sid], step, phase, module, tl.op[sid], block)
-        out.tags[nsid] = tl.tags[sid]
-        out.on_host[nsid] = tl.on_host[sid]
-        if sid in tl.labels:
-            out.labels[nsid] = tl.labels[sid]
-        return nsid
-
-    def target(sid: int, emitted: int | None, source: int | None) -> int:
-        """The new sid of a storage referenced from a chunk (source block -> emitted block)."""
-        if sid in where:
-            r, k, o = where[sid]
-            if emitted is None:  # referenced from outside any region: first or last block only
-                if k < HEAD:
-                    key = (r, k, o)
-                elif k == blocks - 1:
-                    key = (r, depth - 1, o)
-                else:
-                    raise NotExtensible("an event outside the blocks refers to a middle block")
-            else:
-                key = (r, emitted + (k - source), o)
-        else:
-            if emitted is not None and source == middle:
-                raise NotExtensible("a middle block frees a storage from outside the blocks")
-            key = ("outside", sid)
-        if key not in new_sid:
-            raise NotExtensible(f"reference to {key} before its allocation")
-        return new_sid[key]
-
-    def emit(e: int, emitted: int | None, source: int | None) -> None:
+    def emit_outside(e: int) -> None:
+        """An event outside every region, copied as it is; a free there may refer only to the
+        first blocks (kept as traced) or to the last (renumbered as the new last)."""
         ev = tl.events[e]
         if ev >= 0:
-            nsid = copy_storage(ev, emitted, source)
-            if ev in where:
-                r, _, o = where[ev]
-                new_sid[(r, emitted, o)] = nsid
+            step, phase = tl.origin[ev]
+            nsid = out.new_storage(tl.nbytes[ev], step, phase, tl.module[ev], tl.op[ev], None)
+            out.tags[nsid] = tl.tags[ev]
+            out.on_host[nsid] = tl.on_host[ev]
+            if ev in tl.labels:
+                out.labels[nsid] = tl.labels[ev]
+            new_sid[("outside", ev)] = nsid
+            return
+        sid = ~ev
+        key: tuple[Any, ...] = ("outside", sid)
+        if sid in where:
+            r, k, o = where[sid]
+            if k < HEAD:
+                key = (r, k, o)
+            elif k == blocks - 1:
+                key = (r, depth - 1, o)
             else:
-                new_sid[("outside", ev)] = nsid
-            out.event_block[-1] = emitted
-        else:
-            out.free(target(~ev, emitted, source), emitted)
+                raise NotExtensible("an event outside the blocks refers to a middle block")
+        if key not in new_sid:
+            raise NotExtensible(f"reference to {key} before its allocation")
+        out.free(new_sid[key], None)
+
+    def chunk_template(r: int, a: int, b: int, source: int) -> list[tuple[Any, ...]]:
+        """The events of block ``source``'s chunk ``[a, b)`` of region ``r``, made ready to emit
+        as any block, with every lookup that does not depend on the block done once (an 80-block
+        model emits the middle block's chunk 76 times)."""
+        items: list[tuple[Any, ...]] = []
+        for ee in range(a, b):
+            if ee != a and ee in mark_at:
+                raise NotExtensible("a phase changes inside a block")
+            ev = tl.events[ee]
+            if ev >= 0:
+                module = tl.module[ev]
+                offset, suffix = _block_offset(module, prefix, source) or (None, "")
+                step, phase = tl.origin[ev]
+                rr, _, identity = where.get(ev, (None, None, None))
+                items.append(
+                    (
+                        True,
+                        tl.nbytes[ev],
+                        tl.tags[ev],
+                        tl.on_host[ev],
+                        module,
+                        offset,
+                        suffix,
+                        tl.op[ev],
+                        (step, phase),
+                        tl.labels.get(ev),
+                        ("outside", ev) if identity is None else None,
+                        rr,
+                        identity,
+                    )
+                )
+            else:
+                sid = ~ev
+                if sid in where:
+                    rr, k, o = where[sid]
+                    items.append((False, None, rr, k - source, o))
+                else:
+                    if source == middle:
+                        raise NotExtensible(
+                            "a middle block frees a storage from outside the blocks"
+                        )
+                    items.append((False, ("outside", sid), None, None, None))
+        return items
+
+    def emit_chunk(items: list[tuple[Any, ...]], j: int) -> None:
+        """Every event of a chunk template, as block ``j``."""
+        nbytes, tags, on_host, module_of, ops = (
+            out.nbytes,
+            out.tags,
+            out.on_host,
+            out.module,
+            out.op,
+        )
+        origin, block, events, event_block = out.origin, out.block, out.events, out.event_block
+        for item in items:
+            if item[0]:
+                (
+                    _,
+                    size,
+                    tag,
+                    host,
+                    module,
+                    offset,
+                    suffix,
+                    op,
+                    when,
+                    label,
+                    outside,
+                    rr,
+                    ident,
+                ) = item
+                nsid = len(nbytes)
+                nbytes.append(size)
+                tags.append(tag)
+                on_host.append(host)
+                module_of.append(module if offset is None else f"{prefix}.{j + offset}{suffix}")
+                ops.append(op)
+                origin.append(when)
+                block.append(j)
+                events.append(nsid)
+                event_block.append(j)
+                if label is not None:
+                    out.labels[nsid] = label
+                new_sid[outside if ident is None else (rr, j, ident)] = nsid
+            else:
+                _, outside, rr, shift, o = item
+                key = outside if outside is not None else (rr, j + shift, o)
+                if key not in new_sid:
+                    raise NotExtensible(f"reference to {key} before its allocation")
+                events.append(~new_sid[key])
+                event_block.append(j)
 
     e = 0
     n = len(tl.events)
@@ -337,19 +415,19 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
         if e == n:
             break
         if e in region_starts:
-            region = regions[region_starts[e]]
+            r = region_starts[e]
+            region = regions[r]
             order = range(depth) if region.ascending else range(depth - 1, -1, -1)
+            templates: dict[int, list[tuple[Any, ...]]] = {}
             for j in order:
                 source = j if j < HEAD else blocks - 1 if j == depth - 1 else middle
-                pos = source if region.ascending else blocks - 1 - source
-                a, b = region.chunks[pos]
-                for ee in range(a, b):
-                    if ee != a and ee in mark_at:
-                        raise NotExtensible("a phase changes inside a block")
-                    emit(ee, j, source)
+                if source not in templates:
+                    pos = source if region.ascending else blocks - 1 - source
+                    templates[source] = chunk_template(r, *region.chunks[pos], source)
+                emit_chunk(templates[source], j)
             e = region.stop
             continue
-        emit(e, None, None)
+        emit_outside(e)
         e += 1
     return out
 
