@@ -140,19 +140,21 @@ class CudaCachingAllocatorSim:
         before = block.prev
         if before is not None and before.free:
             pool.remove(before)
-            before.size += block.size
-            before.next = after = block.next
-            if after is not None:
-                after.prev = before
+            _absorb(before, block)
             block = before
         after = block.next
         if after is not None and after.free:
             pool.remove(after)
-            block.size += after.size
-            block.next = beyond = after.next
-            if beyond is not None:
-                beyond.prev = block
+            _absorb(block, after)
         pool.insert(block)
+
+
+def _absorb(left: Block, right: Block) -> None:
+    """Merge ``right`` into its free neighbour ``left`` (its segment's list loses ``right``)."""
+    left.size += right.size
+    left.next = beyond = right.next
+    if beyond is not None:
+        beyond.prev = left
 
 
 @dataclass(frozen=True, kw_only=True)
