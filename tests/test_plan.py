@@ -370,7 +370,7 @@ def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
         for n, offload in ((2, "none"), (3, "none"), (4, "none"), (3, "optimizer"))
     } | {("tp", dp, tp): TrainingSpec(**base, dp_shard=dp, tp=tp) for dp, tp in ((2, 2), (3, 2))}
     specs[("tp", 2, 4)] = TrainingSpec(**base, dp_shard=2, tp=4)
-    # too shallow to extend: its family never verifies, and the second does not wait for it
+    # too shallow to extend: its family never verifies and is marked so (none of it waits)
     shallow = dict(base, model=fixture("tiny-llama.json"))
     specs |= {
         ("shallow", n): TrainingSpec(**shallow, world_size=n, strategy="fsdp") for n in (2, 3)
@@ -392,13 +392,17 @@ def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
 def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
     """The search's one-pass peaks (``ledger.steady_tensor_peak``, ``ledger.steady_peaks``) are
     the full replays': tensor bytes, the allocator's allocated and reserved bytes, and the host
-    bytes (of the tensors, not of allocator blocks: offload keeps them out of the allocator)."""
+    bytes (of the tensors, not of allocator blocks: offload keeps them out of the allocator) —
+    also as the search takes them (``DerivedPeaks``: one derivation resized per count, its
+    events converted once; its host bytes were 0 when they came from the allocator replay)."""
     from vramledger.ledger import steady_peaks, steady_reserved_peak, steady_tensor_peak
+    from vramledger.plan.search import DerivedPeaks
 
     spec = replace(SMALL, precision="bf16-mixed", target="cuda")
     timeline = trace(spec, CudaPolicy()).timeline
     facts = model_facts(spec)
     for offload in ("none", "optimizer", "both"):
+        search = DerivedPeaks(timeline, facts, strategy, offload)
         for n in (1, 3) if strategy == "none" else (2, 3):
             derived = derive(timeline, facts, strategy, n, offload)
             raw, blocks = replay(derived), replay(derived, CUDA_CACHING_ALLOCATOR)
@@ -407,5 +411,8 @@ def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
             assert peaks.allocated == steady_peak(blocks).total, (offload, n)
             assert peaks.reserved == steady_reserved_peak(blocks), (offload, n)
             assert peaks.host == raw.host_peak, (offload, n)
+            assert search.tensors(n) == steady_peak(raw).total, (offload, n)
+            assert search.reserved(n) == steady_reserved_peak(blocks), (offload, n)
+            assert search.host(n) == raw.host_peak, (offload, n)
             if offload != "none":  # the optimizer's state, at least, is on the host
                 assert peaks.host > MIB, (offload, n)

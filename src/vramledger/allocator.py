@@ -104,7 +104,7 @@ class CudaCachingAllocatorSim:
         """The first block of each segment, by address (walk ``next`` for its blocks)."""
 
     def malloc(self, nbytes: int) -> Block:
-        size = -(-nbytes // CUDA_MIN_BLOCK) * CUDA_MIN_BLOCK or CUDA_MIN_BLOCK
+        size = max(CUDA_MIN_BLOCK, round_up(nbytes, CUDA_MIN_BLOCK))
         small = size <= SMALL_SIZE
         pool = self.small if small else self.large
         block = pool.take_best_fit(size)
@@ -115,6 +115,8 @@ class CudaCachingAllocatorSim:
                 segment = LARGE_BUFFER
             else:
                 segment = round_up(size, ROUND_LARGE)
+            if self._next_addr + segment > _ADDRESS_MASK:
+                raise ValueError("more than 256 TiB reserved: beyond the simulation's addresses")
             block = Block(self._next_addr, segment, small)
             self.segments.append((block.addr, segment, small))
             self.heads[block.addr] = block

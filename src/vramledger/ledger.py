@@ -258,8 +258,7 @@ def steady_tensor_peak(timeline: Timeline, totals: EventTotals | None = None) ->
     """``steady_peak(replay(timeline)).total`` (device tensor bytes, no allocator) without the
     per-category bookkeeping: one cumulative sum over the events, for a planner that asks it of
     hundreds of derived timelines (``totals``: made once for their shared events)."""
-    device = [0 if host else n for n, host in zip(timeline.nbytes, timeline.on_host, strict=True)]
-    return (totals or EventTotals(timeline)).steady_peak(device)
+    return (totals or EventTotals(timeline)).steady_peak(_sizes(timeline, on_host=False))
 
 
 @dataclass(frozen=True)
@@ -286,14 +285,17 @@ def steady_peaks(
     # ``replay`` counts the reserved bytes after an event to the step before a mark at that
     # event: the steady state's are those after the first event of step 2.
     after = reserved[totals.steady_start + 1 :]
-    host = [
-        n if on_host else 0 for n, on_host in zip(timeline.nbytes, timeline.on_host, strict=True)
-    ]
     return SteadyPeaks(
         allocated=allocated,
         reserved=max(after) if after else allocated,
-        host=totals.peak(host),
+        host=totals.peak(_sizes(timeline, on_host=True)),
     )
+
+
+def _sizes(timeline: Timeline, *, on_host: bool) -> list[int]:
+    """Each storage's bytes if it is in host memory (``on_host``) or on the device, else 0."""
+    pairs = zip(timeline.nbytes, timeline.on_host, strict=True)
+    return [n if bool(host) == on_host else 0 for n, host in pairs]
 
 
 class EventTotals:

@@ -37,8 +37,9 @@ from ..spec import TrainingSpec
 from ..timeline import Timeline
 
 WORKER_MIN_TRACE_SECONDS = 1.0
-"""Workers start only when the first trace took at least this long: starting one costs about a
-second here (an interpreter importing torch), which small models do not repay."""
+"""Workers start only when the first trace took at least this long: starting them costs the
+fork server's imports, 3.2-3.5 s of one CPU on the 2-core VM (``worker_preload.py``), which small
+models do not repay."""
 
 
 def traced_timeline(spec: TrainingSpec) -> Timeline:
@@ -104,7 +105,7 @@ class Runner:
         self._running: dict[Future[tuple[int, int, bool]], tuple[Hashable, TrainingSpec]] = {}
         self._verified: set[str] = set()
         """Extension families (``extension_family``) whose blocks were verified to extend."""
-        self._unverifiable: set[str | None] = set()
+        self._unverifiable: set[str] = set()
         """Families whose first re-estimate did not verify an extension (blocks that differ, a
         model too shallow to extend, an error): the others need not wait for one."""
         self._pool: ProcessPoolExecutor | None = None
@@ -163,7 +164,7 @@ class Runner:
                     # The planner waits for this one: it goes first to the next free worker.
                     self._queued.pop(key, None)
                     self._queued = {key: spec, **self._queued}
-                    self._pump(first=key)
+                    self._pump()
                 self._lock.wait_for(lambda: self._known(key))
         if key in self._errors:
             raise self._errors[key]
@@ -180,16 +181,15 @@ class Runner:
         self, key: Hashable, spec: TrainingSpec, outcome: Callable[[], tuple[int, int, bool]]
     ) -> None:
         """Keep a re-estimate's ``outcome()`` (``reserved_peak``'s) or the error it raised."""
-        family = extension_family(spec)
         try:
             peak, host, verified = outcome()
         except Exception as exc:  # the planner decides what an engine's refusal means
-            self._errors[key] = exc
-            self._unverifiable.add(family)
-            return
+            self._errors[key], verified = exc, False
+        else:
+            self._values[key] = (peak, host)
+        family = extension_family(spec)
         if family is not None and family not in self._verified:
             (self._verified if verified else self._unverifiable).add(family)
-        self._values[key] = (peak, host)
 
     def _is_running(self, key: Hashable) -> bool:
         return any(k == key for k, _ in self._running.values())
@@ -204,14 +204,13 @@ class Runner:
             finally:
                 self._lock.notify_all()
 
-    def _pump(self, first: Hashable | None = None) -> None:
-        """Hand queued re-estimates to free workers: ``first`` if given, then the others in
-        order; but none whose family's first is still running and may verify its extension
-        (it waits for it, then traces half as much; a worker left idle meanwhile leaves its CPU
-        to the planner)."""
+    def _pump(self) -> None:
+        """Hand queued re-estimates to free workers, in the queue's order (the one the planner
+        waits for is at its head); but none whose family's first is still running and may verify
+        its extension (it waits for it, then traces half as much; a worker left idle meanwhile
+        leaves its CPU to the planner)."""
         while self._pool is not None and self._queued and len(self._running) < (self.workers or 1):
-            order = [first] if first in self._queued else []
-            key = next((k for k in [*order, *self._queued] if self._ready(self._queued[k])), None)
+            key = next((k for k, spec in self._queued.items() if self._ready(spec)), None)
             if key is None:
                 return
             spec = self._queued.pop(key)
