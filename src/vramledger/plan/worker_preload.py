@@ -5,8 +5,9 @@ transformers' modelling code, torchao's optimizers and vramledger's engines. On 
 a spawned worker spent 1.5 s importing vramledger's modules and its first tiny estimate took
 3.5-3.8 s against 0.4-0.5 s for the next (``transformers.modeling_utils`` alone imports in 3 s);
 this module imports in 3.2-3.5 s, once, and a forked worker's first estimate then takes
-0.7-0.8 s. Each worker inherits the imports instead of making them itself. Only imports run here (no tensor operation, no thread
-started by Python code), so forking from this process is safe.
+0.7-0.8 s. Each worker inherits the imports instead of making them itself. Only imports run
+here (no tensor operation, no thread started by Python code), so forking from this process is
+safe.
 """
 
 from __future__ import annotations
