@@ -5,7 +5,7 @@ Recomputation in Large Transformer Models" (2022), Table 2.
 
 The model is ``benchmarks/gpt_layer.py`` (the layer the paper counts: LayerNorms, Q/K/V, eager
 attention with a causal mask, softmax, attention dropout, output projection and dropout, a 4h
-MLP with GELU and dropout), traced for a CUDA A100 in bf16 (``--precision bf16-pure``: the
+MLP with GELU and dropout), traced for a CUDA A100 in bf16 (``--precision bf16-true``: the
 paper's 16-bit activations). The traced number is what the forward leaves saved for backward in
 the modules of layer 1 (``layers.1``; layer 0 also holds the embedding's output): the trace's
 activations by module at the end of the first forward (``ledger.replay``). Tensor parallelism
@@ -87,7 +87,7 @@ def traced_bytes(kind: str, t: int) -> tuple[int, float]:
         loss=f"{layer}:loss",
         seq_len=SEQ,
         batch_size=BATCH,
-        precision="bf16-pure",
+        precision="bf16-true",
         target="cuda",
         gpu="a100-80gb",
         optimizer="sgd",

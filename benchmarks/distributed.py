@@ -4,7 +4,7 @@ and how estimates scale.
     python benchmarks/distributed.py            # ~10 minutes on 2 cores
     python benchmarks/distributed.py --verify   # also real gloo runs on CPU, 2 and 4 processes
 
-Llama-2-7B shape (32 layers, hidden 4096), batch 1 x 4096, bf16-mixed AdamW with activation
+Llama-2-7B shape (32 layers, hidden 4096), batch 1 x 4096, bf16-master AdamW with activation
 checkpointing, target cuda, 8 ranks: per-rank GPU bytes by category (worst rank), host bytes
 for offload, and the time each estimate took (zero1/zero2 run DeepSpeed's own engine,
 zero1-torch PyTorch's ZeroRedundancyOptimizer). Then the ZeRO paper's Figure 1 (a GPT-style
@@ -44,7 +44,7 @@ ARGS = dict(
     batch_size=1,
     seq_len=4096,
     optimizer="adamw",
-    precision="bf16-mixed",
+    precision="bf16-master",
     grad_checkpointing=True,
     target="cuda",
 )
@@ -106,7 +106,7 @@ def paper_table(console: Console) -> list[dict]:
             model=str(GPT_7_5B),
             batch_size=1,
             seq_len=64,
-            precision="bf16-mixed",
+            precision="bf16-master",
             optimizer="adam",
             world_size=64,
             strategy=strategy,
@@ -149,7 +149,7 @@ def main() -> int:
     console = Console(width=160)
     rows = []
     table = Table(
-        title="Llama-2-7B, 8 GPUs, bf16-mixed AdamW + checkpointing, batch 1 x 4096: worst rank, GiB"
+        title="Llama-2-7B, 8 GPUs, bf16-master AdamW + checkpointing, batch 1 x 4096: worst rank, GiB"
     )
     table.add_column("strategy")
     table.add_column("offload")
@@ -265,7 +265,7 @@ def deepspeed_verify(console: Console) -> list[dict]:
     from tests.test_deepspeed_real import run_real as run_deepspeed
 
     table = Table(
-        title="DeepSpeed ZeRO-1/2 vs real gloo processes (wide-vocabulary Llama, bf16-mixed "
+        title="DeepSpeed ZeRO-1/2 vs real gloo processes (wide-vocabulary Llama, bf16-master "
         "AdamW, CPU): per-rank peak, CPU allocator's count"
     )
     for col in ("case", "ranks", "rank", "predicted", "real", "error", "traced as"):

@@ -4,7 +4,7 @@ and a 141 GB GPU, and the time each answer took.
     python benchmarks/fit.py                  # all of them
     python benchmarks/fit.py --models 8b      # one model
 
-Each row is one ``fit`` (``vramledger fit MODEL --gpu GPU --max batch-size``): bf16-mixed AdamW,
+Each row is one ``fit`` (``vramledger fit MODEL --gpu GPU --max batch-size``): bf16-master AdamW,
 sequence 4096, activation checkpointing on, the default 2 GiB margin. Neither model's AdamW
 state fits one GPU, so the 8B is sharded with FSDP2 over 8 GPUs and the 70B over 64 (the
 answers are per GPU of those runs). Each answer was re-estimated with the real engines, and so
@@ -56,7 +56,7 @@ def main() -> None:
         spec = TrainingSpec(
             model=str(path),
             seq_len=4096,
-            precision="bf16-mixed",
+            precision="bf16-master",
             grad_checkpointing=True,
             world_size=gpus,
             strategy="fsdp",

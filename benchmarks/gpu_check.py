@@ -33,8 +33,8 @@ LORA = "r=8,alpha=16,targets=q_proj,k_proj,v_proj,o_proj"
 EXTRA_CASES = [
     # issue 11: LoRA through peft, QLoRA / LLM.int8 through bitsandbytes' CUDA kernels
     (
-        "llama lora bf16-autocast",
-        dict(model=HUB / "tiny-llama-bf16", seq_len=128, lora=LORA, precision="bf16-autocast"),
+        "llama lora bf16-mixed",
+        dict(model=HUB / "tiny-llama-bf16", seq_len=128, lora=LORA, precision="bf16-mixed"),
     ),
     (
         "llama qlora nf4",
@@ -43,7 +43,7 @@ EXTRA_CASES = [
             seq_len=128,
             lora=LORA,
             quantize="nf4",
-            precision="bf16-autocast",
+            precision="bf16-mixed",
         ),
     ),
     (
@@ -53,21 +53,21 @@ EXTRA_CASES = [
             seq_len=128,
             lora=LORA,
             quantize="int8",
-            precision="bf16-autocast",
+            precision="bf16-mixed",
         ),
     ),
     # issue 9: MoE experts (grouped_mm on CUDA), fused dropout (bool masks on CUDA)
     (
-        "mixtral grouped-mm bf16-mixed",
-        dict(model=HUB / "mixtral-tiny-bf16", seq_len=128, precision="bf16-mixed"),
+        "mixtral grouped-mm bf16-master",
+        dict(model=HUB / "mixtral-tiny-bf16", seq_len=128, precision="bf16-master"),
     ),
     (
-        "gpt layer dropout bf16-pure",
+        "gpt layer dropout bf16-true",
         dict(
             model=f"{ROOT}/benchmarks/gpt_layer.py:gpt",
             inputs=f"{ROOT}/benchmarks/gpt_layer.py:inputs",
             loss=f"{ROOT}/benchmarks/gpt_layer.py:loss",
-            precision="bf16-pure",
+            precision="bf16-true",
         ),
     ),
 ]

@@ -4,7 +4,7 @@
     python benchmarks/plan.py --models 7b   # one model
 
 Each (model, GPU) is one ``plan`` over AdamW, AdamW8bit (torchao) and momentum SGD with
-bf16-mixed precision, batch 1 x 4096 tokens, activation checkpointing on and off, strategies
+bf16-master precision, batch 1 x 4096 tokens, activation checkpointing on and off, strategies
 none/DDP/ZeRO-1/2/3, optimizer offload on and off, up to 1024 GPUs and the default 2 GiB
 margin. The table gives the fewest GPUs per optimizer (with offload allowed, and on GPU memory
 alone), each answer re-estimated with the real engines, and the wall time of each plan. Results
@@ -66,7 +66,7 @@ def main() -> int:
     parser.add_argument("--models", default="7b,13b,70b")
     args = parser.parse_args()
     console = Console(width=200)
-    table = Table(title="fewest GPUs per optimizer (bf16-mixed, batch 1 x 4096, margin 2 GiB)")
+    table = Table(title="fewest GPUs per optimizer (bf16-master, batch 1 x 4096, margin 2 GiB)")
     for col in (
         "model",
         "GPU",
@@ -83,7 +83,7 @@ def main() -> int:
     rows = []
     for name in args.models.split(","):
         spec = TrainingSpec(
-            model=str(MODELS[name]), batch_size=1, seq_len=4096, precision="bf16-mixed"
+            model=str(MODELS[name]), batch_size=1, seq_len=4096, precision="bf16-master"
         )
         for gpu_name in GPUS:
             start = time.perf_counter()

@@ -3,7 +3,7 @@
     python benchmarks/speed.py            # about a minute on 2 cores
 
 Case (issue 2): Llama-3-70B shape (80 layers, hidden 8192, intermediate 28672, 64 heads, 8 KV
-heads, vocab 128256), batch 1, seq 4096, bf16-mixed AdamW with activation checkpointing,
+heads, vocab 128256), batch 1, seq 4096, bf16-master AdamW with activation checkpointing,
 target cuda. Measured in one run:
 
 1. ``vramledger estimate`` in a fresh process: wall time and peak RSS (target <= 2 GiB);
@@ -38,7 +38,7 @@ from rich.table import Table  # noqa: E402
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "examples" / "configs" / "llama-3-70b.json"
 ARGS = dict(
-    batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-mixed", grad_checkpointing=True
+    batch_size=1, seq_len=4096, optimizer="adamw", precision="bf16-master", grad_checkpointing=True
 )
 MEMTRACKER_LAYERS = 8
 TARGET_SPEEDUP = 10.0
@@ -143,7 +143,7 @@ def main() -> int:
 
     speedup = mt_scaled / ours["wall"]
     table = Table(
-        title="Llama-3-70B shape, bf16-mixed AdamW + checkpointing, batch 1 x 4096, target cuda"
+        title="Llama-3-70B shape, bf16-master AdamW + checkpointing, batch 1 x 4096, target cuda"
     )
     for col in ("measure", "value", "target", "met"):
         table.add_column(col)

@@ -3,7 +3,7 @@
     python benchmarks/zoo.py                       # everything, 2 workers (~1 h on 2 cores)
     python benchmarks/zoo.py --sample 12 --no-distributed      # a deterministic sample (CI)
     python benchmarks/zoo.py --only llama,bert --tasks causal-lm,masked-lm
-    python benchmarks/zoo.py --precisions fp32,bf16-mixed --dtype-variants none
+    python benchmarks/zoo.py --precisions fp32,bf16-master --dtype-variants none
     python benchmarks/zoo.py --retriage benchmarks/results/zoo-DATE-HOST.json   # no runs
 
 Every model type of the installed transformers with a causal-LM, masked-LM, seq2seq-LM,
@@ -74,7 +74,7 @@ BATCH_SIZE = 2
 SEQ_LEN = 32
 OPTIMIZER = "adamw"
 TARGET = "cpu"
-PRECISIONS = ("fp32", "bf16-autocast")
+PRECISIONS = ("fp32", "bf16-mixed")
 DTYPE_VARIANTS = ("none", "bfloat16")
 """``none``: the config.json declares no dtype; ``bfloat16``: it declares ``"dtype": "bfloat16"``."""
 WITHIN = 0.005

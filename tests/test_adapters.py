@@ -20,7 +20,7 @@ def _real(**spec):
     return m, m.estimate
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16-autocast"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_lora_matches_a_real_peft_run(precision):
     m, est = _real(model=TINY, lora=LORA, precision=precision)
     assert abs(m.error()) < 5e-4, (m.measured_peak_bytes, est.peak_bytes)
@@ -32,7 +32,7 @@ def test_lora_matches_a_real_peft_run(precision):
 
 @pytest.mark.parametrize("kind", ["nf4", "int8"])
 def test_quantized_base_is_bitsandbytes_own_layout(kind):
-    m, est = _real(model=TINY, lora=LORA, quantize=kind, precision="bf16-autocast")
+    m, est = _real(model=TINY, lora=LORA, quantize=kind, precision="bf16-mixed")
     # the tracker sees the same tensors in the trace as in the real bitsandbytes run
     assert est.peak_bytes == m.ledger.peak_bytes
     assert est.at_peak == m.ledger.at_peak
@@ -48,9 +48,9 @@ def test_quantized_base_is_bitsandbytes_own_layout(kind):
 
 
 def test_quantized_weights_take_their_packed_bytes():
-    full = estimate(model=TINY, seq_len=64, lora=LORA, precision="bf16-autocast")
-    nf4 = estimate(model=TINY, seq_len=64, lora=LORA, quantize="nf4", precision="bf16-autocast")
-    int8 = estimate(model=TINY, seq_len=64, lora=LORA, quantize="int8", precision="bf16-autocast")
+    full = estimate(model=TINY, seq_len=64, lora=LORA, precision="bf16-mixed")
+    nf4 = estimate(model=TINY, seq_len=64, lora=LORA, quantize="nf4", precision="bf16-mixed")
+    int8 = estimate(model=TINY, seq_len=64, lora=LORA, quantize="int8", precision="bf16-mixed")
     params = {
         k: e.at_peak[Category.PARAMETERS] for k, e in (("fp", full), ("nf4", nf4), ("int8", int8))
     }

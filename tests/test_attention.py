@@ -12,7 +12,7 @@ from vramledger.measure import measure
 from .conftest import MODELS_PY, fixture
 
 LLAMA = fixture("hub/tiny-llama-bf16")  # 4 query heads, 2 kv heads, head dim 16, 2 layers
-SPEC = dict(model=LLAMA, seq_len=256, batch_size=2, precision="bf16-mixed", gpu="a100-80gb")
+SPEC = dict(model=LLAMA, seq_len=256, batch_size=2, precision="bf16-master", gpu="a100-80gb")
 
 
 def saved(ledger) -> int:

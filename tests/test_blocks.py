@@ -22,15 +22,15 @@ def deep(name: str, layers: int = 7) -> dict:
 
 
 CASES = {
-    "llama-bf16-mixed-ckpt-cuda": dict(
-        model=deep("tiny-llama.json"), precision="bf16-mixed", grad_checkpointing=True, seq_len=32
+    "llama-bf16-master-ckpt-cuda": dict(
+        model=deep("tiny-llama.json"), precision="bf16-master", grad_checkpointing=True, seq_len=32
     ),
-    "llama-bf16-autocast-accum-cuda": dict(
-        model=deep("tiny-llama.json"), precision="bf16-autocast", grad_accum=2, seq_len=32
+    "llama-bf16-mixed-accum-cuda": dict(
+        model=deep("tiny-llama.json"), precision="bf16-mixed", grad_accum=2, seq_len=32
     ),
-    "llama-fp16-mixed-sgd-cpu": dict(
+    "llama-fp16-master-sgd-cpu": dict(
         model=deep("tiny-llama.json"),
-        precision="fp16-mixed",
+        precision="fp16-master",
         optimizer="sgd-momentum",
         target="cpu",
         seq_len=32,
@@ -66,10 +66,10 @@ def test_blocks_that_differ_are_traced_in_full():
 
 
 def llama_run(optimizer: str = "adamw", **layout) -> dict:
-    """A 7-block tiny Llama in bf16-mixed with ``optimizer`` on ``layout``'s GPUs."""
+    """A 7-block tiny Llama in bf16-master with ``optimizer`` on ``layout``'s GPUs."""
     return dict(
         model=deep("tiny-llama.json"),
-        precision="bf16-mixed",
+        precision="bf16-master",
         optimizer=optimizer,
         seq_len=32,
         **layout,
@@ -77,7 +77,7 @@ def llama_run(optimizer: str = "adamw", **layout) -> dict:
 
 
 VERIFIED_CASES = {
-    "llama-bf16-mixed-ckpt-cuda": CASES["llama-bf16-mixed-ckpt-cuda"],
+    "llama-bf16-master-ckpt-cuda": CASES["llama-bf16-master-ckpt-cuda"],
     "vit-adam-cuda": CASES["vit-adam-cuda"],
     "llama-fsdp-3-ranks-adamw8bit": llama_run("adamw8bit", world_size=3, strategy="fsdp"),
     "llama-tp2-fsdp2": llama_run(dp_shard=2, tp=2),

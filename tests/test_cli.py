@@ -47,7 +47,7 @@ def test_estimate_json_contract(capsys):
         "--seq-len",
         "32",
         "--precision",
-        "bf16-mixed",
+        "bf16-master",
         "--grad-checkpointing",
         "--json",
     )

@@ -93,7 +93,7 @@ def test_emulated_autocast_equals_real_cuda_autocast_on_fake_cuda_tensors():
 
 
 def test_autocast_overrides_are_removed_after_a_trace():
-    estimate(model=fixture("tiny-llama.json"), precision="bf16-autocast", batch_size=1, seq_len=16)
+    estimate(model=fixture("tiny-llama.json"), precision="bf16-mixed", batch_size=1, seq_len=16)
     x = torch.randn(2, 8)
     ln = torch.nn.LayerNorm(8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
@@ -107,7 +107,7 @@ def _ops(ledger):
 
 def test_attention_kernel_follows_the_target():
     kwargs = dict(
-        model=fixture("tiny-llama.json"), precision="bf16-mixed", batch_size=1, seq_len=32
+        model=fixture("tiny-llama.json"), precision="bf16-master", batch_size=1, seq_len=32
     )
     cuda = _ops(estimate(target="cuda", gpu="a100-80gb", **kwargs))
     default = _ops(estimate(target="cuda", **kwargs))  # compute capability 9.0: cuDNN first
@@ -122,7 +122,9 @@ def test_attention_dropout_keeps_flash_on_cuda_but_not_on_cpu():
     """GPT-2 trains with attention dropout: CPU falls back to the math path (an S×S matrix),
     CUDA's flash kernel supports dropout (cuDNN, first on sm90, does not take 0.1: its dropout
     resolution is 1/16)."""
-    kwargs = dict(model=fixture("tiny-gpt2.json"), precision="bf16-mixed", batch_size=1, seq_len=64)
+    kwargs = dict(
+        model=fixture("tiny-gpt2.json"), precision="bf16-master", batch_size=1, seq_len=64
+    )
     cuda, cpu = estimate(target="cuda", **kwargs), estimate(target="cpu", **kwargs)
     assert "aten._scaled_dot_product_flash_attention.default" in _ops(cuda)
     assert "aten._scaled_dot_product_flash_attention_for_cpu.default" not in _ops(cpu)
@@ -178,7 +180,7 @@ def test_dropout_keeps_a_bool_mask_on_cuda_and_an_input_dtype_mask_on_cpu():
         model=f"{model}:gpt",
         inputs=f"{model}:inputs",
         loss=f"{model}:loss",
-        precision="bf16-pure",
+        precision="bf16-true",
     )
     for target, mask_bytes in (("cuda", 1), ("cpu", 2)):
         tl = estimate(target=target, **spec).timeline

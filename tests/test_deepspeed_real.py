@@ -27,7 +27,7 @@ SPEC = dict(
     model=fixture("wide-vocab-llama.json"),
     seq_len=8,
     batch_size=1,
-    precision="bf16-mixed",
+    precision="bf16-master",
     optimizer="adamw",
     target="cpu",
 )

@@ -33,7 +33,7 @@ def test_zero_paper_model_state_per_gpu(strategy):
         model=GPT_7_5B,
         batch_size=1,
         seq_len=64,
-        precision="bf16-mixed",
+        precision="bf16-master",
         optimizer="adam",
         world_size=64,
         strategy=strategy,
@@ -90,7 +90,7 @@ def test_distributed_json_contract_and_sharding_categories():
     ledger = estimate(
         model=fixture("tiny-llama.json"),
         seq_len=32,
-        precision="bf16-mixed",
+        precision="bf16-master",
         world_size=4,
         strategy="fsdp",
     )
@@ -131,7 +131,7 @@ def test_deepspeed_zero2_categories_and_notes():
     ledger = estimate(
         model=fixture("tiny-llama.json"),
         seq_len=32,
-        precision="bf16-mixed",
+        precision="bf16-master",
         world_size=2,
         strategy="zero2",
     )
@@ -153,7 +153,7 @@ def test_offload_moves_categories_to_host():
         seq_len=32,
         world_size=4,
         strategy="zero2",
-        precision="bf16-mixed",
+        precision="bf16-master",
     )
     plain, offloaded = estimate(**base), estimate(offload="optimizer", **base)
     assert offloaded.at_peak[Category.OPTIMIZER_STATE] == 0
@@ -163,14 +163,14 @@ def test_offload_moves_categories_to_host():
 
 
 def test_zero3_optimizer_offload_keeps_half_precision_shards_on_the_gpu():
-    """FSDP2 keeps fp32 shards (the master weights under bf16-mixed); DeepSpeed's ZeRO-3
+    """FSDP2 keeps fp32 shards (the master weights under bf16-master); DeepSpeed's ZeRO-3
     offload_optimizer moves them to the host and keeps a bf16 copy of each shard on the GPU."""
     base = dict(
         model=fixture("tiny-llama.json"),
         seq_len=32,
         world_size=4,
         strategy="zero3",
-        precision="bf16-mixed",
+        precision="bf16-master",
     )
     plain, offloaded = estimate(**base), estimate(offload="optimizer", **base)
     fp32_shards = plain.at_peak[Category.SHARDED_PARAMETERS]
@@ -194,7 +194,7 @@ def test_deepspeed_config(tmp_path):
     assert fields == {
         "strategy": "zero2",
         "offload": "optimizer",
-        "precision": "bf16-mixed",
+        "precision": "bf16-master",
         "batch_size": 1,
         "grad_accum": 4,
     }
@@ -209,7 +209,7 @@ def test_deepspeed_config(tmp_path):
     # zero_optimization keys that change memory reach DeepSpeed's engine
     small = tmp_path / "small_bucket.json"
     small.write_text(json.dumps({"zero_optimization": {"stage": 1, "reduce_bucket_size": 10_000}}))
-    zero1 = estimate(replace(spec, deepspeed=str(small), precision="bf16-mixed"))
+    zero1 = estimate(replace(spec, deepspeed=str(small), precision="bf16-master"))
     assert zero1.strategy == "zero1"
     assert zero1.at_peak.get(Category.GRADIENT_BUCKETS, 0) in (0, 10_000 * 2)
     assert any("reduce bucket of 10,000 elements" in n for n in zero1.notes)

@@ -17,14 +17,14 @@ TINY = str(FIXTURES / "hub" / "tiny-llama-bf16")
 
 def test_interpolated_timeline_is_the_traced_one():
     """Storage sizes are polynomials in the batch size: traces at 2 and 3 give the trace at 5."""
-    spec = dict(model=TINY, seq_len=64, precision="bf16-mixed")
+    spec = dict(model=TINY, seq_len=64, precision="bf16-master")
     traced = {b: estimate(batch_size=b, **spec).timeline for b in (2, 3, 5)}
     derived = interpolate({2: traced[2], 3: traced[3]}, 5)
     assert derived is not None and derived.nbytes == traced[5].nbytes
 
 
 def test_fit_answer_fits_and_the_next_size_does_not():
-    spec = TrainingSpec(model=TINY, seq_len=128, precision="bf16-mixed")
+    spec = TrainingSpec(model=TINY, seq_len=128, precision="bf16-master")
     gpu = resolve_gpu(memory="120MiB")
     result = fit(spec, gpu, maximize="batch-size", checkpointing=(False,), margin=0)
     (answer,) = result.answers
@@ -44,7 +44,7 @@ def test_fit_answer_fits_and_the_next_size_does_not():
 
 
 def test_fit_sequence_length_with_checkpointing_on_and_off():
-    spec = TrainingSpec(model=TINY, batch_size=2, precision="bf16-mixed")
+    spec = TrainingSpec(model=TINY, batch_size=2, precision="bf16-master")
     result = fit(spec, resolve_gpu(memory="100MiB"), maximize="seq-len", margin=0, seq_step=64)
     by_ckpt = {a.checkpointing: a for a in result.answers}
     assert set(by_ckpt) == {False, True}

@@ -180,7 +180,7 @@ def test_accelerate_yaml_is_read_into_the_spec():
     llama, _ = apply_accelerate(
         TrainingSpec(model=fixture("tiny-llama.json"), accelerate_config=str(ACCELERATE / "fsdp2-llama-bf16.yaml"))
     )  # fmt: skip
-    assert llama.precision == "bf16-mixed"
+    assert llama.precision == "bf16-master"
     assert (
         llama.shard_modules == llama.checkpoint_modules == ("LlamaDecoderLayer",)
     )  # _no_split_modules

@@ -24,7 +24,7 @@ from vramledger.verdict import DEFAULT_MARGIN
 
 from .conftest import fixture
 
-LLAMA = dict(model=fixture("tiny-llama.json"), precision="bf16-mixed", batch_size=1, seq_len=64)
+LLAMA = dict(model=fixture("tiny-llama.json"), precision="bf16-master", batch_size=1, seq_len=64)
 
 
 def _storages(ledger):
@@ -84,7 +84,7 @@ def test_v100_runs_no_flash_or_cudnn_attention():
     assert any("no flash or cuDNN attention below sm80" in n for n in v100.notes)
     assert _workspaces(v100) == [CUBLAS_WORKSPACE_DEFAULT] * 2
     assert any("no bf16 tensor cores" in w for w in v100.warnings)
-    fp16 = estimate(gpu="v100-32gb", **{**LLAMA, "precision": "fp16-mixed"})
+    fp16 = estimate(gpu="v100-32gb", **{**LLAMA, "precision": "fp16-master"})
     assert not any("flash" in op or "cudnn" in op for op in _ops(fp16))
     assert not fp16.warnings
 
@@ -179,7 +179,7 @@ def test_verdict_fields_and_line(capsys):
     assert tight.verdict.fits is False
     assert tight.verdict.headroom_bytes == 60 * MIB - tight.reserved_peak_bytes < 0
     assert estimate(**kwargs).to_dict()["fits"] is None
-    argv = ["estimate", fixture("tiny-llama.json"), "--seq-len", "32", "--precision", "bf16-mixed"]
+    argv = ["estimate", fixture("tiny-llama.json"), "--seq-len", "32", "--precision", "bf16-master"]
     assert main([*argv, "--gpu-memory", "60MiB", "--margin", "0GiB"]) == 0
     assert "does not fit on gpu-60MiB" in capsys.readouterr().out
     assert main([*argv, "--gpu", "a100-80gb", "--margin", "4GiB", "--json"]) == 0

@@ -16,25 +16,25 @@ CNN = dict(
 
 CASES = {
     "gpt2-adamw-fp32": dict(model=fixture("tiny-gpt2.json"), **TEXT),
-    "llama-adamw-bf16-autocast": dict(
-        model=fixture("tiny-llama.json"), precision="bf16-autocast", **TEXT
+    "llama-adamw-bf16-mixed": dict(
+        model=fixture("tiny-llama.json"), precision="bf16-mixed", **TEXT
     ),
-    "llama-adamw-bf16-mixed-ckpt": dict(
-        model=fixture("tiny-llama.json"), precision="bf16-mixed", grad_checkpointing=True, **TEXT
+    "llama-adamw-bf16-master-ckpt": dict(
+        model=fixture("tiny-llama.json"), precision="bf16-master", grad_checkpointing=True, **TEXT
     ),
-    "llama-adamw-fp16-mixed": dict(
-        model=fixture("tiny-llama.json"), precision="fp16-mixed", **TEXT
+    "llama-adamw-fp16-master": dict(
+        model=fixture("tiny-llama.json"), precision="fp16-master", **TEXT
     ),
-    "llama-adam-fp16-autocast-accum": dict(
+    "llama-adam-16-mixed-accum": dict(
         model=fixture("tiny-llama.json"),
-        precision="fp16-autocast",
+        precision="16-mixed",
         optimizer="adam",
         grad_accum=2,
         **TEXT,
     ),
-    "llama-fused-bf16-pure": dict(
+    "llama-fused-bf16-true": dict(
         model=fixture("tiny-llama.json"),
-        precision="bf16-pure",
+        precision="bf16-true",
         optimizer_kwargs={"fused": True},
         **TEXT,
     ),
@@ -45,7 +45,7 @@ CASES = {
     "vit-sgd": dict(model=fixture("tiny-vit.json"), optimizer="sgd", batch_size=2),
     "mlp-rmsprop": dict(optimizer="rmsprop", **MLP),
     "cnn-adamw": dict(optimizer="adamw", batch_size=4, **CNN),
-    "cnn-sgd-bf16-autocast": dict(optimizer="sgd", precision="bf16-autocast", batch_size=4, **CNN),
+    "cnn-sgd-bf16-mixed": dict(optimizer="sgd", precision="bf16-mixed", batch_size=4, **CNN),
     # convolutions around a transposed LayerNorm (fake_corrections: its gradient's layout)
     "data2vec-audio-ctc-fp32": dict(model=fixture("hub/data2vec-audio-tiny"), **TEXT),
 }
@@ -69,7 +69,7 @@ def test_estimate_matches_real_cpu_run(name):
     )
 
 
-@pytest.mark.parametrize("name", ["llama-adamw-bf16-mixed-ckpt", "t5-adam-foreach", "cnn-adamw"])
+@pytest.mark.parametrize("name", ["llama-adamw-bf16-master-ckpt", "t5-adam-foreach", "cnn-adamw"])
 def test_fake_trace_records_the_same_storages_as_the_real_run(name):
     """Tracker parity: without the CPU scratch probe, the fake trace and the same tracker on the
     real run see identical storages, in the same order, with the same categories."""
@@ -90,7 +90,7 @@ def test_fake_trace_records_the_same_storages_as_the_real_run(name):
 
 
 def test_breakdowns_sum_to_totals():
-    ledger = estimate(model=fixture("tiny-gpt2.json"), precision="bf16-autocast", **TEXT)
+    ledger = estimate(model=fixture("tiny-gpt2.json"), precision="bf16-mixed", **TEXT)
     assert sum(ledger.at_peak.values()) == ledger.peak_bytes
     assert sum(ledger.allocated_at_peak.values()) == ledger.allocated_peak_bytes
     assert sum(ledger.first_step_at_peak.values()) == ledger.first_step_peak_bytes

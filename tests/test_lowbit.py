@@ -95,12 +95,12 @@ def test_paged_states_of_large_tensors_are_host_memory_on_cuda():
 
 
 def test_cpu_offload_moves_large_tensors_state_to_the_host():
-    offload = estimate(target="cuda", optimizer="cpu-offload-adamw", precision="bf16-pure", **SPEC)
+    offload = estimate(target="cuda", optimizer="cpu-offload-adamw", precision="bf16-true", **SPEC)
     device_only = estimate(
         target="cuda",
         optimizer="adamw",
         optimizer_kwargs={"fused": True},
-        precision="bf16-pure",
+        precision="bf16-true",
         **SPEC,
     )
     assert offload.host_bytes > offload.at_peak[Category.OPTIMIZER_STATE]
@@ -115,6 +115,6 @@ def test_cpu_offload_rejects_master_weights_and_cpu_target():
     from vramledger import InputError
 
     with pytest.raises(InputError, match="master weights"):
-        estimate(target="cuda", optimizer="cpu-offload-adamw", precision="bf16-mixed", **SPEC)
+        estimate(target="cuda", optimizer="cpu-offload-adamw", precision="bf16-master", **SPEC)
     with pytest.raises(InputError, match="CUDA target"):
         estimate(target="cpu", optimizer="cpu-offload-adamw", **SPEC)

@@ -14,7 +14,7 @@ from .conftest import FIXTURES
 from .mesh_real import PIPELINE, check_against_real_runs
 
 LLAMA8 = str(FIXTURES / "hub" / "tiny-llama-8l-bf16")  # 8 layers
-TEXT = dict(model=LLAMA8, seq_len=32, target="cpu", precision="bf16-mixed")
+TEXT = dict(model=LLAMA8, seq_len=32, target="cpu", precision="bf16-master")
 
 
 def test_stages_are_cut_as_torchtitan_cuts_them():

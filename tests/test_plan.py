@@ -26,7 +26,7 @@ from vramledger.units import MIB
 from .conftest import MODELS_PY, fixture
 
 SMALL = TrainingSpec(
-    model=fixture("small-llama.json"), batch_size=1, seq_len=64, precision="bf16-mixed"
+    model=fixture("small-llama.json"), batch_size=1, seq_len=64, precision="bf16-master"
 )
 
 
@@ -47,7 +47,7 @@ def test_catalogue_rows_have_memory_and_a_source():
 
 @pytest.mark.slow
 def test_plan_answer_fits_and_one_gpu_fewer_does_not():
-    # One GPU of this size cannot hold the bf16-mixed AdamW step (256 MiB reserved) without offload.
+    # One GPU of this size cannot hold the bf16-master AdamW step (256 MiB reserved) without offload.
     gpu = resolve_gpu(memory="170MiB")
     result = plan(
         SMALL,
@@ -225,7 +225,7 @@ def test_advise_names_tensors_the_training_code_keeps_alive():
 
 
 def test_offload_needs_host_memory_per_node():
-    spec = replace(SMALL, precision="bf16-mixed", world_size=2, strategy="zero2", seq_len=64)
+    spec = replace(SMALL, precision="bf16-master", world_size=2, strategy="zero2", seq_len=64)
     peak = estimate(spec).reserved_peak_bytes
     gpu = resolve_gpu(memory=peak - MIB)
     roomy = advise(spec, gpu, margin=0)
@@ -293,7 +293,7 @@ def test_layout_search_settles_where_one_replica_fewer_does_not_fit():
         return peaks[layout.dp], 0
 
     start = Layout(
-        optimizer="adamw", precision="bf16-mixed", checkpointing=False, micro_batch=1,
+        optimizer="adamw", precision="bf16-master", checkpointing=False, micro_batch=1,
         tp=2, pp=1, dp=4,
     )  # fmt: skip
     found = search_layout(start, estimated, capacity=50, max_gpus=10)
@@ -305,9 +305,13 @@ def test_layout_search_settles_where_one_replica_fewer_does_not_fit():
 
 
 def _one_gpu_too_small(model: str, seq_len: int) -> tuple[TrainingSpec, Any]:
-    """A bf16-mixed AdamW spec of ``model`` and a GPU one MiB too small for it alone."""
+    """A bf16-master AdamW spec of ``model`` and a GPU one MiB too small for it alone."""
     spec = TrainingSpec(
-        model=fixture(model), seq_len=seq_len, batch_size=1, precision="bf16-mixed", gpu="a100-80gb"
+        model=fixture(model),
+        seq_len=seq_len,
+        batch_size=1,
+        precision="bf16-master",
+        gpu="a100-80gb",
     )
     one = estimate(spec)
     return spec, resolve_gpu("a100-80gb", memory=one.reserved_peak_bytes - MIB)
@@ -364,7 +368,7 @@ def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
 
     config = load_hf_config(fixture("hub/tiny-llama-8l-bf16")).to_dict()
     config["num_key_value_heads"] = 4  # tp 4 splits the heads evenly
-    base = dict(model=config, seq_len=32, precision="bf16-mixed", target="cuda")
+    base = dict(model=config, seq_len=32, precision="bf16-master", target="cuda")
     specs = {
         ("fsdp", n, offload): TrainingSpec(**base, world_size=n, strategy="fsdp", offload=offload)
         for n, offload in ((2, "none"), (3, "none"), (4, "none"), (3, "optimizer"))
@@ -398,7 +402,7 @@ def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
     from vramledger.ledger import steady_peaks, steady_reserved_peak, steady_tensor_peak
     from vramledger.plan.search import DerivedPeaks
 
-    spec = replace(SMALL, precision="bf16-mixed", target="cuda")
+    spec = replace(SMALL, precision="bf16-master", target="cuda")
     timeline = trace(spec, CudaPolicy()).timeline
     facts = model_facts(spec)
     for offload in ("none", "optimizer", "both"):

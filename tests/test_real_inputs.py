@@ -35,8 +35,12 @@ def _real_error(**spec) -> tuple[float, object]:
 # bytes per parameter of each line, as each precision mode defines it (precision.py's table)
 MEANS = {
     "fp32": {Category.PARAMETERS: 4, Category.OPTIMIZER_STATE: 8},
-    "bf16-autocast": {Category.PARAMETERS: 4, Category.OPTIMIZER_STATE: 8},
-    "bf16-mixed": {Category.PARAMETERS: 2, Category.MASTER_WEIGHTS: 4, Category.OPTIMIZER_STATE: 8},
+    "bf16-mixed": {Category.PARAMETERS: 4, Category.OPTIMIZER_STATE: 8},
+    "bf16-master": {
+        Category.PARAMETERS: 2,
+        Category.MASTER_WEIGHTS: 4,
+        Category.OPTIMIZER_STATE: 8,
+    },
 }
 
 
@@ -61,7 +65,7 @@ def test_fsdp_mixed_precision_keeps_fp32_shards_on_a_bf16_config():
     ledger = estimate(
         model=str(HUB / "llama-7b-bf16"),
         seq_len=128,
-        precision="bf16-mixed",
+        precision="bf16-master",
         world_size=2,
         strategy="fsdp",
     )
@@ -76,7 +80,7 @@ def test_lowbit_optimizer_under_zero3_on_a_bf16_config():
         model=TINY,
         seq_len=32,
         optimizer="adamw8bit",
-        precision="bf16-mixed",
+        precision="bf16-master",
         world_size=2,
         strategy="zero3",
     )
@@ -154,7 +158,7 @@ def test_a_masked_loss_gets_the_true_number_of_masked_positions():
 
 
 @pytest.mark.parametrize("config", ["mixtral-tiny-bf16", "qwen3-moe-tiny-bf16"])
-@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16-master"])
 def test_moe_with_grouped_mm_experts_is_exact_for_any_routing(config, precision):
     """transformers' default experts run torch._grouped_mm over every routed token: nothing
     value-dependent reads the routing, so the estimate is exact whatever it is."""
@@ -204,11 +208,11 @@ def test_a_sharding_strategy_on_one_rank_warns():
 # -- 4. the held-out cases: Mamba (slow path) and a small ViT -----------------------------------
 HELD_OUT = {
     "mamba-fp32-adamw": dict(model=str(HUB / "mamba-tiny"), batch_size=2, seq_len=64),
-    "mamba-bf16-autocast": dict(
-        model=str(HUB / "mamba-tiny"), batch_size=2, seq_len=64, precision="bf16-autocast"
+    "mamba-bf16-mixed": dict(
+        model=str(HUB / "mamba-tiny"), batch_size=2, seq_len=64, precision="bf16-mixed"
     ),
-    "vit-bf16-autocast-sgd-momentum": dict(
-        model=str(HUB / "vit-4l-256"), precision="bf16-autocast", optimizer="sgd-momentum"
+    "vit-bf16-mixed-sgd-momentum": dict(
+        model=str(HUB / "vit-4l-256"), precision="bf16-mixed", optimizer="sgd-momentum"
     ),
 }
 

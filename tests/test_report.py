@@ -82,7 +82,7 @@ def test_estimate_report_renders_its_timeline_and_peak(tmp_path):
 
 
 def test_plan_report_draws_its_front(tmp_path):
-    spec = TrainingSpec(model=fixture("small-llama.json"), seq_len=64, precision="bf16-mixed")
+    spec = TrainingSpec(model=fixture("small-llama.json"), seq_len=64, precision="bf16-master")
     result = plan(
         spec,
         resolve_gpu(memory="170MiB"),

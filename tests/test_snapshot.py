@@ -14,7 +14,7 @@ from .conftest import fixture
 
 @pytest.fixture(scope="module")
 def ledger():
-    return estimate(model=fixture("tiny-llama.json"), seq_len=64, precision="bf16-mixed")
+    return estimate(model=fixture("tiny-llama.json"), seq_len=64, precision="bf16-master")
 
 
 def _active(snapshot):

@@ -129,7 +129,7 @@ def test_llama_70b_shape_with_tp_8_estimates_in_seconds():
     ledger = estimate(
         model=fixture("../../examples/configs/llama-3-70b.json"),
         seq_len=8192,
-        precision="bf16-mixed",
+        precision="bf16-master",
         dp_shard=8,
         tp=8,
     )
@@ -147,7 +147,7 @@ def test_context_parallel_splits_the_sequence():
     backward halves with each doubling of cp."""
     from vramledger.ledger import replay
 
-    spec = dict(model=LLAMA, seq_len=256, batch_size=4, precision="bf16-mixed", target="cuda")
+    spec = dict(model=LLAMA, seq_len=256, batch_size=4, precision="bf16-master", target="cuda")
     saved = {}
     for cp in (1, 2, 4):
         ledger = estimate(cp=cp, **spec)
@@ -197,7 +197,7 @@ def test_expert_parallel_gathers_only_the_local_experts():
         seq_len=64,
         target="cuda",
         cp=2,
-        precision="bf16-mixed",
+        precision="bf16-master",
     )
     gathered, sharded = {}, {}
     for ep in (1, 2):

@@ -119,7 +119,7 @@ def flash_attention_forward(
     if query.dtype not in (torch.float16, torch.bfloat16):
         raise InputError(
             f"FlashAttention-2 computes in fp16 or bf16, and this run's attention is {query.dtype}",
-            hint="use a half or autocast --precision (bf16-mixed, bf16-autocast, ...)",
+            hint="use a half or autocast --precision (bf16-master, bf16-mixed, ...)",
         )
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     return _FlashAttn2.apply(q, k, v), None

@@ -19,7 +19,7 @@ from .attention import IMPLEMENTATIONS
 from .chatter import quiet_import_chatter
 from .errors import InputError, VramledgerError
 from .plan.fit import MAXIMIZE, SEQ_STEP
-from .precision import PRECISIONS
+from .precision import PRECISIONS, canonical_precision
 from .spec import OFFLOADS, PP_SCHEDULES, ROUTINGS, STRATEGIES, TARGETS, TrainingSpec
 from .tasks import TASKS
 from .version import __version__
@@ -47,9 +47,10 @@ SPEC_OPTIONS: dict[str, dict[str, Any]] = {
     },
     "optimizer_kwargs": {"metavar": "JSON", "help": "optimizer keyword arguments as a JSON object"},
     "precision": {
-        "choices": tuple(PRECISIONS),
+        "metavar": "{" + ",".join(PRECISIONS) + "}",
         "default": "fp32",
-        "help": "precision mode (default fp32)",
+        "help": "precision mode, Lightning's names (default fp32; bf16-mixed: autocast over fp32 "
+        "weights; bf16-master: bf16 weights with an fp32 master copy, as DeepSpeed)",
     },
     "grad_checkpointing": {
         "action": "store_true",
@@ -430,12 +431,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     gpu = _gpu(args)
     margin, source = _margin(args)
     spec = spec_from_args(args)
-    precisions = _names(args.precisions, "--precisions")
-    for name in precisions:
-        if name not in PRECISIONS:
-            raise InputError(
-                f"unknown precision {name!r} in --precisions", hint=f"use {', '.join(PRECISIONS)}"
-            )
+    precisions = [canonical_precision(name) for name in _names(args.precisions, "--precisions")]
     result = _with_progress(
         args,
         lambda progress: plan(
@@ -645,9 +641,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--precisions",
-        default="bf16-mixed",
+        default="bf16-master",
         metavar="A,B,...",
-        help=f"precision modes to search, of {', '.join(PRECISIONS)} (default bf16-mixed)",
+        help=f"precision modes to search, of {', '.join(PRECISIONS)} (default bf16-master)",
     )
     p.add_argument(
         "--max-gpus",

@@ -125,6 +125,6 @@ def precision_warnings(gpu: Gpu, precision: str) -> list[str]:
             f"{gpu.name} (sm{cc[0]}{cc[1]}) has no bf16 tensor cores "
             "(torch.cuda.is_bf16_supported(including_emulation=False) is False): bf16 runs "
             "emulated and slow, and its attention runs the math path; fp16 (--precision "
-            "fp16-mixed) is what this GPU computes natively"
+            "fp16-master) is what this GPU computes natively"
         ]
     return []

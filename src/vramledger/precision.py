@@ -1,23 +1,34 @@
 """Precision modes: what dtype the model lives in, whether autocast runs, who keeps fp32 copies.
 
-=================  ============  ==========  ==============  ============
-mode               parameters    autocast    master weights  loss scaling
-=================  ============  ==========  ==============  ============
-fp32               fp32          —           —               —
-bf16-autocast      fp32          bf16        —               —
-fp16-autocast      fp32          fp16        —               GradScaler
-bf16-mixed         bf16          —           fp32            —
-fp16-mixed         fp16          —           fp32            dynamic
-bf16-pure          bf16          —           —               —
-=================  ============  ==========  ==============  ============
+The names are the frameworks' own, with their meanings (Lightning's ``precision=``; the
+master-weight modes are DeepSpeed's and Megatron's layout, named for what they keep):
 
-``*-autocast`` is native ``torch.autocast`` (parameters stay fp32; autocast caches half copies
-of the weights for the duration of the autocast region). ``*-mixed`` is the DeepSpeed layout
-(its FP16/BF16 optimizer without ZeRO): the model and its gradients are half precision, the
-optimizer steps fp32 master weights; for the step the half gradients are cast to fp32
-gradients of the masters — temporaries of the step, freed after it — and the masters are copied
-back into the model. Model states are thus 2 + 2 + 4 + optimizer bytes per parameter (16 for
-Adam), the accounting of the ZeRO paper.
+=============  ==========  ========  ==============  ============  =============================
+mode           parameters  autocast  master weights  loss scaling  the same setup elsewhere
+=============  ==========  ========  ==============  ============  =============================
+fp32           fp32        —         —               —             Lightning ``32-true``
+bf16-mixed     fp32        bf16      —               —             Lightning ``bf16-mixed``, HF
+                                                                   Trainer ``bf16=True``,
+                                                                   accelerate ``bf16``
+16-mixed       fp32        fp16      —               GradScaler    Lightning ``16-mixed``, HF
+                                                                   Trainer ``fp16=True``,
+                                                                   accelerate ``fp16``
+bf16-true      bf16        —         —               —             Lightning ``bf16-true``
+bf16-master    bf16        —         fp32            —             DeepSpeed ``bf16``, Megatron
+fp16-master    fp16        —         fp32            dynamic       DeepSpeed ``fp16``, apex O2
+=============  ==========  ========  ==============  ============  =============================
+
+``*-mixed`` is native ``torch.autocast`` (parameters stay fp32; autocast caches half copies of
+the weights for the duration of the autocast region). ``*-master`` is the DeepSpeed layout (its
+FP16/BF16 optimizer without ZeRO): the model and its gradients are half precision, the
+optimizer steps fp32 master weights; for the step the half gradients are cast to fp32 gradients
+of the masters — temporaries of the step, freed after it — and the masters are copied back into
+the model. Model states are thus 2 + 2 + 4 + optimizer bytes per parameter (16 for Adam), the
+accounting of the ZeRO paper.
+
+Until 2026-12 vramledger called autocast ``bf16-autocast``/``fp16-autocast`` and the master
+modes ``bf16-mixed``/``fp16-mixed``: :data:`RENAMED` refuses the old spellings that no longer
+exist, saying what they are called now.
 """
 
 from __future__ import annotations
@@ -32,9 +43,7 @@ from torch import nn
 
 from .errors import InputError
 
-Precision = Literal[
-    "fp32", "bf16-autocast", "fp16-autocast", "bf16-mixed", "fp16-mixed", "bf16-pure"
-]
+Precision = Literal["fp32", "bf16-mixed", "16-mixed", "bf16-true", "bf16-master", "fp16-master"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -48,6 +57,8 @@ class PrecisionPolicy:
     """Keep fp32 master copies that the optimizer steps."""
     loss_scaling: bool
     """Scale the loss (fp16 only: its range is too small for small gradients)."""
+    models: str = ""
+    """The setup this mode models, in the words of the frameworks that run it (for the notes)."""
 
 
 PRECISIONS: dict[str, PrecisionPolicy] = {
@@ -57,52 +68,98 @@ PRECISIONS: dict[str, PrecisionPolicy] = {
         autocast_dtype=None,
         master_weights=False,
         loss_scaling=False,
+        models="fp32 weights and compute (Lightning 32-true; HF Trainer and accelerate with no mixed precision)",
     ),
-    "bf16-autocast": PrecisionPolicy(
-        name="bf16-autocast",
+    "bf16-mixed": PrecisionPolicy(
+        name="bf16-mixed",
         param_dtype=torch.float32,
         autocast_dtype=torch.bfloat16,
         master_weights=False,
         loss_scaling=False,
+        models="torch.autocast to bf16 over fp32 weights (Lightning bf16-mixed, HF Trainer bf16=True, accelerate mixed_precision bf16)",
     ),
-    "fp16-autocast": PrecisionPolicy(
-        name="fp16-autocast",
+    "16-mixed": PrecisionPolicy(
+        name="16-mixed",
         param_dtype=torch.float32,
         autocast_dtype=torch.float16,
         master_weights=False,
         loss_scaling=True,
+        models="torch.autocast to fp16 over fp32 weights with a GradScaler (Lightning 16-mixed, HF Trainer fp16=True, accelerate mixed_precision fp16)",
     ),
-    "bf16-mixed": PrecisionPolicy(
-        name="bf16-mixed",
+    "bf16-master": PrecisionPolicy(
+        name="bf16-master",
         param_dtype=torch.bfloat16,
         autocast_dtype=None,
         master_weights=True,
         loss_scaling=False,
+        models="bf16 weights and gradients, the optimizer stepping an fp32 master copy (DeepSpeed bf16, Megatron bf16)",
     ),
-    "fp16-mixed": PrecisionPolicy(
-        name="fp16-mixed",
+    "fp16-master": PrecisionPolicy(
+        name="fp16-master",
         param_dtype=torch.float16,
         autocast_dtype=None,
         master_weights=True,
         loss_scaling=True,
+        models="fp16 weights and gradients, the optimizer stepping an fp32 master copy, dynamic loss scaling (DeepSpeed fp16, apex O2)",
     ),
-    "bf16-pure": PrecisionPolicy(
-        name="bf16-pure",
+    "bf16-true": PrecisionPolicy(
+        name="bf16-true",
         param_dtype=torch.bfloat16,
         autocast_dtype=None,
         master_weights=False,
         loss_scaling=False,
+        models="bf16 weights, gradients and optimizer state, no fp32 copy (Lightning bf16-true)",
     ),
 }
 
 
-def precision_policy(name: str) -> PrecisionPolicy:
-    try:
-        return PRECISIONS[name]
-    except KeyError:
+ALIASES: dict[str, str] = {
+    "32-true": "fp32",
+    "32": "fp32",
+    "bf16": "bf16-mixed",
+    "16": "16-mixed",
+    "fp16": "16-mixed",
+}
+"""Other frameworks' spellings of the same modes: Lightning's ``32-true`` and its legacy
+``32``/``16``/``bf16`` (``lightning/fabric/connector.py``: 16 -> 16-mixed, bf16 -> bf16-mixed),
+accelerate's ``mixed_precision`` values ``bf16``/``fp16`` (autocast over fp32 weights)."""
+
+RENAMED: dict[str, str] = {
+    "bf16-autocast": "bf16-mixed",
+    "fp16-autocast": "16-mixed",
+    "bf16-pure": "bf16-true",
+    "fp16-mixed": "fp16-master",
+}
+"""vramledger's spellings before the frameworks' names were taken (2026-12): refused with the
+new name. ``bf16-mixed`` itself changed meaning (it was the master-weight mode, now
+``bf16-master``); see :func:`canonical_precision`."""
+
+
+def canonical_precision(name: str) -> str:
+    """The mode a name means (frameworks' aliases resolved); an old vramledger spelling or an
+    unknown name is refused with what to write instead."""
+    if name in PRECISIONS:
+        return name
+    if name in ALIASES:
+        return ALIASES[name]
+    if name in RENAMED:
+        new = RENAMED[name]
         raise InputError(
-            f"unknown precision {name!r}", hint=f"use one of {', '.join(PRECISIONS)}"
-        ) from None
+            f"precision {name!r} is now called {new!r}: {PRECISIONS[new].models}",
+            hint=f"write --precision {new} (bf16-mixed now means autocast over fp32 weights, as in "
+            "Lightning; fp32 master weights are bf16-master / fp16-master)",
+        )
+    if name == "16-true":
+        raise InputError(
+            "precision '16-true' (fp16 weights with no master copy and no loss scaling) is not "
+            "modelled",
+            hint="use bf16-true, or fp16-master for fp16 weights with an fp32 master copy",
+        )
+    raise InputError(f"unknown precision {name!r}", hint=f"use one of {', '.join(PRECISIONS)}")
+
+
+def precision_policy(name: str) -> PrecisionPolicy:
+    return PRECISIONS[canonical_precision(name)]
 
 
 def cast_model(model: nn.Module, policy: PrecisionPolicy) -> None:

@@ -102,7 +102,10 @@ class Recipe:
     def dtype_note(self) -> str:
         """Which dtype the parameters are stored in, and why."""
         stored = dtype_name(self.precision.param_dtype)
-        note = f"parameters stored in {stored} (--precision {self.spec.precision})"
+        note = (
+            f"--precision {self.spec.precision}: {self.precision.models}; parameters stored in "
+            f"{stored}"
+        )
         declared = self.source.declared_dtype
         if declared is not None:
             note += (

@@ -13,7 +13,7 @@ from .adapters import QUANTIZE, parse_lora
 from .attention import check_implementation
 from .errors import InputError
 from .gpus import Gpu, modelled_compute_capability, resolve_gpu
-from .precision import PRECISIONS, Precision
+from .precision import Precision, canonical_precision
 from .tasks import TASKS
 from .units import parse_bytes
 from .verdict import DEFAULT_MARGIN, check_margin
@@ -61,7 +61,9 @@ class TrainingSpec:
     optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments for the optimizer (momentum, foreach, fused, amsgrad, ...)."""
     precision: Precision = "fp32"
-    """fp32, bf16-autocast, fp16-autocast, bf16-mixed, fp16-mixed or bf16-pure."""
+    """The frameworks' names (precision.py): fp32 (or 32-true), bf16-mixed and 16-mixed
+    (autocast over fp32 weights, as Lightning, HF Trainer and accelerate), bf16-true (bf16
+    weights), bf16-master and fp16-master (half weights with an fp32 master copy, as DeepSpeed)."""
     grad_checkpointing: bool = False
     """Activation checkpointing through the Hugging Face model's own switch."""
     checkpoint_modules: tuple[str, ...] = ()
@@ -172,10 +174,8 @@ class TrainingSpec:
                 f"steps must be at least 2, not {self.steps!r}",
                 hint="step 1 creates the optimizer state; the steady state starts at step 2",
             )
-        if self.precision not in PRECISIONS:
-            raise InputError(
-                f"unknown precision {self.precision!r}", hint=f"use one of {', '.join(PRECISIONS)}"
-            )
+        # the frameworks' aliases resolved; old vramledger spellings refused with the new name
+        object.__setattr__(self, "precision", canonical_precision(self.precision))
         if self.target not in TARGETS:
             raise InputError(f"unknown target {self.target!r}", hint="use cuda or cpu")
         if self.task is not None and self.task not in TASKS:

@@ -185,7 +185,7 @@ def assemble(
     """Put a model (already on its device, in its dtype) together with everything a step needs,
     telling the observer which tensors are parameters, buffers, inputs and master weights.
     Floating-point inputs are cast to the model's dtype when the model is stored in half
-    precision (``*-mixed``, ``bf16-pure``), as a training script for such a model does."""
+    precision (``*-mixed``, ``bf16-true``), as a training script for such a model does."""
     if precision.param_dtype is not torch.float32:
         batch = cast_floating(batch, precision.param_dtype)
     track_by_kind(observer, model.parameters(), param_category)

@@ -9,9 +9,9 @@ Read:
   what is traced), ``MULTI_GPU`` -> ddp, ``NO`` -> none;
 - ``num_processes``: the total over all machines (accelerate launch runs
   ``num_processes // num_machines`` per machine) -> world_size;
-- ``mixed_precision``: ``bf16`` -> bf16-mixed under FSDP (FSDP2's MixedPrecisionPolicy with
-  accelerate's dtypes, ``fsdp_units.mixed_precision_policy``), bf16-autocast otherwise (accelerate's
-  native autocast); ``fp16`` -> fp16-autocast without FSDP; ``no`` -> fp32;
+- ``mixed_precision``: ``bf16`` -> bf16-master under FSDP (FSDP2's MixedPrecisionPolicy with
+  accelerate's dtypes, ``fsdp_units.mixed_precision_policy``), bf16-mixed otherwise (accelerate's
+  native autocast); ``fp16`` -> 16-mixed without FSDP; ``no`` -> fp32;
 - ``use_cpu: true`` -> target cpu;
 - ``fsdp_config``: ``fsdp_auto_wrap_policy`` ``TRANSFORMER_BASED_WRAP`` (the classes of
   ``fsdp_transformer_layer_cls_to_wrap``, else the model's ``_no_split_modules``) ->
@@ -225,13 +225,13 @@ def _precision(name: str, *, fsdp: bool) -> str:
     if name == "no":
         return "fp32"
     if name == "bf16":
-        return "bf16-mixed" if fsdp else "bf16-autocast"
+        return "bf16-master" if fsdp else "bf16-mixed"
     if name == "fp16":
         if fsdp:
             raise _refuse(
                 "mixed_precision", "fp16 with FSDP (a GradScaler over FSDP2) is not modelled"
             )
-        return "fp16-autocast"
+        return "16-mixed"
     raise _refuse("mixed_precision", f"{name!r} is not modelled (no, bf16 and fp16 are)")
 
 
@@ -357,7 +357,7 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
         f"from {Path(spec.accelerate_config).name}: {read}; wrapped as accelerate "
         f"{ACCELERATE_MODELLED} wraps FSDP2"
     ]
-    if updated.strategy == "fsdp" and updated.precision == "bf16-mixed":
+    if updated.strategy == "fsdp" and updated.precision == "bf16-master":
         notes.append(
             "accelerate bf16 under FSDP2: MixedPrecisionPolicy(param, reduce and output dtype "
             "bf16); accelerate's autocast around the forward is not traced (parameters are "

@@ -2,7 +2,7 @@
 
 Read: ``zero_optimization.stage`` (0 -> ddp, 1 -> zero1, 2 -> zero2, 3 -> zero3),
 ``zero_optimization.offload_optimizer.device`` and ``offload_param.device`` ("cpu"; "none"),
-``bf16.enabled`` (bf16-mixed), ``fp16.enabled`` (fp16-mixed), ``train_micro_batch_size_per_gpu``,
+``bf16.enabled`` (bf16-master), ``fp16.enabled`` (fp16-master), ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, and ``train_batch_size`` (checked against the other two and the
 world size). Under stages 1 and 2, which run DeepSpeed's own engine
 (``deepspeed_engine.py``), the ``zero_optimization`` keys that shape its buffers and steps
@@ -153,7 +153,7 @@ def read_deepspeed_config(path: str | Path) -> tuple[dict[str, Any], list[str]]:
         (False, True): "params",
         (True, True): "both",
     }[(optimizer, params)]
-    for key, precision in (("bf16", "bf16-mixed"), ("fp16", "fp16-mixed")):
+    for key, precision in (("bf16", "bf16-master"), ("fp16", "fp16-master")):
         section = config.get(key, {})
         if not isinstance(section, dict):
             raise InputError(f"DeepSpeed config {key} must be an object")

@@ -56,9 +56,9 @@ DEEPSPEED_STAGES = {"zero1": 1, "zero2": 2}
 """Strategies run with DeepSpeed's engine, and their ZeRO stage."""
 DEEPSPEED_PRECISIONS = {
     "fp32": {},
-    "bf16-mixed": {"bf16": {"enabled": True}},
-    "fp16-mixed": {"fp16": {"enabled": True}},
-    "bf16-autocast": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
+    "bf16-master": {"bf16": {"enabled": True}},
+    "fp16-master": {"fp16": {"enabled": True}},
+    "bf16-mixed": {"torch_autocast": {"enabled": True, "dtype": "bfloat16"}},
 }
 """DeepSpeed config sections of the precisions its ZeRO-1/2 engine runs: its bf16/fp16 modes
 keep the half-precision model and fp32 master weights of the partition (``*-mixed``); its

@@ -70,7 +70,7 @@ def adapt_recipe(recipe: Recipe) -> Recipe:
     if spec.strategy not in FSDP_STRATEGIES or not recipe.precision.master_weights:
         return recipe
     if recipe.precision.loss_scaling:
-        raise InputError("fp16-mixed with FSDP is not supported", hint="use bf16-mixed")
+        raise InputError("fp16-master with FSDP is not supported", hint="use bf16-master")
     fsdp_precision = PrecisionPolicy(
         name=recipe.precision.name,
         param_dtype=torch.float32,

@@ -224,9 +224,9 @@ def mixed_precision_policy(spec: TrainingSpec, precision_name: str) -> Any:
     reduction and outputs all in the half dtype)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if precision_name not in ("bf16-mixed", "fp16-mixed"):
+    if precision_name not in ("bf16-master", "fp16-master"):
         return MixedPrecisionPolicy()
-    half = torch.bfloat16 if precision_name == "bf16-mixed" else torch.float16
+    half = torch.bfloat16 if precision_name == "bf16-master" else torch.float16
     if spec.accelerate_config is not None:
         return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=half, output_dtype=half)
     return MixedPrecisionPolicy(param_dtype=half, reduce_dtype=torch.float32)

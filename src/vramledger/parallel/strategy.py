@@ -32,7 +32,7 @@ are host memory too); ``params`` keeps
 sharded parameters there; ``both`` does both. It is applied to the traced timeline by category
 (the copies' staging buffers are not modelled).
 
-Under ZeRO-3/FSDP with master-weight precision (``bf16-mixed``) the traced fp32 shards are the
+Under ZeRO-3/FSDP with master-weight precision (``bf16-master``) the traced fp32 shards are the
 master weights (FSDP2's MixedPrecisionPolicy). ``optimizer`` offload is then DeepSpeed's ZeRO-3
 ``offload_optimizer`` layout (FSDP2 has no optimizer-only offload): the fp32 shards in host
 memory with the optimizer state, and a half-precision copy of each shard on the GPU

@@ -12,7 +12,7 @@ DEFAULT_GPUS_PER_NODE = 8
 """GPUs sharing one host's memory when offloading (an 8-GPU node: DGX/HGX)."""
 RECOMPUTE_FRACTION = 1 / 3
 """Activation checkpointing recomputes the forward pass: about a third more compute."""
-NUMERICS = {"bf16-pure": "bf16 weights and optimizer state, no fp32 master copy"}
+NUMERICS = {"bf16-true": "bf16 weights and optimizer state, no fp32 master copy"}
 """Precision modes that change what training computes beyond mixed precision's usual rounding."""
 PLANNED_STRATEGIES = tuple(s for s in STRATEGIES if s not in ("fsdp", "zero1-torch"))
 """Strategies the plan searches: fsdp is zero3's layout under another name, and PyTorch's

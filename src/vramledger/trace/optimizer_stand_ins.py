@@ -116,7 +116,7 @@ class CpuOffloadStandIn(torch.optim.Optimizer):
             raise InputError(
                 "cpu-offload optimizers keep their own host copies of the parameters; they do not "
                 "combine with master weights",
-                hint="use --precision fp32, bf16-pure or an autocast mode",
+                hint="use --precision fp32, bf16-true or an autocast mode",
             )
         retained = []
         for p in params:

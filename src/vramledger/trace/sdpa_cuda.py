@@ -309,7 +309,7 @@ def cuda_sdpa(
             f"context parallelism needs flash or memory-efficient attention, and this run's "
             f"attention ({q.dtype}, head dim {q.size(-1)}"
             f"{', grouped-query' if enable_gqa else ''}) falls back to the math kernel on CUDA",
-            hint="train in bf16 or fp16 (--precision bf16-mixed), or drop --cp",
+            hint="train in bf16 or fp16 (--precision bf16-master), or drop --cp",
         )
     if scale is None:
         scale = 1.0 / math.sqrt(q.size(-1))
