@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import (
 from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
+from .plain_autograd import IN_PLACE_TWINS, INPUT_BUFFER_SUM, plain_writes_in_place
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
 
 
@@ -66,6 +67,7 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
 
 
 _TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
+_TWIN_OPS = frozenset({INPUT_BUFFER_SUM}.union(*IN_PLACE_TWINS.values()))
 _PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
 
 
@@ -107,6 +109,7 @@ class StorageTracker(TorchDispatchMode):
         op_categories: dict[str, Category] | None = None,
         resize_category: Category | None = None,
         values: KnownValues | None = None,
+        plain_autograd: bool = True,
     ) -> None:
         super().__init__()
         self.timeline = Timeline()
@@ -146,12 +149,21 @@ class StorageTracker(TorchDispatchMode):
         self.values = values
         if values is not None:
             values.module = lambda: self.current_module
+        # Autograd's out-of-place branches for subclasses / under a mode (trace/plain_autograd.py):
+        # the call just made whose first operand, if it dies at once, a plain run wrote into:
+        # (operand's storage key, output's storage key, output's sid, its allocation event).
+        self._plain_autograd = plain_autograd
+        self._twin: tuple[int, int, int, int] | None = None
+        self.twins_merged = 0
+        """How many out-of-place autograd buffers were modelled as the plain run's in-place
+        writes."""
         self.failure: tuple[BaseException, str] | None = None
         self._module_failure: tuple[BaseException, str] | None = None
         """The last exception an operator raised and the innermost module running then."""
 
     # -- the dispatch hook -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self._twin = None
         for t in types:
             if t not in _PLAIN_TYPES and is_traceable_wrapper_subclass_type(t):
                 # Let tensor subclasses (DTensor, torchao's quantized states) run first: their
@@ -187,7 +199,15 @@ class StorageTracker(TorchDispatchMode):
             )
             self.values.pending_scratch = 0
         if isinstance(out, torch.Tensor):
+            twin = (
+                self._plain_autograd
+                and func in _TWIN_OPS
+                and plain_writes_in_place(func, args, out)
+            )
+            first_event = len(self.timeline.events)
             self._see(out)
+            if twin:
+                self._note_twin(args[0], out, first_event)
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
         self._op = None
@@ -237,7 +257,48 @@ class StorageTracker(TorchDispatchMode):
             self._region.append(sid)
         return sid
 
+    def _note_twin(self, operand: torch.Tensor, out: torch.Tensor, event: int) -> None:
+        """Remember a call whose plain twin writes ``out`` into ``operand``
+        (``plain_autograd.plain_writes_in_place``), if ``out`` was a new storage."""
+        tl = self.timeline
+        if is_traceable_wrapper_subclass(operand) or is_traceable_wrapper_subclass(out):
+            return
+        operand_key = operand.untyped_storage()._cdata
+        out_key = out.untyped_storage()._cdata
+        out_sid = tl.num_storages - 1
+        if (
+            operand_key in self._live
+            and self._live.get(out_key) == out_sid
+            and event < len(tl.events)
+            and tl.events[event] == out_sid
+        ):
+            self._twin = (operand_key, out_key, out_sid, event)
+
+    def _merge_twin(self) -> None:
+        """The operand of the last call died at once: the plain run wrote the output into it.
+        The output's storage becomes the operand's (one sid, never freed here) and the output's
+        own allocation is taken back out of the timeline."""
+        operand_key, out_key, out_sid, event = self._twin  # type: ignore[misc]
+        self._twin = None
+        tl = self.timeline
+        operand_sid = self._live.pop(operand_key)
+        self._refs.pop(operand_key, None)
+        del tl.events[event]
+        del tl.event_block[event]
+        for column in (tl.nbytes, tl.tags, tl.on_host, tl.module, tl.op, tl.origin, tl.block):
+            column.pop()
+        tl.labels.pop(out_sid, None)
+        self._alive.discard(out_sid)
+        if self._region and self._region[-1] == out_sid:
+            self._region.pop()
+        self._live[out_key] = operand_sid
+        self.twins_merged += 1
+
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        twin = self._twin
+        if twin is not None and twin[0] == key and not self._closed:
+            self._merge_twin()
+            return
         sid = self._live.pop(key, None)
         self._refs.pop(key, None)
         if sid is None or self._closed:
@@ -246,6 +307,7 @@ class StorageTracker(TorchDispatchMode):
 
     def _resize(self, storage: torch.UntypedStorage, size: int) -> Any:
         """``UntypedStorage.resize_`` frees or allocates memory without an operator (FSDP2)."""
+        self._twin = None
         result = self._original_resize(storage, size)
         if self._closed:
             return result
@@ -411,6 +473,7 @@ class StorageTracker(TorchDispatchMode):
     # -- what the training loop tells the tracker -----------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
         """Register (if new) and tag the storages of ``tensors``."""
+        self._twin = None
         for t in tensors:
             if t is None:
                 continue
@@ -419,6 +482,7 @@ class StorageTracker(TorchDispatchMode):
 
     def add_synthetic(self, nbytes: int, label: str, category: Category) -> int:
         """Record an allocation that no tensor shows (a library workspace); kept to the end."""
+        self._twin = None
         block = self._block if self.phase in _TIMED_PHASES else None
         sid = self._new(nbytes, block if self._blocks else None)
         self.timeline.labels[sid] = label
@@ -442,6 +506,7 @@ class StorageTracker(TorchDispatchMode):
                 self.timeline.on_host[sid] = True
 
     def set_phase(self, step: int, phase: Phase) -> None:
+        self._twin = None
         if self.phase is Phase.FORWARD:
             self._end_region()
         self.step, self.phase = step, phase

@@ -1,0 +1,105 @@
+"""Where autograd allocates differently under a tracker than in a plain run, and the plain path.
+
+PyTorch's autograd asks ``at::isTensorSubclassLike`` / ``at::areAnyTensorSubclassLike``
+(aten/src/ATen/TensorSubclassLikeUtils.h) before writing into a buffer in place. Both answer
+true whenever *any* ``TorchDispatchMode`` is active (``c10::impl::dispatch_mode_enabled()``) or
+a tensor carries the Python or Meta key, as every ``FakeTensor`` does. A trace, and a real step
+run under the storage tracker, therefore take the out-of-place branch, where a plain run writes
+in place:
+
+- autograd's input buffer sums two gradients for one tensor as ``old + new`` instead of
+  ``old.add_(new)`` (``accumulate`` / ``can_accumulate_inplace`` in
+  torch/csrc/autograd/input_buffer.cpp);
+- backward formulas that start from a zero buffer and scatter into it
+  (torch/csrc/autograd/FunctionsManual.cpp): ``index_backward`` runs ``index_put`` instead of
+  ``_index_put_impl_``, ``gather_backward`` ``scatter_add`` instead of ``scatter_add_``,
+  ``index_select_backward`` ``index_add`` instead of ``index_add_``,
+  ``value_selecting_reduction_backward`` (max/min/sort/topk/kthvalue/mode/median along a
+  dimension) ``scatter`` instead of ``scatter_``; ``binary_cross_entropy_with_logits_backward``
+  with ``pos_weight`` chains ``sub``/``mul`` instead of ``sub_``/``mul_``.
+
+Each out-of-place branch allocates a new buffer the size of its first operand, then drops the
+operand; the in-place branch writes into the operand. So the plain run is recovered from the
+traced one without knowing the kernels: when such an operator's first operand dies at once
+(before anything else runs), the plain run had written into it, and the output *is* that
+storage. The tracker applies that (``StorageTracker``: ``_twin`` / ``_merge_twin``); this
+module decides which calls qualify. ``docs/plain-run-paths.md`` lists every branch found, with
+its source, and which are modelled; ``tests/test_plain_paths.py`` checks each modelled one
+against a plain run counted by the allocator.
+
+Not modelled (see the doc): ``prod``'s backward, whose plain branch depends on whether the input
+holds a zero (a value a fake tensor does not have); forward-mode (jvp) formulas; double
+backward (``create_graph=True``: autograd then always sums out of place, as the trace does).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+aten = torch.ops.aten
+
+INPUT_BUFFER_SUM = aten.add.Tensor
+"""The operator autograd's input buffer sums two gradients with when it cannot do it in place
+(``buffer[pos] = old_var + var`` in ``accumulate``, torch/csrc/autograd/input_buffer.cpp); a
+plain run does ``old_var.add_(var)`` when ``can_accumulate_inplace(old_var)``: a plain dense
+tensor whose last reference the buffer holds, and grad mode off."""
+
+_VALUE_SELECTING = frozenset({aten.scatter.src})
+"""``value_selecting_reduction_backward`` in FunctionsManual.cpp: ``grad_in.scatter_(dim,
+indices, grad)`` on a zero buffer, ``scatter`` out of place for subclasses."""
+
+IN_PLACE_TWINS: dict[str, frozenset[Any]] = {
+    # index_backward: zeros_like_self.index_put(...) vs at::_index_put_impl_(zeros_like_self, ...)
+    "IndexBackward0": frozenset({aten.index_put.default}),
+    # gather_backward: result.scatter_add(...) vs result.scatter_add_(...)
+    "GatherBackward0": frozenset({aten.scatter_add.default}),
+    # index_select_backward: zeros.index_add(...) vs zeros.index_add_(...)
+    "IndexSelectBackward0": frozenset({aten.index_add.default}),
+    "MaxBackward0": _VALUE_SELECTING,
+    "MinBackward0": _VALUE_SELECTING,
+    "SortBackward0": _VALUE_SELECTING,
+    "SortBackward1": _VALUE_SELECTING,
+    "TopkBackward0": _VALUE_SELECTING,
+    "KthvalueBackward0": _VALUE_SELECTING,
+    "ModeBackward0": _VALUE_SELECTING,
+    "MedianBackward1": _VALUE_SELECTING,
+    "NanmedianBackward1": _VALUE_SELECTING,
+    # binary_cross_entropy_with_logits_backward with pos_weight:
+    # t.add(1).sub(target).mul(input.sigmoid()).sub(t) vs ...sub_(target).mul_(...).sub_(t)
+    "BinaryCrossEntropyWithLogitsBackward0": frozenset({aten.sub.Tensor, aten.mul.Tensor}),
+}
+"""Backward nodes whose formula takes an out-of-place branch for subclasses (or under a
+dispatch mode) where a plain run writes into a fresh buffer in place: node name -> the
+out-of-place operators."""
+
+
+def _dense_like(operand: Any, out: Any) -> bool:
+    """The in-place twin writes ``out`` into ``operand``: same shape and dtype, and a layout
+    the in-place kernel keeps (non-overlapping and dense, as ``can_accumulate_inplace``
+    asks)."""
+    if not isinstance(operand, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if operand.shape != out.shape or operand.dtype != out.dtype:
+        return False
+    if operand.device != out.device or operand.layout is not torch.strided:
+        return False
+    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(operand))
+
+
+def plain_writes_in_place(func: Any, args: tuple[Any, ...], out: Any) -> bool:
+    """Whether a plain run would have written this call's output into ``args[0]``, provided
+    ``args[0]`` dies as soon as the call returns (the tracker checks that part: it is the
+    plain branch's "last reference" condition)."""
+    if torch.is_grad_enabled() or not args:
+        return False  # create_graph=True: autograd sums out of place in a plain run too
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return False
+    if func is not INPUT_BUFFER_SUM and func not in IN_PLACE_TWINS.get(node.name(), ()):
+        return False
+    return _dense_like(args[0], out)
+
+
+__all__ = ["INPUT_BUFFER_SUM", "IN_PLACE_TWINS", "plain_writes_in_place"]
