@@ -1,19 +1,27 @@
 """``measure``: run the same training step for real and report the same ledger.
 
-The run is recorded twice, independently:
+The step runs twice, and each run gives one thing:
 
-- the storage tracker (the one tracing uses) gives the Timeline, so the measured ledger has the
-  same categories, phases and modules as a prediction;
-- the allocator's own count gives the measured total: on CPU in one process, ``torch.profiler``
-  memory events (``profile_memory=True``; the profiler starts before the model is built, so
-  nothing is missed on this thread); on CPU under several processes, ``cpu_allocator_count`` (a
-  wrapper of the CPU allocator that sees the frees gloo makes on its own threads, which the
-  profiler misses); on CUDA, ``torch.cuda.max_memory_allocated()`` after
-  ``reset_peak_memory_stats()`` at the start of each step. ``zero1``/``zero2`` run DeepSpeed's
-  engine (``parallel/real.py: measure_deepspeed``).
+- the **plain run** gives the truth: the step with nothing of vramledger's around it, no
+  dispatch mode and no tensor subclass active while it runs (a ``TorchDispatchMode``, the
+  tracker included, turns autograd onto its out-of-place branches: ``trace/plain_autograd.py``).
+  The allocator counts it: on CPU in one process, ``torch.profiler`` memory events
+  (``profile_memory=True``; RecordFunction callbacks, not a dispatch mode; the profiler starts
+  before the model is built, so nothing is missed on this thread); on CPU under several
+  processes, ``cpu_allocator_count`` (a wrapper of the CPU allocator that sees the frees gloo
+  makes on its own threads, which the profiler misses); on CUDA,
+  ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()`` at the start of each
+  step. These are ``measured_peak_bytes`` and ``measured_step_peaks``.
+- a **tracked run** of the same step (same seed, same batch) under the storage tracker (the one
+  tracing uses) gives the Timeline, so the measured ledger has the same categories, phases and
+  modules as a prediction. The tracker folds autograd's out-of-place buffers back into their
+  operands as the plain run writes them (``trace/plain_autograd.py``), so its totals equal the
+  plain run's except for memory that operators allocate inside their kernels, which no
+  dispatch-level tracker sees (``untracked_bytes``).
 
-The difference between the two totals is memory that operators allocate inside their kernels,
-which no dispatch-level tracker sees.
+``zero1``/``zero2`` (DeepSpeed's engine, ``parallel/real.py: measure_deepspeed``) and pipeline
+stages (``parallel/pipeline.py: measure_pipeline``) are still counted during their tracked run
+(``measured_run`` says so).
 """
 
 from __future__ import annotations
@@ -47,7 +55,7 @@ from .predict import as_spec, policy_for
 from .recipe import count_parameters, module_names, resolve
 from .spec import TrainingSpec
 from .trace.tracker import StorageTracker, TrackerObserver
-from .training import assemble
+from .training import NullObserver, assemble
 from .version import __version__
 
 _STEP_LABEL = "vramledger.step{}"
@@ -55,15 +63,22 @@ _STEP_LABEL = "vramledger.step{}"
 
 @dataclass(frozen=True, kw_only=True)
 class Measurement:
-    """A measured run: its ledger (from the tracker) and the allocator's own peaks."""
+    """A measured run: the allocator's own peaks of a plain run, and the ledger (categories) of
+    a separate tracked run of the same step."""
 
     ledger: Ledger
+    """Categories, phases and modules, from the tracked run (``ledger_run``)."""
     device: str
     measured_peak_bytes: int
     """Steady-state step peak as the allocator counts it (profiler events on CPU,
-    ``max_memory_allocated`` on CUDA)."""
+    ``max_memory_allocated`` on CUDA), in the run ``measured_run`` names."""
     measured_first_step_peak_bytes: int
     method: str
+    """How the allocator's peaks were counted, and in which run."""
+    measured_run: str = ""
+    """Which run the allocator's peaks come from (``PLAIN_RUN`` or ``TRACKED_RUN``)."""
+    ledger_run: str = ""
+    """Which run the ledger (its categories and ``peak_bytes``) comes from."""
     measured_step_peaks: dict[int, int] = field(default_factory=dict)
     estimate: Ledger | None = None
     """The prediction for the same spec, when asked to compare."""
@@ -110,6 +125,9 @@ class Measurement:
             measured_first_step_peak_bytes=self.measured_first_step_peak_bytes,
             measured_step_peaks={str(k): v for k, v in self.measured_step_peaks.items()},
             measurement_method=self.method,
+            measured_run=self.measured_run,
+            ledger_run=self.ledger_run,
+            tracked_peak_bytes=self._tracked_peak,
             untracked_bytes=self.untracked_bytes,
         )
         if self.ranks:
@@ -157,22 +175,28 @@ def measure(
     # Garbage of earlier work in this process (models in reference cycles) must not die inside
     # the measured steps: on CPU its frees would be subtracted, on CUDA it is counted until then.
     gc.collect()
+    measured_run, ledger_run = PLAIN_RUN, TRACKED_RUN
     if spec.world_size > 1 and (spec.pp > 1 or spec.strategy in DEEPSPEED_STRATEGIES):
-        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
+        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules,
+        # counted during their tracked run
         run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
         ledger, peaks = run.ledger, run.counted_step_peaks
         method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
+        measured_run = ledger_run = TRACKED_AND_COUNTED_RUN
     elif device == "cpu" and spec.world_size > 1:
         # gloo frees on its own threads, which the profiler misses: count every thread
-        ledger, steps, peaks = _run_counted(spec)
+        peaks = _plain_counted(spec)
+        ledger, _ = _tracked(spec, "cpu")
         method = COUNTED
     elif device == "cpu":
         with recording() as prof:
-            ledger, steps = _run(spec, device)
+            steps = _plain(spec, device)
         peaks = _profiler_step_peaks(prof, steps)
-        method = "torch.profiler memory events (profile_memory=True)"
+        ledger, _ = _tracked(spec, device)
+        method = "torch.profiler memory events (profile_memory=True) per step"
     else:
-        ledger, steps, peaks = _run_cuda(spec)
+        peaks = _plain_cuda(spec)
+        ledger, _ = _tracked(spec, "cuda")
         method = "torch.cuda.max_memory_allocated() per step"
     estimate = None
     if compare:
@@ -196,13 +220,26 @@ def measure(
         measured_peak_bytes=max(v for k, v in peaks.items() if k >= 2),
         measured_first_step_peak_bytes=peaks[1],
         measured_step_peaks=peaks,
-        method=method,
+        method=f"{method}, {measured_run}",
+        measured_run=measured_run,
+        ledger_run=ledger_run,
         estimate=estimate,
         ranks=rank_results,
     )
 
 
 EAGER_TORCHAO = "torchao's compiled optimizer step ran eagerly under the tracker (same arithmetic)"
+
+PLAIN_RUN = "counted in a plain run (no dispatch mode, no tensor subclass active during the step)"
+TRACKED_RUN = (
+    "categories from a separate tracked run of the same step (StorageTracker, a "
+    "TorchDispatchMode; autograd's out-of-place branches folded back as trace/plain_autograd.py "
+    "models them)"
+)
+TRACKED_AND_COUNTED_RUN = (
+    "counted during the tracked run (StorageTracker active: autograd took its out-of-place "
+    "branches; not yet a plain run for DeepSpeed's engine and pipeline stages)"
+)
 
 
 def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
@@ -211,16 +248,55 @@ def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
     return replace(ledger, seconds=seconds)
 
 
-def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger, int]:
+def _build(spec: TrainingSpec, device: str) -> tuple[Any, Any, Any, Any]:
+    """Model (wrapped for its ranks), batch, recipe and counts, as every run builds them."""
     torch.manual_seed(spec.seed)
     recipe = adapt_recipe(resolve(spec))
-    policy = policy_for(device)
     torch_device = torch.device(device)
+    model = recipe.build_model(torch_device)
+    counts = count_parameters(model)
+    if spec.world_size > 1:
+        model = wrap_real(model, spec, recipe.precision.name)
+    return recipe, model, counts, torch_device
+
+
+def _plain(spec: TrainingSpec, device: str, per_step: Any = None) -> int:
+    """The step with nothing of vramledger's active while it runs: no dispatch mode, no tensor
+    subclass, no tracker (vramledger's own loop, ``TrainingRun.step``, with a null observer).
+    ``per_step(step, 'start'|'end')`` reads the allocator around each step. Everything it
+    made is dropped before it returns."""
     with record_function("vramledger.setup"):
-        model = recipe.build_model(torch_device)
-        parameters, trainable = count_parameters(model)
-        if spec.world_size > 1:
-            model = wrap_real(model, spec, recipe.precision.name)
+        recipe, model, _, torch_device = _build(spec, device)
+        batch = recipe.make_batch(torch_device)
+        observer = NullObserver()
+        run = assemble(
+            model=model,
+            batch=batch,
+            loss_fn=recipe.loss_fn,
+            optimizer=real_optimizer(recipe.optimizer, spec),
+            precision=recipe.precision,
+            device=torch_device,
+            grad_accum=spec.grad_accum,
+            observer=observer,
+        )
+        run = in_step_context(run, model)
+    for step in range(1, spec.steps + 1):
+        if per_step is not None:
+            per_step(step, "start")
+        with record_function(_STEP_LABEL.format(step)):
+            run.step(step, observer)
+        if per_step is not None:
+            per_step(step, "end")
+    del run, model, batch
+    gc.collect()
+    return spec.steps
+
+
+def _tracked(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger, int]:
+    """The same step under the storage tracker: the ledger's categories, phases and modules."""
+    policy = policy_for(device)
+    with record_function("vramledger.setup"):
+        recipe, model, (parameters, trainable), torch_device = _build(spec, device)
         tracker = StorageTracker(module_names=module_names(model), device_type=torch_device.type)
         observer = TrackerObserver(tracker)
         # Made before tracking, as in a trace: what the inputs function allocates on the way is
@@ -238,7 +314,7 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
                 observer=observer,
             )
             run = in_step_context(run, model)
-    notes = ["measured"]
+    notes = ["measured", TRACKED_RUN]
     # The tracker is a dispatch mode, under which torch.compile cannot run: torchao's compiled
     # optimizer step runs eagerly (same arithmetic; the eager step's temporaries).
     eager = recipe.optimizer.package == "torchao"
@@ -269,6 +345,10 @@ def _run(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger,
     return ledger, spec.steps
 
 
+_run = _tracked
+"""The tracked run under its former name (tests compare its timeline with a fake trace's)."""
+
+
 def _profiler_step_peaks(prof: profile, steps: int) -> dict[int, int]:
     """Peak of the cumulative allocated bytes inside each step's time window."""
     prefix = _STEP_LABEL.format("")
@@ -291,8 +371,9 @@ def _profiler_step_peaks(prof: profile, steps: int) -> dict[int, int]:
 COUNTED = "cpu_allocator_count: every CPU allocation on every thread, per step"
 
 
-def _run_counted(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:
-    """A CPU run counted by the allocator wrapper (``cpu_allocator_count``), step by step."""
+def _plain_counted(spec: TrainingSpec) -> dict[int, int]:
+    """A plain CPU run counted by the allocator wrapper (``cpu_allocator_count``), step by
+    step, from before the model is built."""
     from . import cpu_allocator_count
 
     cpu_allocator_count.install()
@@ -305,11 +386,13 @@ def _run_counted(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:
         else:
             peaks[step] = cpu_allocator_count.peak() - base
 
-    ledger, steps = _run(spec, "cpu", per_step)
-    return ledger, steps, peaks
+    _plain(spec, "cpu", per_step)
+    return peaks
 
 
-def _run_cuda(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:
+def _plain_cuda(spec: TrainingSpec) -> dict[int, int]:
+    """A plain CUDA run: ``max_memory_allocated`` of each step, after resetting the peak to
+    what is allocated when it starts."""
     peaks: dict[int, int] = {}
 
     def per_step(step: int, when: str) -> None:
@@ -319,8 +402,8 @@ def _run_cuda(spec: TrainingSpec) -> tuple[Ledger, int, dict[int, int]]:
         else:
             peaks[step] = torch.cuda.max_memory_allocated()
 
-    ledger, steps = _run(spec, "cuda", per_step)
-    return ledger, steps, peaks
+    _plain(spec, "cuda", per_step)
+    return peaks
 
 
 __all__ = ["Measurement", "Phase", "measure"]
