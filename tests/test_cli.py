@@ -277,3 +277,65 @@ def test_advise_says_when_it_already_fits(capsys):
         capsys, "advise", fixture("tiny-llama.json"), "--gpu", "h100-80gb", "--seq-len", "32"
     )
     assert code == 0 and "fits" in out
+
+
+def test_piped_tables_are_not_cut_to_80_columns(capsys, monkeypatch):
+    """Output that is not a terminal (a pipe, a file, capsys) gets each table at its natural
+    width: no cell cut to 'checkpoi…', every note on one line, as the JSON says it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+    args = ["estimate", fixture("tiny-llama.json"), "--seq-len", "32", "--grad-checkpointing"]
+    args += ["--world-size", "2", "--strategy", "fsdp"]
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0 and "…" not in out
+    _, as_json, _ = run_cli(capsys, *args, "--json")
+    for note in json.loads(as_json)["notes"]:
+        assert f"note: {note}" in out
+
+
+def test_optimizer_state_is_said_per_rank_and_over_all_ranks(capsys):
+    """FSDP over 4 ranks: AdamW's 8 bytes per parameter are 2 on each rank; the line says which
+    is which, and the JSON gives the sum over every rank."""
+    args = ["estimate", fixture("tiny-llama.json"), "--seq-len", "32"]
+    args += ["--world-size", "4", "--strategy", "fsdp"]
+    _, out, _ = run_cli(capsys, *args)
+    line = next(x for x in out.splitlines() if x.startswith("optimizer state:"))
+    assert "on rank 0 (2.00 bytes per trainable parameter of the whole model)" in line
+    assert "over all 4 ranks (8.00 bytes/parameter)" in line
+    _, as_json, _ = run_cli(capsys, *args, "--json")
+    data = json.loads(as_json)
+    assert data["optimizer_state_bytes_all_ranks"] == sum(
+        len(r["rank_ids"]) * r["optimizer_state_bytes"] for r in data["ranks"]
+    )
+    # m and v: 8 bytes per parameter, and a 4-byte step counter per parameter tensor
+    assert 0 <= data["optimizer_state_bytes_all_ranks"] - 8 * data["trainable_parameters"] < 1024
+
+
+def test_lora_target_hint_lists_every_layer_peft_adapts(capsys):
+    """GPT-2's attention and MLP are transformers' Conv1D, which peft's LoRA adapts: the hint
+    names them, not only the Linear head, and one of them works."""
+    base = ["estimate", fixture("tiny-gpt2.json"), "--seq-len", "16", "--target", "cpu"]
+    code, _, err = run_cli(capsys, *base, "--lora", "r=4,alpha=8,targets=q_proj")
+    assert code == 2
+    hint = err.split("peft's LoRA adapts:")[1]
+    assert {"c_attn", "c_fc", "c_proj", "lm_head"} <= {n.strip() for n in hint.split(",")}
+    code, out, _ = run_cli(capsys, *base, "--lora", "r=4,alpha=8,targets=c_attn", "--json")
+    assert code == 0 and json.loads(out)["trainable_parameters"] > 0
+
+
+def test_python_api_is_as_quiet_as_the_cli():
+    """`import vramledger` and `estimate(...)` print nothing (torchao's failed kernel loads,
+    torch's pytree registrations, transformers' advisories are the CLI's chatter too), and the
+    caller's logging levels and warning filters are as they were."""
+    code = (
+        "import logging, warnings\n"
+        "import vramledger\n"
+        "before = (list(warnings.filters), logging.getLogger('transformers').level)\n"
+        f"vramledger.estimate(model={fixture('tiny-gpt2.json')!r}, seq_len=16, "
+        "grad_checkpointing=True, optimizer='adamw8bit')\n"
+        "assert (list(warnings.filters), logging.getLogger('transformers').level) == before\n"
+    )
+    run = subprocess.run(
+        [sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, timeout=600
+    )
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "" and run.stderr == ""

@@ -64,3 +64,28 @@ def test_fit_on_cpu_against_real_runs():
     nxt = measure(spec, batch_size=answer.batch_size + 1).measured_peak_bytes
     assert real <= budget.memory_bytes + slack
     assert nxt > budget.memory_bytes - slack
+
+
+def test_fit_shows_the_configuration_that_does_not_fit():
+    """A budget that checkpointing fits and plain training does not: both rows are answered,
+    the one that does not fit with what its smallest size needs (not hidden in a note)."""
+    spec = TrainingSpec(model=TINY, seq_len=512, precision="bf16-master")
+    result = fit(spec, resolve_gpu(memory="90.6MiB"), maximize="batch-size", margin=0)
+    (off,) = result.no_fit
+    assert not off.checkpointing and (off.batch_size, off.seq_len) == (1, 512)
+    assert off.headroom_bytes < 0
+    assert off.reserved_peak_bytes == (
+        estimate(spec, batch_size=1, gpu=result.gpu, margin=0).reserved_peak_bytes
+    )
+    assert [a.checkpointing for a in result.answers] == [True]
+    assert [r.checkpointing for r in result.rows()] == [False, True]
+    assert result.to_dict()["no_fit"][0]["headroom_bytes"] == off.headroom_bytes
+
+    from rich.console import Console
+
+    from vramledger.render.planning import fit_table
+
+    console = Console(width=200, record=True)
+    console.print(fit_table(result))
+    text = console.export_text()
+    assert "none fits" in text and "smallest, 1×512, needs" in text

@@ -109,6 +109,45 @@ def test_measure_report_compares_category_by_category(tmp_path):
     assert messages == [] and counts["categories"] > 0
 
 
+def text_boxes(path, screenshot):
+    """The bounding box of every label of the timeline chart, as Chromium lays them out."""
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        page = browser.new_page(viewport={"width": 1100, "height": 900})
+        page.goto(path.as_uri())
+        boxes = page.eval_on_selector_all(
+            "#timeline text",
+            "els => els.map(e => { const b = e.getBBox();"
+            " return [e.textContent, b.x, b.y, b.width, b.height]; })",
+        )
+        page.query_selector("#timeline").screenshot(path=str(screenshot))
+        browser.close()
+    return boxes
+
+
+def _overlap(a, b):
+    (_, ax, ay, aw, ah), (_, bx, by, bw, bh) = a, b
+    return ax < bx + bw and bx < ax + aw and ay < by + bh and by < ay + ah
+
+
+@pytest.mark.parametrize("model", ["tiny-gpt2.json", "tiny-llama.json"])
+def test_timeline_labels_never_print_over_each_other(tmp_path, model):
+    """Short phases (a 2-layer GPT-2's optimizer step is a sliver) and the peak's label: each
+    label has room of its own, in Chromium's own layout."""
+    ledger = estimate(model=fixture(model), seq_len=64, grad_checkpointing=True)
+    path = write_html(ledger, tmp_path / "timeline.html")
+    boxes = text_boxes(path, tmp_path / "timeline.png")
+    labels = [b for b in boxes if b[0].strip()]
+    assert any(b[0].startswith("peak") for b in labels)
+    assert any(b[0].startswith(("forward", "fwd")) for b in labels)
+    clashes = [
+        (a[0], b[0]) for i, a in enumerate(labels) for b in labels[i + 1 :] if _overlap(a, b)
+    ]
+    assert clashes == []
+
+
 @pytest.mark.parametrize("command", ["advise", "fit"])
 def test_cli_writes_reports(tmp_path, capsys, command):
     path = tmp_path / f"{command}.html"

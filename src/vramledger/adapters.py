@@ -252,12 +252,33 @@ def apply_lora(model: nn.Module, settings: LoraSettings) -> nn.Module:
         return peft.get_peft_model(model, settings.config())
     except ValueError as exc:
         modules = sorted(
-            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+            {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if _lora_can_target(m)}
         )
         raise InputError(
             f"--lora: {str(exc).splitlines()[0]}",
-            hint=f"targets are module names; this model's linear layers: {', '.join(modules[:12])}",
+            hint="targets are module names; this model's layers that peft's LoRA adapts: "
+            + ", ".join(modules[:16]),
         ) from exc
+
+
+LORA_TARGET_TYPES = (
+    nn.Linear,
+    nn.Embedding,
+    nn.Conv1d,
+    nn.Conv2d,
+    nn.Conv3d,
+    nn.MultiheadAttention,
+)
+"""The layer classes peft's LoRA replaces (``peft/tuners/lora/layer.py: dispatch_default``),
+besides transformers' ``Conv1D`` (GPT-2's ``c_attn``, ``c_fc``, ``c_proj``), matched by name so
+that transformers is not imported here."""
+
+
+def _lora_can_target(module: nn.Module) -> bool:
+    cls = type(module)
+    return isinstance(module, LORA_TARGET_TYPES) or (
+        cls.__name__ == "Conv1D" and cls.__module__.startswith("transformers.")
+    )
 
 
 def freeze(model: nn.Module, patterns: tuple[str, ...]) -> int:
@@ -274,3 +295,37 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> int:
             hint=f"patterns match names like {', '.join(names)}",
         )
     return count
+
+
+# -- what the built model holds -----------------------------------------------------------------
+def adapter_notes(model: nn.Module) -> list[str]:
+    """Notes on the adapters and quantized layers found on the built model (the classes peft and
+    bitsandbytes put there, not the options asked for)."""
+    lora: dict[str, set[str]] = {}
+    ranks: set[int] = set()
+    adapter_dtypes: set[str] = set()
+    quantized: set[str] = set()
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls.__module__.startswith("peft.tuners") and hasattr(module, "lora_A"):
+            lora.setdefault(f"{cls.__module__}.{cls.__qualname__}", set()).add(
+                name.rsplit(".", 1)[-1]
+            )
+            ranks.update(getattr(module, "r", {}).values())
+            adapter_dtypes.update(
+                str(p.dtype).removeprefix("torch.") for p in module.lora_A.parameters()
+            )
+        elif cls.__module__.startswith("bitsandbytes"):
+            quantized.add(cls.__qualname__)
+    notes = []
+    for cls_name, targets in lora.items():
+        notes.append(
+            f"adapters found on the model: {cls_name} (r={', '.join(map(str, sorted(ranks)))}; "
+            f"{'/'.join(sorted(adapter_dtypes))} weights) on {', '.join(sorted(targets))}"
+        )
+    if quantized:
+        notes.append(
+            "quantized layers found on the model: "
+            + ", ".join(f"bitsandbytes.{cls}" for cls in sorted(quantized))
+        )
+    return notes

@@ -429,10 +429,20 @@ class Ledger:
             else 0.0
         )
 
+    @property
+    def optimizer_state_bytes_all_ranks(self) -> int:
+        """Optimizer state summed over every rank (each distinct rank's times the ranks like
+        it); this ledger's own on one device. ``optimizer_state_bytes`` and its per-parameter
+        figure are one rank's, divided by the whole model's parameter count."""
+        if not self.ranks:
+            return self.optimizer_state_bytes
+        return sum(len(ids) * ledger.optimizer_state_bytes for ids, ledger in self.ranks)
+
     def to_dict(self) -> dict[str, Any]:
         """The JSON contract (fields are added, never renamed or removed)."""
         out = self._core_dict()
         out.update(
+            optimizer_state_bytes_all_ranks=self.optimizer_state_bytes_all_ranks,
             world_size=self.world_size,
             strategy=self.strategy,
             worst_rank=self.worst_rank,

@@ -71,17 +71,53 @@ class FitAnswer:
 
 
 @dataclass(frozen=True, kw_only=True)
+class NoFit:
+    """A configuration (optimizer, checkpointing) whose smallest size does not fit: what that
+    size needs, estimated."""
+
+    optimizer: str
+    checkpointing: bool
+    batch_size: int
+    seq_len: int
+    """The smallest size tried: a micro-batch of one, or one ``seq_step`` of tokens."""
+    reserved_peak_bytes: int
+    headroom_bytes: int
+    """Negative: how much more the smallest size needs."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "optimizer": self.optimizer,
+            "checkpointing": self.checkpointing,
+            "batch_size": self.batch_size,
+            "seq_len": self.seq_len,
+            "reserved_peak_bytes": self.reserved_peak_bytes,
+            "headroom_bytes": self.headroom_bytes,
+        }
+
+
+@dataclass(frozen=True, kw_only=True)
 class Fit:
     gpu: Gpu
     margin_bytes: int
     maximize: str
     answers: list[FitAnswer]
     """The largest size that fits per (optimizer, checkpointing); missing when even the
-    smallest does not fit (see ``notes``)."""
+    smallest does not fit (then in ``no_fit``)."""
     seq_step: int
     estimates: int
     seconds: float
     notes: list[str] = field(default_factory=list)
+    no_fit: list[NoFit] = field(default_factory=list)
+    """Each (optimizer, checkpointing) whose smallest size does not fit, with what it needs."""
+
+    def rows(self) -> list[FitAnswer | NoFit]:
+        """Every configuration asked, optimizer by optimizer, checkpointing off before on: its
+        answers, or what its smallest size needs."""
+        optimizers = list(dict.fromkeys(r.optimizer for r in [*self.answers, *self.no_fit]))
+        return sorted(
+            [*self.answers, *self.no_fit],
+            key=lambda r: (optimizers.index(r.optimizer), r.checkpointing),
+        )
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -89,6 +125,7 @@ class Fit:
             "margin_bytes": self.margin_bytes,
             "maximize": self.maximize,
             "answers": [a.to_dict() for a in self.answers],
+            "no_fit": [n.to_dict() for n in self.no_fit],
             "seq_step": self.seq_step,
             "estimates": self.estimates,
             "seconds": round(self.seconds, 2),
@@ -271,6 +308,7 @@ def fit(
     if spec.target == "cuda":  # every estimate emulates this GPU; on CPU, gpu is a budget
         spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
     answers: list[FitAnswer] = []
+    no_fit: list[NoFit] = []
     notes: list[str] = []
     estimates = 0
     for optimizer in optimizers or [spec.optimizer]:
@@ -293,9 +331,23 @@ def fit(
                         break
                     sizes.append((batch, seq))
                     batch *= 2
-            label = f"{optimizer}{' with checkpointing' if ckpt else ''}"
             if not sizes:
-                notes.append(f"{label}: even the smallest size does not fit on {gpu.name}")
+                smallest = {
+                    "batch-size": (1, base.seq_len),
+                    "seq-len": (base.batch_size, seq_step),
+                    "both": (1, seq_step),
+                }[maximize]
+                peak = device_peak(sizer.ledger(*smallest))
+                no_fit.append(
+                    NoFit(
+                        optimizer=optimizer,
+                        checkpointing=ckpt,
+                        batch_size=smallest[0],
+                        seq_len=smallest[1],
+                        reserved_peak_bytes=peak,
+                        headroom_bytes=verdict(gpu, peak, margin).headroom_bytes,
+                    )
+                )
             for batch, seq in sizes:
                 ledger = sizer.ledger(batch, seq)
                 notes += [n for n in ledger.notes if _states_a_kernel(n) and n not in notes]
@@ -327,6 +379,7 @@ def fit(
         estimates=estimates,
         seconds=time.perf_counter() - start,
         notes=notes,
+        no_fit=no_fit,
     )
 
 

@@ -47,8 +47,16 @@ COLOURS = {
 WIDTH, HEIGHT, PAD = 900, 320, 56
 LEFT = 84
 """Room for the byte labels of the vertical axis."""
-MIN_LABEL_WIDTH = 40
-"""Phases narrower than this (pixels) are shaded but not labelled."""
+LABEL_CHAR_WIDTH = 7.0
+"""Pixels a character of the chart's 11 px labels can take (system sans-serif is about 6 on
+average; this is the widest lower-case letters', so a label given this much room never reaches
+its neighbour)."""
+PHASE_LABEL_Y = PAD - 6
+PEAK_LABEL_Y = PAD - 28
+"""Phase names sit in a row just above the plot, the peak's label in a row of its own above
+them, so that short phases and the peak never print over each other."""
+SHORT_PHASE = {"forward": "fwd", "backward": "bwd", "optimizer": "opt"}
+"""What a phase too narrow for its name is labelled; narrower still, only its tooltip names it."""
 
 CSS = """
 body{font-family:system-ui,-apple-system,'Segoe UI',sans-serif;margin:2rem;color:#222;max-width:1000px}
@@ -107,6 +115,8 @@ def timeline_svg(ledger: Ledger) -> str:
         f"<svg id='timeline' xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' height='{HEIGHT}' "
         f"viewBox='0 0 {WIDTH} {HEIGHT}' role='img' aria-label='live memory over the step'>"
     ]
+    peak = max(range(n), key=lambda i: s.totals[i] if i >= _steady_start(s) else -1)
+    px, py = x(peak), y(s.totals[peak])
     for k, (start, step, phase) in enumerate(s.phases):
         end = s.phases[k + 1][0] if k + 1 < len(s.phases) else n - 1
         if phase.value in ("forward", "backward", "optimizer"):
@@ -117,8 +127,13 @@ def timeline_svg(ledger: Ledger) -> str:
                 f"<rect class='phase' x='{x(start):.1f}' y='{PAD}' width='{max(0.5, x(end) - x(start)):.1f}' "
                 f"height='{HEIGHT - 2 * PAD}' fill='{fill}'><title>step {step} {phase.value}</title></rect>"
             )
-            if step == max(p[1] for p in s.phases):
-                parts.append(f"<text x='{x(start) + 2:.1f}' y='{PAD - 6}'>{_e(phase.value)}</text>")
+            label = _phase_label(phase.value, x(start), x(end), px)
+            if label is not None:
+                lx, text = label
+                parts.append(
+                    f"<text class='phase-label' x='{lx:.1f}' y='{PHASE_LABEL_Y}'>{_e(text)}"
+                    f"<title>step {step} {phase.value}</title></text>"
+                )
     base = [0] * n
     for category in CATEGORY_PRIORITY:
         values = s.by_category[category]
@@ -133,14 +148,12 @@ def timeline_svg(ledger: Ledger) -> str:
             f"{_e(format_bytes(max(values)))}</title></polygon>"
         )
         base = upper
-    peak = max(range(n), key=lambda i: s.totals[i] if i >= _steady_start(s) else -1)
-    px, py = x(peak), y(s.totals[peak])
     anchor = "end" if px > WIDTH / 2 else "start"
     tx = px - 6 if anchor == "end" else px + 6
     parts.append(
-        f"<g id='peak'><line x1='{px:.1f}' y1='{py:.1f}' x2='{px:.1f}' y2='{PAD - 14}' "
+        f"<g id='peak'><line x1='{px:.1f}' y1='{py:.1f}' x2='{px:.1f}' y2='{PEAK_LABEL_Y - 4}' "
         f"stroke='#b00' stroke-dasharray='3,2'/><circle cx='{px:.1f}' cy='{py:.1f}' r='4' "
-        f"fill='#b00'/><text x='{tx:.1f}' y='{PAD - 16}' fill='#b00' text-anchor='{anchor}'>peak "
+        f"fill='#b00'/><text x='{tx:.1f}' y='{PEAK_LABEL_Y}' fill='#b00' text-anchor='{anchor}'>peak "
         f"{_e(format_bytes(ledger.peak_bytes))} ({_e(ledger.peak_phase.value)})</text>"
         f"<title>steady-state peak {format_bytes(ledger.peak_bytes)}</title></g>"
     )
@@ -159,6 +172,19 @@ def timeline_svg(ledger: Ledger) -> str:
         if any(s.by_category[c])
     )
     return "".join(parts) + f"<p>{legend}</p>"
+
+
+def _phase_label(name: str, left: float, right: float, avoid: float) -> tuple[float, str] | None:
+    """Where a phase's name goes (its left edge) and which form: the full name, else its short
+    form, whichever fits inside the phase without crossing the peak's line at ``avoid``; None
+    when neither does."""
+    for text in (name, SHORT_PHASE[name]):
+        width = LABEL_CHAR_WIDTH * len(text)
+        for lx in (left + 2, avoid + 4):
+            clear = not (lx - 3 <= avoid <= lx + width + 3)
+            if lx >= left + 2 and lx + width <= right - 2 and clear:
+                return lx, text
+    return None
 
 
 def _steady_start(s: Any) -> int:

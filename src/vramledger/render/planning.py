@@ -8,7 +8,7 @@ from rich.text import Text
 
 from ..plan.advise import Advice
 from ..plan.candidates import DERIVED, Candidate
-from ..plan.fit import Fit
+from ..plan.fit import Fit, NoFit
 from ..plan.rehearse import Rehearsal
 from ..plan.search import Plan
 from ..units import format_bytes
@@ -329,7 +329,19 @@ def fit_table(f: Fit) -> Group:
         "next size up",
     ):
         table.add_column(col, justify="left" if col in ("optimizer", "checkpointing") else "right")
-    for a in f.answers:
+    for a in f.rows():
+        if isinstance(a, NoFit):
+            table.add_row(
+                a.optimizer,
+                "on" if a.checkpointing else "off",
+                Text("none fits", style="red"),
+                "",
+                format_bytes(a.reserved_peak_bytes),
+                format_bytes(a.headroom_bytes, signed=True),
+                f"smallest, {a.batch_size}×{a.seq_len}, needs "
+                f"{format_bytes(-a.headroom_bytes)} more",
+            )
+            continue
         nxt = a.next_size
         table.add_row(
             a.optimizer,
