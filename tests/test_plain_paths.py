@@ -1,0 +1,121 @@
+"""Autograd's plain-run branches (trace/plain_autograd.py) against plain runs.
+
+Each case is a training step whose backward reaches one of autograd's
+``isTensorSubclassLike`` branches. The truth is a plain loop written here, with nothing of
+vramledger's active while it runs, counted by the CPU allocator (``cpu_allocator_count``). The
+same loop under a do-nothing ``TorchDispatchMode`` shows that the branch changes the count; the
+estimate must match the plain count.
+"""
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vramledger import cpu_allocator_count, estimate
+from vramledger.measure import PLAIN_RUN, measure
+
+from .conftest import fixture
+
+PLAIN_PATHS_PY = fixture("plain_paths.py")
+BATCH = 8
+STEPS = 2
+"""As the estimate's default: the steady-state peak is the second step's."""
+BOUND = 0.001
+"""The issue's bound: the estimate within 0.1 % of the plain run (all cases here are exact)."""
+
+CASES = {
+    # name: (model, inputs, loss)
+    "boolean-mask-loss": ("token_head", "token_inputs", "masked_lm_loss"),
+    "scan": ("scan", "scan_inputs", "scan_loss"),
+    "gather": ("token_head", "token_inputs", "gathered_logprob_loss"),
+    "topk": ("token_head", "token_inputs", "top2_loss"),
+    "max": ("token_head", "token_inputs", "max_loss"),
+    "sort": ("token_head", "token_inputs", "sorted_loss"),
+    "index-select": ("lookup", "token_inputs", "lookup_loss"),
+}
+
+
+class _DoNothing(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _plain_peak(name: str, under_mode: bool = False) -> int:
+    """Steady-state step peak of a plain SGD loop, counted from before the model is built."""
+    from tests.fixtures import plain_paths
+
+    model_fn, inputs_fn, loss_name = (getattr(plain_paths, n) for n in CASES[name])
+    cpu_allocator_count.install()
+    torch.manual_seed(0)
+    base = cpu_allocator_count.live()
+    model = model_fn()
+    batch = inputs_fn("cpu", batch_size=BATCH)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    peak = 0
+    for _ in range(STEPS):
+        cpu_allocator_count.reset_peak()
+        optimizer.zero_grad(set_to_none=True)
+        if under_mode:
+            with _DoNothing():
+                loss_name(model, batch).backward()
+        else:
+            loss_name(model, batch).backward()
+        optimizer.step()
+        peak = cpu_allocator_count.peak() - base
+    return peak
+
+
+def _estimate(name: str):
+    model, inputs, loss = CASES[name]
+    return estimate(
+        model=f"{PLAIN_PATHS_PY}:{model}",
+        inputs=f"{PLAIN_PATHS_PY}:{inputs}",
+        loss=f"{PLAIN_PATHS_PY}:{loss}",
+        optimizer="sgd",
+        batch_size=BATCH,
+        steps=STEPS,
+        target="cpu",
+    )
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_estimate_matches_plain_run(name):
+    plain = _plain_peak(name)
+    moded = _plain_peak(name, under_mode=True)
+    # The case reaches an out-of-place branch: a do-nothing dispatch mode raises the count.
+    assert moded > plain, f"{name}: a dispatch mode changed nothing ({plain} bytes)"
+    predicted = _estimate(name).peak_bytes
+    assert abs(predicted - plain) <= BOUND * plain, (
+        f"{name}: estimate {predicted} vs plain run {plain} (under a mode {moded})"
+    )
+
+
+def test_without_the_plain_paths_the_estimate_is_the_moded_run(monkeypatch):
+    """The boolean-mask loss and the scan, traced as the tracker used to (out-of-place
+    branches kept), come out higher than the plain run: what the model corrects."""
+    import vramledger.trace.tracker as tracker
+
+    for name in ("boolean-mask-loss", "scan"):
+        plain = _plain_peak(name)
+        monkeypatch.setattr(tracker, "plain_writes_in_place", lambda *_: False)
+        before = _estimate(name).peak_bytes
+        monkeypatch.undo()
+        assert before > plain * (1 + BOUND), (name, before, plain)
+
+
+def test_measure_counts_a_plain_run():
+    model, inputs, loss = CASES["boolean-mask-loss"]
+    m = measure(
+        model=f"{PLAIN_PATHS_PY}:{model}",
+        inputs=f"{PLAIN_PATHS_PY}:{inputs}",
+        loss=f"{PLAIN_PATHS_PY}:{loss}",
+        optimizer="sgd",
+        batch_size=BATCH,
+        steps=STEPS,
+        target="cpu",
+    )
+    out = m.to_dict()
+    assert out["measured_run"] == PLAIN_RUN
+    assert m.measured_peak_bytes == _plain_peak("boolean-mask-loss")
+    # The tracked run's ledger, folded as the plain run writes, agrees to the byte.
+    assert out["tracked_peak_bytes"] == m.measured_peak_bytes
