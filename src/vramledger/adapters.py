@@ -33,6 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from .compat import import_tested
 from .errors import InputError
 
 Quantize = Literal["nf4", "fp4", "int8"]
@@ -109,10 +110,8 @@ def parse_lora(text: str) -> LoraSettings:
 
 
 def _require(package: str, extra: str) -> Any:
-    import importlib
-
     try:
-        return importlib.import_module(package)
+        return import_tested(package)
     except ImportError as exc:
         raise InputError(
             f"this needs {package}", hint=f"pip install 'vramledger[{extra}]'"

@@ -14,7 +14,6 @@ Libraries are imported only when one of their optimizers is asked for.
 
 from __future__ import annotations
 
-import importlib
 import inspect
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -22,6 +21,7 @@ from typing import Any
 
 import torch
 
+from .compat import import_tested
 from .errors import InputError
 from .sources import load_callable
 
@@ -163,7 +163,7 @@ def _resolve_name(text: str) -> OptimizerChoice:
     if "." in text:
         module_name, _, attr = text.rpartition(".")
         try:
-            module = importlib.import_module(module_name)
+            module = import_tested(module_name)
         except ImportError as exc:
             raise InputError(
                 f"cannot import {module_name!r} for optimizer {text!r}: {exc}"
@@ -180,7 +180,7 @@ def _resolve_name(text: str) -> OptimizerChoice:
 
 def _import_module(module_name: str, asked: str) -> Any:
     try:
-        return importlib.import_module(module_name)
+        return import_tested(module_name)
     except ImportError as exc:
         top = module_name.split(".")[0]
         extra = LIBRARIES.get(top)

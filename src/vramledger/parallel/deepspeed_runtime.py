@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
 
+from ..compat import check_tested
 from ..errors import InputError
 
 INSTALL_HINT = (
@@ -43,6 +44,7 @@ class DeepSpeedModules:
 
 @functools.cache
 def deepspeed_modules() -> DeepSpeedModules:
+    check_tested("deepspeed")  # its engine's internals below are private (compat.py)
     try:
         with contextlib.redirect_stdout(sys.stderr):
             import deepspeed
