@@ -39,8 +39,9 @@ BNB_METHOD = (
 )
 OFFLOAD_METHOD = "layout of torchao's CPUOffloadOptimizer (it needs a CUDA device to run)"
 TORCHAO_NOTE = (
-    "torchao compiles its optimizer step; traced eagerly here (state bytes exact, step "
-    "temporaries are the eager ones, an upper bound for the compiled step)"
+    "torchao compiles its per-parameter optimizer step (torch.compile in torchao/optim/adam.py); "
+    "state bytes exact, step temporaries as the compiled step makes them (see the compiled "
+    "regions note)"
 )
 
 
