@@ -30,6 +30,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 from .errors import InputError
 
@@ -58,8 +59,12 @@ class _FlashAttn2(torch.autograd.Function):
     """flash-attn 2's ``FlashAttnFunc`` as its memory goes (module docstring); q, k, v are
     ``[b, s, h, d]``."""
 
+    calls = 0
+    """Forward calls so far in this process (``AttentionCalls`` reads the difference)."""
+
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        _FlashAttn2.calls += 1
         d = q.size(-1)
         if d % HEAD_PAD:
             pad = [0, _round(d, HEAD_PAD) - d]
@@ -143,14 +148,46 @@ def check_implementation(name: str | None) -> None:
         )
 
 
-def implementation_note(name: str | None) -> str | None:
-    """What an estimate says about the attention path it assumed."""
-    if name == "flash_attention_2":
+class AttentionCalls(TorchFunctionMode):
+    """Counts the attention the traced step called, so that the notes say what ran, not what was
+    asked for: PyTorch's ``scaled_dot_product_attention`` (transformers' sdpa path, and any
+    model's own call) and the modelled FlashAttention-2 (:class:`_FlashAttn2`). A torch-function
+    mode sees calls before dispatch; it changes no operator."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sdpa = 0
+        self._flash_start = _FlashAttn2.calls
+
+    @property
+    def flash(self) -> int:
+        return _FlashAttn2.calls - self._flash_start
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            self.sdpa += 1
+        return func(*args, **(kwargs or {}))
+
+
+def built_implementation(model: torch.nn.Module) -> str | None:
+    """The attention path a Hugging Face model was built with (its config's
+    ``_attn_implementation``, which its layers dispatch on), None for other models."""
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None)
+
+
+def implementation_note(calls: AttentionCalls, built: str | None) -> str | None:
+    """What an estimate says about the attention its trace ran (``calls``) in a model built with
+    the path ``built`` (:func:`built_implementation`)."""
+    if calls.flash:
         return (
             "attention: FlashAttention-2 (flash-attn 2.x) modelled from its code, since it "
             "cannot run here — saves q, k, v, the output and an fp32 logsumexp; backward "
             "allocates fp32 dq_accum and softmax_d (attention.py)"
         )
-    if name == "eager":
+    if calls.sdpa:
+        path = f"transformers' {built} path, " if built is not None else ""
+        return f"attention: {path}torch.nn.functional.scaled_dot_product_attention"
+    if built == "eager":
         return "attention: transformers' eager implementation (matmul, softmax, matmul)"
     return None

@@ -4,7 +4,7 @@ optimizer choice."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from .adapters import (
     quantize_linears,
 )
 from .checkpointing import checkpoint_modules, enable_hf_checkpointing
+from .config_depth import config_depth, shallow_config
 from .errors import InputError, TraceError, VramledgerError
 from .optimizers import OptimizerChoice, resolve_optimizer
 from .precision import PrecisionPolicy, cast_model, dtype_name, precision_policy
@@ -48,8 +49,22 @@ class Recipe:
         s = self.spec
         return BatchShape(batch_size=s.batch_size, seq_len=s.seq_len, image_size=s.image_size)
 
+    def at_depth(self, blocks: int) -> Recipe:
+        """This recipe with ``blocks`` of the model's layers (a Hugging Face config that says its
+        depth): the one way every trace of a shallower model is made — the block extension's,
+        a mesh's one-block shape check, a pipeline's parts. Every option reaches it, since the
+        source rebuilds from its own build function (``ModelSource.with_config``) and
+        :meth:`build_model` applies the rest."""
+        config = self.source.config
+        depth = config_depth(config)
+        if depth is None:
+            raise ValueError(f"{self.source.name} does not say its depth")
+        return replace(self, source=self.source.with_config(shallow_config(config, blocks, depth)))
+
     def build_model(self, device: str | torch.device) -> nn.Module:
-        """Build on ``device`` (meta for tracing), in train mode, checkpointed and cast."""
+        """Build on ``device`` (meta for tracing), in train mode, with every model option of the
+        spec: checkpointing, the precision's dtypes, quantized base weights, LoRA adapters and
+        frozen parameters (the attention path and config are the source's)."""
         spec, source = self.spec, self.source
         with torch.device(device):
             if str(device) == "meta":

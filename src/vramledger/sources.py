@@ -54,12 +54,23 @@ class ModelSource:
     """A context that skips weight initialisation (memory does not depend on the values)."""
     supports_hf_checkpointing: bool = False
     declared_dtype: str | None = None
-    attn_implementation: str | None = None
-    """The attention path asked for (``--attn-implementation``; attention.py); None: the
-    model's default."""
     """The dtype a Hugging Face config declares (``"dtype"``, older ``"torch_dtype"``): how its
     checkpoint is stored. It does not decide the training precision: models are built in fp32
     and ``--precision`` casts them."""
+    attn_implementation: str | None = None
+    """The attention path asked for (``--attn-implementation``; attention.py); None: the
+    model's default."""
+    builder: Callable[[Any], Callable[[], nn.Module]] | None = None
+    """For a config: makes ``build`` for another config (a shallow copy of the model) with every
+    other option of this source, so a model of any depth is built the one way the full model
+    is (:meth:`with_config`)."""
+
+    def with_config(self, config: Any) -> ModelSource:
+        """This source with another Hugging Face config (e.g. fewer layers), every build option
+        kept: ``build`` is made by the same function that made this source's."""
+        if self.builder is None:
+            raise ValueError(f"{self.name} is not built from a config")
+        return replace(self, config=config, build=self.builder(config))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -217,33 +228,19 @@ def hf_source(
                 part.pad_token_id = 0
     auto_cls = getattr(transformers, KINDS[task].auto_class)
 
-    def build() -> nn.Module:
-        built = copy.deepcopy(config)
-        if built.architectures is None:  # auto classes with several heads iterate over it
-            built.architectures = []
-        extra: dict[str, Any] = {}
-        if attn_implementation == "flash_attention_2":
-            from .attention import register_modelled_flash_attention
+    def builder(config: Any) -> Callable[[], nn.Module]:
+        """Every option of the build reads from this closure: a shallow copy of the config
+        (``ModelSource.with_config``) is built with the same task, attention path and dtype."""
 
-            extra["attn_implementation"] = register_modelled_flash_attention()
-        elif attn_implementation is not None:
-            extra["attn_implementation"] = attn_implementation
-        try:
-            # In fp32 whatever dtype the config declares; the precision mode casts afterwards.
-            model = auto_cls.from_config(built, dtype=torch.float32, **extra)
-        except ValueError as exc:
-            raise InputError(
-                f"transformers has no {task} model for model_type {config.model_type!r}: "
-                f"{str(exc).splitlines()[0]}",
-                hint="choose another --task",
-            ) from exc
-        # Skipping initialisation also skips tying (tie_weights runs in init_weights).
-        model.tie_weights()
-        return model
+        def build() -> nn.Module:
+            return _build_hf(config, auto_cls, task, attn_implementation)
+
+        return build
 
     return ModelSource(
         name=name,
-        build=build,
+        build=builder(config),
+        builder=builder,
         task=task,
         config=config,
         skip_init=_hf_skip_init,
@@ -251,6 +248,33 @@ def hf_source(
         declared_dtype=declared_dtype(config),
         attn_implementation=attn_implementation,
     )
+
+
+def _build_hf(config: Any, auto_cls: Any, task: str, attn_implementation: str | None) -> nn.Module:
+    """The model of ``config`` from transformers' auto class, in fp32, with the attention path
+    asked for."""
+    built = copy.deepcopy(config)
+    if built.architectures is None:  # auto classes with several heads iterate over it
+        built.architectures = []
+    extra: dict[str, Any] = {}
+    if attn_implementation == "flash_attention_2":
+        from .attention import register_modelled_flash_attention
+
+        extra["attn_implementation"] = register_modelled_flash_attention()
+    elif attn_implementation is not None:
+        extra["attn_implementation"] = attn_implementation
+    try:
+        # In fp32 whatever dtype the config declares; the precision mode casts afterwards.
+        model = auto_cls.from_config(built, dtype=torch.float32, **extra)
+    except ValueError as exc:
+        raise InputError(
+            f"transformers has no {task} model for model_type {config.model_type!r}: "
+            f"{str(exc).splitlines()[0]}",
+            hint="choose another --task",
+        ) from exc
+    # Skipping initialisation also skips tying (tie_weights runs in init_weights).
+    model.tie_weights()
+    return model
 
 
 def declared_dtype(config: Any) -> str | None:

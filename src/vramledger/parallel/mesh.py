@@ -33,6 +33,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..categories import Category
+from ..config_depth import config_depth
 from ..errors import InputError
 from ..recipe import Recipe
 from ..spec import TrainingSpec
@@ -521,15 +522,7 @@ def check_even_tp(spec: TrainingSpec) -> None:
 
 def _one_block_model(recipe: Recipe) -> nn.Module:
     """The model on the meta device, with one block when its config says its depth (blocks are
-    identical: one shows every block's shapes)."""
-    from dataclasses import replace
-
-    from ..sources import hf_source
-    from ..trace.blocks import config_depth, shallow_config
-
-    depth = config_depth(recipe.source.config)
-    if depth is None:
+    identical: one shows every block's shapes), built with every option of the recipe."""
+    if config_depth(recipe.source.config) is None:
         return recipe.build_model("meta")
-    shallow = shallow_config(recipe.source.config, 1, depth)
-    source = hf_source(shallow, recipe.source.task, recipe.source.name)
-    return replace(recipe, source=source).build_model("meta")
+    return recipe.at_depth(1).build_model("meta")

@@ -60,13 +60,14 @@ import torch.distributed as dist
 from torch import nn
 
 from ..categories import Category, Phase
+from ..config_depth import config_depth
 from ..errors import InputError
 from ..precision import PrecisionPolicy, autocast
 from ..recipe import Recipe
 from ..sources import ModelSource
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from ..trace.blocks import config_depth, find_block_stack
+from ..trace.blocks import find_block_stack
 from ..training import TrainingRun, assemble, grad_category, track_by_kind
 from .engines import DataParallel, adapt_recipe
 from .mesh import (
@@ -313,7 +314,7 @@ def stage_source(
             stages[plan.name] = model
         return PipelineChunks(stages)
 
-    return replace(source, build=build, config=None)
+    return replace(source, build=build, config=None, builder=None)
 
 
 # -- the engine (trace/engine.py) ---------------------------------------------------------------
@@ -428,15 +429,9 @@ def check_pipeline_recipe(recipe: Recipe) -> None:
 
 
 def _one_block_model(recipe: Recipe) -> nn.Module:
-    """The model with one layer, on the meta device, to find its parts."""
-    from ..sources import hf_source
-    from ..trace.blocks import shallow_config
-
-    config = recipe.source.config
-    shallow = shallow_config(config, 1, config_depth(config))
-    source = hf_source(shallow, recipe.source.task, recipe.source.name)
-    with torch.device("meta"), source.skip_init():
-        return source.build()
+    """The model with one layer, on the meta device, to find its parts (built the one way every
+    trace builds it: ``Recipe.at_depth``)."""
+    return recipe.at_depth(1).build_model("meta")
 
 
 @dataclass

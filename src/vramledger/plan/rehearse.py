@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..categories import STEP_PHASES, Category, Phase
+from ..config_depth import config_depth, shallow_config
 from ..errors import InputError
 from ..ledger import breakdown_at, replay, steady_phase_point
 from ..measure import measure
@@ -28,7 +29,6 @@ from ..predict import estimate
 from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from ..trace.blocks import config_depth, shallow_config
 from .narrow import narrow_config
 
 Progress = Callable[[str, int, int], None]

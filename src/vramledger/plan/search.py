@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..allocator import CUDA_CACHING_ALLOCATOR
+from ..config_depth import config_depth
 from ..errors import InputError
 from ..gpus import Gpu
 from ..ledger import EventTotals, steady_peaks, steady_tensor_peak
@@ -39,7 +40,7 @@ from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from ..trace.blocks import config_depth, find_block_stack
+from ..trace.blocks import find_block_stack
 from ..units import GIB, format_bytes
 from ..verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
 from .candidates import (

@@ -20,7 +20,6 @@ decoder stacks) fail that check and are traced in full.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +38,6 @@ first is prefetched). Block ``HEAD`` is the template for the middle ones; the la
 as traced too."""
 MIN_BLOCKS = SMALL + 3
 """Extend only models with at least this many blocks (otherwise a full trace is as cheap)."""
-_DEPTH_ATTRS = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
 
 
 class NotExtensible(Exception):
@@ -69,31 +67,6 @@ def find_block_stack(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> BlockSta
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:
     return tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
-
-
-def config_depth(config: Any) -> int | None:
-    """The number of layers a Hugging Face config declares, if it has one stack of them
-    (encoder-decoder configs, with two, return None)."""
-    if config is None or getattr(config, "is_encoder_decoder", False):
-        return None
-    for attr in _DEPTH_ATTRS:
-        value = getattr(config, attr, None)
-        if isinstance(value, int) and value > 0:
-            return value
-    return None
-
-
-def shallow_config(config: Any, depth: int, length: int) -> Any:
-    """A copy of a Hugging Face config with ``depth`` layers instead of ``length``."""
-    out = copy.deepcopy(config)
-    for attr in _DEPTH_ATTRS:
-        if getattr(out, attr, None) == length:
-            setattr(out, attr, depth)
-    for attr in ("layer_types",):  # per-layer lists must shrink with the depth
-        value = getattr(out, attr, None)
-        if isinstance(value, list) and len(value) == length:
-            setattr(out, attr, value[:depth])
-    return out
 
 
 def truncate(model: nn.Module, stack: BlockStack, depth: int) -> None:

@@ -174,6 +174,7 @@ class CudaPolicy(DevicePolicy):
     def notes(self) -> list[str]:
         notes = list(self._notes)
         if self._attention_used:
+            notes.extend(sdpa_priority_notes(self.compute_capability))
             kernels = ", ".join(ATTENTION_NAMES[b] for b in BACKENDS if b in self._attention_used)
             notes.append(f"scaled_dot_product_attention ran as {kernels}")
         return list(dict.fromkeys(notes))
@@ -213,6 +214,18 @@ def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
         f"{'on sm9x/sm10x/sm12x' if workspace == CUBLAS_WORKSPACE_HOPPER else 'below sm90 and on sm11x'}"
         "; CublasHandlePool.cpp), shared with cuBLASLt"
     )
+    if cc < WHEEL_MIN_SM:
+        notes.append(
+            f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
+            "needs a torch build for CUDA 12.x"
+        )
+    return notes
+
+
+def sdpa_priority_notes(cc: tuple[int, int]) -> list[str]:
+    """The order scaled_dot_product_attention tries its CUDA kernels on this compute capability
+    (noted only for a trace that called it)."""
+    notes: list[str] = []
     order = priority_order(cc)
     if order[0] == "cudnn":
         notes.append(
@@ -235,11 +248,6 @@ def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
             f"attention: on sm{cc[0]}{cc[1]} flash does not train head dims in "
             f"({FLASH_TRAINING_HEAD_DIM}, {FLASH_TRAINING_HEAD_DIM_NO_DROPOUT}], nor up to "
             f"{FLASH_MAX_HEAD_DIM} with dropout"
-        )
-    if cc < WHEEL_MIN_SM:
-        notes.append(
-            f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
-            "needs a torch build for CUDA 12.x"
         )
     return notes
 

@@ -6,7 +6,7 @@ initialisation, no memory), its parameters become fake CPU tensors, and the step
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,13 +18,14 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..adapters import carry_quantization
-from ..attention import implementation_note
+from ..adapters import adapter_notes, carry_quantization
+from ..attention import AttentionCalls, built_implementation, implementation_note
 from ..categories import Category
+from ..config_depth import config_depth
 from ..errors import TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
 from ..recipe import Recipe, count_parameters, module_names, resolve
-from ..sources import hf_source, map_tensors
+from ..sources import map_tensors
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..training import assemble
@@ -33,11 +34,9 @@ from .blocks import (
     SMALL,
     BlockStack,
     NotExtensible,
-    config_depth,
     extend,
     find_block_stack,
     same_timeline,
-    shallow_config,
     truncate,
 )
 from .dtensor_compat import untracked_sharding_propagation
@@ -141,8 +140,6 @@ def trace(
     resolved = resolve(spec)
     recipe = engine.adapt(resolved)
     log = TraceLog(notes=[recipe.dtype_note()])
-    if (note := implementation_note(recipe.source.attn_implementation)) is not None:
-        log.notes.append(note)
     if recipe.make_inputs.note:
         log.notes.append(recipe.make_inputs.note)
     notes = log.notes
@@ -196,7 +193,7 @@ def _extended(
     if depth is not None:
         if depth < MIN_BLOCKS:
             return None
-        models = {d: _shallow_model(recipe, depth, d) for d in (SMALL, SMALL + 1)}
+        models = {d: recipe.at_depth(d).build_model("meta") for d in (SMALL, SMALL + 1)}
         stack = find_block_stack(models[SMALL], min_blocks=SMALL)
         if stack is None or stack.length != SMALL:
             return None
@@ -246,12 +243,6 @@ def _extended(
     return full_timeline, totals
 
 
-def _shallow_model(recipe: Recipe, depth: int, blocks: int) -> nn.Module:
-    shallow = shallow_config(recipe.source.config, blocks, depth)
-    source = hf_source(shallow, recipe.source.task, recipe.source.name)
-    return replace(recipe, source=source).build_model("meta")
-
-
 def _run(
     recipe: Recipe,
     choice: OptimizerChoice,
@@ -279,6 +270,8 @@ def _run_rank(
     spec = recipe.spec
     notes = log.notes
     names = module_names(model)
+    built_attention = built_implementation(model)
+    notes.extend(adapter_notes(model))
     mode = FakeTensorMode(allow_non_fake_inputs=False)
     fakeify(model, mode, TRACE_DEVICE)
     values = KnownValues(mode, routing=log.routing)
@@ -301,7 +294,8 @@ def _run_rank(
         values=values,
     )
     observer = TrackerObserver(tracker, policy.host_resident)
-    # torch.compile'd optimizer steps (torchao) run eagerly on fake tensors.
+    # torch.compile'd code runs eagerly, except the regions trace/compiled.py compiles
+    # (torchao's steps, through step_memo).
     eager = torch.compiler.set_stance("force_eager")
     with (
         mode,
@@ -312,9 +306,10 @@ def _run_rank(
         noop_conversions(),
         untracked_sharding_propagation(),
         eager,
+        AttentionCalls() as attention,
         tracker,
         # torchao's per-parameter steps: each argument layout traced once, then replayed
-        repeated_steps(tracker),
+        repeated_steps(tracker, notes, policy.name),
     ):
         tracker.label_blocks(blocks)
         try:
@@ -339,6 +334,8 @@ def _run_rank(
         except Exception as exc:
             raise trace_error(exc, tracker, spec.target) from exc
     timeline = tracker.close()
+    if (note := implementation_note(attention, built_attention)) is not None:
+        notes.append(note)
     log.routing_dependent.update(values.routing_dependent)
     if values.draws:
         notes.append(
