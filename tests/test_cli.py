@@ -339,3 +339,13 @@ def test_python_api_is_as_quiet_as_the_cli():
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == "" and run.stderr == ""
+
+
+def test_every_answer_says_which_frameworks_mode_it_models(capsys):
+    """bf16-master under FSDP runs FSDP2's own mixed precision: the dtype note says so (it was
+    an empty description)."""
+    args = ["estimate", fixture("tiny-llama.json"), "--seq-len", "16", "--precision"]
+    args += ["bf16-master", "--world-size", "2", "--strategy", "fsdp", "--json"]
+    _, out, _ = run_cli(capsys, *args)
+    (note,) = [n for n in json.loads(out)["notes"] if n.startswith("--precision bf16-master:")]
+    assert "MixedPrecisionPolicy" in note and not note.startswith("--precision bf16-master: ;")

@@ -77,6 +77,8 @@ def adapt_recipe(recipe: Recipe) -> Recipe:
         autocast_dtype=None,
         master_weights=False,
         loss_scaling=False,
+        models="fp32 shards that are the master weights, computing in bf16 through FSDP2's "
+        "MixedPrecisionPolicy (torchtitan, accelerate FSDP2 bf16; DeepSpeed ZeRO-3 bf16)",
     )
     return replace(recipe, precision=fsdp_precision)
 
