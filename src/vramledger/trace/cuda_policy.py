@@ -110,6 +110,8 @@ class CudaPolicy(DevicePolicy):
     ) -> None:
         self.compute_capability = compute_capability
         self._attention_used: set[str] = set()
+        self._cublas_threads: set[str] = set()
+        """Threads ("main", "autograd") whose cuBLAS workspace the trace added."""
         self._notes: list[str] = architecture_notes(compute_capability, gpu)
 
     @property
@@ -131,7 +133,7 @@ class CudaPolicy(DevicePolicy):
         self._attention_used |= sdpa.used
 
     def op_observer(self) -> OpObserver:
-        threads_with_workspace: set[str] = set()
+        threads_with_workspace = self._cublas_threads
         workspace = self.cublas_workspace_bytes
 
         def observe(
@@ -173,6 +175,8 @@ class CudaPolicy(DevicePolicy):
 
     def notes(self) -> list[str]:
         notes = list(self._notes)
+        if self._cublas_threads:
+            notes.append(cublas_note(self.compute_capability, self._cublas_threads))
         if self._attention_used:
             notes.extend(sdpa_priority_notes(self.compute_capability))
             kernels = ", ".join(ATTENTION_NAMES[b] for b in BACKENDS if b in self._attention_used)
@@ -207,19 +211,24 @@ def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
         notes = [f"no --gpu given: CUDA behaviour of compute capability {sm} (H100/H200) assumed"]
     else:
         notes = [f"CUDA behaviour of compute capability {sm}"]
-    workspace = cublas_workspace_bytes(cc)
-    config = ":4096:8" if workspace == CUBLAS_WORKSPACE_HOPPER else ":4096:2:16:8"
-    notes.append(
-        f"cuBLAS workspace {format_bytes(workspace)} per thread ({config}, PyTorch's default "
-        f"{'on sm9x/sm10x/sm12x' if workspace == CUBLAS_WORKSPACE_HOPPER else 'below sm90 and on sm11x'}"
-        "; CublasHandlePool.cpp), shared with cuBLASLt"
-    )
     if cc < WHEEL_MIN_SM:
         notes.append(
             f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
             "needs a torch build for CUDA 12.x"
         )
     return notes
+
+
+def cublas_note(cc: tuple[int, int], threads: set[str]) -> str:
+    """The cuBLAS workspace the trace added, on the threads whose matrix products it ran."""
+    workspace = cublas_workspace_bytes(cc)
+    config = ":4096:8" if workspace == CUBLAS_WORKSPACE_HOPPER else ":4096:2:16:8"
+    return (
+        f"cuBLAS workspace {format_bytes(workspace)} per thread that ran a matrix product "
+        f"({', '.join(sorted(threads))}; {config}, PyTorch's default "
+        f"{'on sm9x/sm10x/sm12x' if workspace == CUBLAS_WORKSPACE_HOPPER else 'below sm90 and on sm11x'}"
+        "; CublasHandlePool.cpp), shared with cuBLASLt"
+    )
 
 
 def sdpa_priority_notes(cc: tuple[int, int]) -> list[str]:
