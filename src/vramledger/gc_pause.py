@@ -3,8 +3,8 @@
 Extending a traced timeline to 80 blocks or simulating the allocator over it creates hundreds of
 thousands of tuples and list entries and no reference cycles; each allocation counts towards the
 collector's threshold, so it runs hundreds of times over every live object (torch's and
-transformers' included) and finds nothing. Measured on the 70B plan's tensor-parallel AdamW8bit
-re-estimate (400k events): extending took 0.85-1.1 s with the collector running, 0.28 s paused.
+transformers' included) and finds nothing. Paused, extending the 70B plan's largest timeline
+takes about a quarter of the time (``benchmarks/results/README-startup.md``).
 """
 
 from __future__ import annotations

@@ -38,8 +38,8 @@ from ..timeline import Timeline
 
 WORKER_MIN_TRACE_SECONDS = 1.0
 """Workers start only when the first trace took at least this long: starting them costs the
-fork server's imports, 3.2-3.5 s of one CPU on the 2-core VM (``worker_preload.py``), which small
-models do not repay."""
+fork server's imports, a few seconds of one CPU (``worker_preload.py``;
+``benchmarks/results/README-startup.md``), which small models do not repay."""
 
 
 def traced_timeline(spec: TrainingSpec) -> Timeline:

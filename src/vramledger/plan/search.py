@@ -91,7 +91,7 @@ ROOMIER = GIB
 WORKERS_AT_ONCE_PARAMETERS = 1_000_000_000
 """Models this large start the planner's workers before the first trace (whose time otherwise
 decides it, ``runner.py``): their traces take seconds each, so the workers always repay their
-start-up (in the 70B plan their first traces begin 1.1 s after this process's first trace).
+start-up (``benchmarks/results/README-startup.md``).
 """
 WHOLE_PARAMETER_STRATEGIES = frozenset({"none", "ddp", "zero1", "zero2"})
 """Strategies that keep every trainable parameter on each GPU whatever the count (ZeRO-1/2
