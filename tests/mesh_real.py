@@ -1,14 +1,17 @@
-"""Real gloo runs behind the tensor/expert-parallel and pipeline tests: one set of processes per
-world size runs the cases of both test files (spawning the processes is most of the time), and
-each rank's prediction is compared with the real run counted twice, independently: by the
-storage tracker and by the CPU allocator itself (``cpu_allocator_count``, every thread)."""
+"""Real gloo runs behind the multi-process tests of ``measure``'s engines (data parallel, FSDP
+units, tensor/expert parallel, pipeline): one set of processes per world size runs the cases of
+every test file (spawning the processes is most of the time), and each rank's prediction is
+compared with the CPU allocator's own count of the real run (``cpu_allocator_count``, every
+thread). The storage tracker's count is not the truth: it misses what gloo's worker threads hold
+and the scratch CPU kernels allocate inside themselves (oneDNN's, whose size depends on the CPU).
+"""
 
 import functools
 
 from vramledger import estimate
 from vramledger.parallel.local import measure_on_local_gloo
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, MODELS_PY
 
 HUB = FIXTURES / "hub"
 LLAMA = str(HUB / "tiny-llama-bf16")  # 4 query heads, 2 kv heads: tp 2
@@ -16,10 +19,14 @@ LLAMA_TP4 = str(HUB / "tiny-llama-tp4-bf16")  # 8 query heads, 4 kv heads: tp 4
 LLAMA8 = str(HUB / "tiny-llama-8l-bf16")  # 8 layers (4 heads, 2 kv heads): stages, x tp 2
 MOE = str(FIXTURES / "moe.py")
 TEXT = dict(seq_len=32, target="cpu", precision="bf16-master")
-TOLERANCE = 0.01
-"""Per rank, relative, against both counts of the real run (the runs agree within 36 bytes
-with the allocator's count; the tracker misses up to 0.6 % on pipeline ranks that send: gloo's
-send keeps the tensor on its own thread)."""
+NOISE = "benchmarks/results/noise-2026-12-02-vm.json"
+"""Repeated real runs of every case here (``benchmarks/noise.py``): the allowances' sizes."""
+EXACT_BYTES = 36
+"""Per rank, what the allocator may count above or below the prediction in a case with no
+allowance of its own: the README's "within 36 bytes per rank". Small allocations no traced
+storage accounts for (gloo's own bookkeeping tensors); in every run of ``NOISE`` the tensor,
+expert and pipeline cases, DDP and ZeroRedundancyOptimizer are 0-32 bytes from the prediction,
+the same in every run."""
 
 TENSOR_PARALLEL = {
     2: {
@@ -82,6 +89,70 @@ PIPELINE = {
     },
 }
 
+MLP = dict(
+    model=f"{MODELS_PY}:deep_mlp",
+    inputs=f"{MODELS_PY}:mlp_inputs",
+    loss=f"{MODELS_PY}:mlp_loss",
+    optimizer="adamw",
+    target="cpu",
+    batch_size=8,
+)
+LINEARS = dict(MLP, model=f"{MODELS_PY}:linear_stack", shard_modules=("Linear",))
+"""Plain Linear layers as FSDP2 units (``--shard-modules Linear``; ``tests/test_fsdp_units.py``)."""
+ACCELERATE_LLAMA = dict(
+    model=str(FIXTURES / "tiny-llama.json"),
+    seq_len=32,
+    target="cpu",
+    accelerate_config=str(FIXTURES / "accelerate" / "fsdp2-llama-bf16.yaml"),
+)
+"""An HF model wrapped as accelerate wraps it (its FSDP2 config; ``tests/test_fsdp_units.py``)."""
+
+
+def _data_parallel(world: int) -> dict[str, dict]:
+    """DDP, ZeroRedundancyOptimizer and FSDP2 (``tests/test_distributed_real.py``) and named
+    FSDP2 units (``tests/test_fsdp_units.py``) on ``world`` processes."""
+    cases = {s: dict(MLP, world_size=world, strategy=s) for s in ("ddp", "zero1-torch", "fsdp")}
+    cases["fsdp-linear-units"] = dict(LINEARS, world_size=world, strategy="fsdp")
+    if world == 2:
+        # momentum SGD's foreach step on DTensors (the path CUDA takes by default)
+        cases["fsdp-momentum-sgd"] = dict(
+            MLP,
+            model=f"{MODELS_PY}:wide_mlp",
+            optimizer="sgd-momentum",
+            optimizer_kwargs={"foreach": True},
+            world_size=2,
+            strategy="fsdp",
+        )
+        cases["fsdp-linear-units-keep"] = dict(
+            LINEARS, world_size=2, strategy="fsdp", reshard_after_forward=False
+        )
+        cases["fsdp-accelerate"] = dict(ACCELERATE_LLAMA, world_size=2, strategy="fsdp")
+    return cases
+
+
+DATA_PARALLEL = {w: _data_parallel(w) for w in (2, 4)}
+
+GLOO_FSDP2_BYTES: dict[str, tuple[int, int]] = {
+    "fsdp": (0, 52_552),
+    "fsdp-linear-units": (0, 8_200),
+    "fsdp-momentum-sgd": (0, 2_104_328),
+    "fsdp-accelerate": (0, 85_640),
+}
+"""Per case, (below, above): how far the allocator's count of one real FSDP2 run on gloo may
+be from the prediction. Two sources, neither in the estimate's model, both measured in ``NOISE``
+(group ``gloo-2``/``gloo-4``):
+
+- a few KiB every run (``fsdp`` +6,664 bytes, ``fsdp-accelerate`` +5,064, ``fsdp-momentum-sgd``
+  +1,044, the same in every run and on every rank): gloo's collectives allocate on its worker
+  threads, where no dispatch mode (the trace's or the tracker's) sees them;
+- in about 1 run in 10 per rank, one FSDP2 buffer freed late by a gloo worker thread, so it is
+  still live at the peak: up to 45,888 bytes more (``fsdp``), 80,576 (``fsdp-accelerate``),
+  2,103,284 (``fsdp-momentum-sgd``: a 256 x 1024 fp32 gradient and its momentum), 8,192
+  (``fsdp-linear-units``).
+
+The bound is the largest count seen minus the prediction."""
+ALLOWANCE_BYTES = GLOO_FSDP2_BYTES
+
 
 @functools.cache
 def real_runs(world: int) -> dict[str, dict[int, tuple[int, int]]]:
@@ -90,17 +161,23 @@ def real_runs(world: int) -> dict[str, dict[int, tuple[int, int]]]:
 
 
 def world_cases(world: int) -> dict[str, dict]:
-    """The tensor/expert-parallel and pipeline cases of ``world`` processes."""
-    return {**TENSOR_PARALLEL.get(world, {}), **PIPELINE.get(world, {})}
+    """Every multi-process case of ``world`` processes."""
+    return {
+        **DATA_PARALLEL.get(world, {}),
+        **TENSOR_PARALLEL.get(world, {}),
+        **PIPELINE.get(world, {}),
+    }
 
 
 def check_against_real_runs(world: int, cases: dict[str, dict]) -> None:
+    """Every rank's prediction within its case's allowance (:data:`ALLOWANCE_BYTES`) of the
+    allocator's count of one real run."""
     real = real_runs(world)
     for case, spec in cases.items():
         predicted = estimate(**spec)
         per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
         assert sorted(per_rank) == sorted(real[case]) == list(range(world))
-        for rank, (tracked, counted) in real[case].items():
+        below, above = ALLOWANCE_BYTES.get(case, (EXACT_BYTES, EXACT_BYTES))
+        for rank, (_, counted) in real[case].items():
             want = per_rank[rank]
-            assert abs(want - counted) / counted <= TOLERANCE, (case, rank, want, counted)
-            assert abs(want - tracked) / tracked <= TOLERANCE, (case, rank, want, tracked)
+            assert -below <= counted - want <= above, (case, rank, want, counted, counted - want)

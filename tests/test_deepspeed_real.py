@@ -69,42 +69,53 @@ def _configs(folder) -> dict[str, str]:
     return out
 
 
-def _worker(rank, world, port, configs, queue):
+def _worker(rank, world, port, configs, cases, repeats, queue):
     import torch.distributed as dist
 
-    from vramledger.parallel.real import measure_deepspeed, shut_down_group
+    from vramledger.parallel.real import shut_down_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        for case in CASES:
-            m = measure_deepspeed(_spec(case, world, configs))
-            phases = {
-                phase: max(
-                    v for (step, p), v in m.counted_phase_peaks.items() if step >= 2 and p == phase
-                )
-                for phase in (p.value for p in PHASES)
-            }
-            queue.put((case, rank, m.ledger.peak_bytes, m.counted_peak_bytes, phases))
+        for round_ in range(repeats):
+            for case in cases:
+                _measure_case(round_, case, rank, world, configs, queue)
     finally:
         shut_down_group()
 
 
-def run_real(world: int, configs: dict[str, str]) -> dict[str, dict[int, tuple[int, int, dict]]]:
-    """Per case and rank: (tracked peak, counted peak, counted peak of each steady phase)."""
+def _measure_case(round_, case, rank, world, configs, queue):
+    from vramledger.parallel.real import measure_deepspeed
+
+    m = measure_deepspeed(_spec(case, world, configs))
+    phases = {
+        phase: max(v for (step, p), v in m.counted_phase_peaks.items() if step >= 2 and p == phase)
+        for phase in (p.value for p in PHASES)
+    }
+    queue.put((round_, case, rank, m.ledger.peak_bytes, m.counted_peak_bytes, phases))
+
+
+def run_real(
+    world: int, configs: dict[str, str], cases: tuple[str, ...] = tuple(CASES), repeats: int = 1
+) -> list[dict[str, dict[int, tuple[int, int, dict]]]]:
+    """One spawn of ``world`` processes running ``cases`` ``repeats`` times in turn: per round,
+    case and rank, (tracked peak, counted peak, counted peak of each steady phase)."""
     cpu_allocator_count.build()  # compiled once here, loaded by the workers
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, configs, queue)) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, configs, list(cases), repeats, queue))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
-    results: dict[str, dict[int, tuple[int, int, dict]]] = {case: {} for case in CASES}
-    for _ in range(world * len(CASES)):
-        case, rank, *result = queue.get(timeout=600)
-        results[case][rank] = tuple(result)
+    results: list[dict[str, dict[int, tuple[int, int, dict]]]] = [
+        {case: {} for case in cases} for _ in range(repeats)
+    ]
+    for _ in range(world * len(cases) * repeats):
+        round_, case, rank, *result = queue.get(timeout=600)
+        results[round_][case][rank] = tuple(result)
     for p in procs:
         p.join(timeout=120)
         assert p.exitcode == 0
@@ -114,7 +125,7 @@ def run_real(world: int, configs: dict[str, str]) -> dict[str, dict[int, tuple[i
 @pytest.mark.parametrize("world", [2, 4])
 def test_deepspeed_per_rank_prediction_matches_real_processes(world, tmp_path):
     configs = _configs(tmp_path)
-    real = run_real(world, configs)
+    (real,) = run_real(world, configs)
     for case in CASES:
         spec = _spec(case, world, configs)
         predicted = estimate(spec)

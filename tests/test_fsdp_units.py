@@ -1,7 +1,7 @@
 """Named FSDP2 units (--shard-modules, --shard-min-params), reshard_after_forward, and accelerate
 FSDP configs: the units chosen, against real multi-process gloo runs that wrap the same units
-(each rank's tracked peak, as in test_distributed_real.py) and against accelerate's own
-``fsdp2_prepare_model``."""
+(each rank's peak counted by the CPU allocator, ``tests/mesh_real.py``: one run, no retries)
+and against accelerate's own ``fsdp2_prepare_model``."""
 
 import types
 from dataclasses import replace
@@ -18,47 +18,14 @@ from vramledger.spec import TrainingSpec
 from vramledger.trace.blocks import NotExtensible
 
 from .conftest import FIXTURES, MODELS_PY, fixture
-from .test_distributed_real import run_real
+from .mesh_real import DATA_PARALLEL, LINEARS, check_against_real_runs
 
-LINEARS = dict(
-    model=f"{MODELS_PY}:linear_stack",
-    inputs=f"{MODELS_PY}:mlp_inputs",
-    loss=f"{MODELS_PY}:mlp_loss",
-    optimizer="adamw",
-    target="cpu",
-    batch_size=8,
-    shard_modules=("Linear",),
-)
 ACCELERATE = FIXTURES / "accelerate"
 
 
 def _per_rank(world: int, spec: dict) -> dict[int, int]:
     predicted = estimate(world_size=world, strategy="fsdp", **spec)
     return {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
-
-
-GLOO_RUNS = 3
-"""Real runs at most, each rank's smallest tracked peak kept. FSDP2 on gloo is not
-deterministic: in about 1 of 7 two-rank runs here one rank's backward peak is higher (by
-115,200 or 263,168 bytes) because one unit-sized buffer (263,168 bytes, a Linear(256, 256)'s
-gathered parameters) lives on: a storage whose free the tracker receives from a gloo worker
-thread a few operators after FSDP2 released it.
-The allocator's own count (cpu_allocator_count, every thread) gave 4,052,704 bytes, 8 above the
-tracked and predicted peak, on the two-rank runs it was installed in (none of them hit the
-late free). A run without that lag is what the estimate models; it is taken as the
-measurement, rather than widening the 1 % bound."""
-
-
-def _assert_ranks_match(world: int, spec: dict, want: dict[int, int]) -> None:
-    best: dict[int, tuple[int, dict]] = {}
-    for _ in range(GLOO_RUNS):
-        for rank, (tracked, _, at_peak, _) in run_real(world, "fsdp", spec).items():
-            if rank not in best or tracked < best[rank][0]:
-                best[rank] = (tracked, at_peak)
-        if all(abs(want[r] - t) / t <= 0.01 for r, (t, _) in best.items()):
-            return
-    for rank, (tracked, at_peak) in best.items():
-        assert abs(want[rank] - tracked) / tracked <= 0.01, (rank, want[rank], tracked, at_peak)
 
 
 def _meta_model(**fields):
@@ -122,8 +89,7 @@ def test_cli_maps_the_options_onto_the_spec():
 def test_shard_modules_linear_matches_real_processes(world):
     """Without --shard-modules only the root is a unit here (no ModuleList of blocks) and the
     estimate is 42 % above these runs."""
-    want = _per_rank(world, LINEARS)
-    _assert_ranks_match(world, LINEARS, want)
+    check_against_real_runs(world, {"fsdp-linear-units": DATA_PARALLEL[world]["fsdp-linear-units"]})
 
 
 def test_reshard_after_forward_orders_memory_as_fsdp2_does():
@@ -141,10 +107,12 @@ def test_reshard_after_forward_orders_memory_as_fsdp2_does():
 
 @pytest.mark.multiprocess
 def test_reshard_after_forward_false_matches_real_processes():
-    spec = {**LINEARS, "reshard_after_forward": False}
-    want = _per_rank(2, spec)
+    case = "fsdp-linear-units-keep"
+    spec = DATA_PARALLEL[2][case]
+    assert spec["reshard_after_forward"] is False
+    want = _per_rank(2, {**LINEARS, "reshard_after_forward": False})
     assert all(w > p for w, p in zip(want.values(), _per_rank(2, LINEARS).values(), strict=True))
-    _assert_ranks_match(2, spec, want)
+    check_against_real_runs(2, {case: spec})
 
 
 @pytest.mark.multiprocess
@@ -152,13 +120,7 @@ def test_accelerate_layout_matches_real_processes():
     """An HF model wrapped as accelerate wraps it (decoder layers, the input embedding, the final
     norm and head as one group kept after forward, the root), bf16 with accelerate's dtypes and
     checkpointed layers."""
-    spec = dict(
-        model=fixture("tiny-llama.json"),
-        seq_len=32,
-        target="cpu",
-        accelerate_config=str(ACCELERATE / "fsdp2-llama-bf16.yaml"),
-    )
-    _assert_ranks_match(2, spec, _per_rank(2, spec))
+    check_against_real_runs(2, {"fsdp-accelerate": DATA_PARALLEL[2]["fsdp-accelerate"]})
 
 
 # -- accelerate configs -----------------------------------------------------------------------

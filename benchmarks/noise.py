@@ -1,0 +1,216 @@
+"""Run-to-run spread of the real multi-process runs the tests compare predictions with.
+
+    python benchmarks/noise.py [--spawns 4] [--repeats 5]
+        [--groups gloo-2,gloo-4,deepspeed-2,deepspeed-4,library] [--cases NAME,...]
+        [--json benchmarks/results/noise-DATE-vm.json]
+
+Each group is the test's own cases (``tests/mesh_real.py``, ``tests/test_deepspeed_real.py``,
+``tests/test_library_loops.py``) run ``--spawns`` times with fresh processes, each spawn running
+every case ``--repeats`` times in turn (round 1 in the test's order, as one test run makes it;
+the later rounds in the same processes, which saves the start-up that is most of a spawn's
+time on 2 cores): spawns x repeats real runs of each case. For every case and rank it records each
+run's count by the CPU allocator (``cpu_allocator_count``, every thread), the storage tracker's
+count where the run has one, and the prediction (``vramledger.estimate``, made once), and sums
+them up as the spread (max - min) and the largest distance of any run from the prediction. The
+named allowances in the tests cite these figures. The JSON is rewritten after every run, so an
+interrupted measurement keeps what it has; groups already in the file and not run again are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT / "src"))
+sys.path.insert(0, str(ROOT))
+
+GROUPS = ("gloo-2", "gloo-4", "deepspeed-2", "deepspeed-4", "library")
+
+
+def _machine() -> dict[str, Any]:
+    import torch
+
+    cpu = ""
+    for line in Path("/proc/cpuinfo").read_text().splitlines():
+        if line.startswith("model name"):
+            cpu = line.split(":", 1)[1].strip()
+            break
+    return {
+        "cpu": cpu,
+        "cores": len(__import__("os").sched_getaffinity(0)),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "note": "a 2-core VM shared with other work while measuring",
+    }
+
+
+def _commit() -> str:
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--", "src", "tests", "benchmarks/noise.py"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    return head + ("+uncommitted" if dirty else "")
+
+
+def _run_spawn(
+    group: str, workdir: Path, repeats: int, only: set[str] | None
+) -> list[dict[str, dict[int, dict[str, Any]]]]:
+    """One spawn of the group's cases, each run ``repeats`` times: per round, case -> rank ->
+    counts."""
+    kind, _, world_text = group.partition("-")
+    keep = (lambda case: True) if not only else (lambda case: case in only)
+    rounds: list[dict[str, dict[int, dict[str, Any]]]] = [{} for _ in range(repeats)]
+    if kind == "gloo":
+        from tests import mesh_real
+        from vramledger.parallel.local import measure_on_local_gloo
+
+        world = int(world_text)
+        cases = {c: s for c, s in mesh_real.world_cases(world).items() if keep(c)}
+        real = measure_on_local_gloo(
+            world, {f"{c}#{i}": s for i in range(repeats) for c, s in cases.items()}
+        )
+        for key, ranks in real.items():
+            case, _, i = key.partition("#")
+            rounds[int(i)][case] = {r: {"tracked": t, "counted": c} for r, (t, c) in ranks.items()}
+        return rounds
+    if kind == "deepspeed":
+        from tests import test_deepspeed_real as ds
+
+        world = int(world_text)
+        cases = [c for c in ds.CASES if keep(c)]
+        for i, real in enumerate(ds.run_real(world, ds._configs(workdir), cases, repeats)):
+            rounds[i] = {
+                case: {
+                    r: {"tracked": t, "counted": c, "counted_phases": phases}
+                    for r, (t, c, phases) in ranks.items()
+                }
+                for case, ranks in real.items()
+            }
+        return rounds
+    if kind == "library":
+        from tests import test_library_loops as loops
+
+        for i, real in enumerate(loops.run_all(repeats, only)):
+            rounds[i] = {
+                case: {r: {"counted": c} for r, c in ranks.items()} for case, ranks in real.items()
+            }
+        return rounds
+    raise SystemExit(f"unknown group {group!r}; one of {', '.join(GROUPS)}")
+
+
+def _predictions(group: str, workdir: Path, only: set[str] | None) -> dict[str, dict[int, int]]:
+    from vramledger import estimate
+
+    kind, _, world_text = group.partition("-")
+    if kind == "gloo":
+        from tests import mesh_real
+
+        specs = mesh_real.world_cases(int(world_text))
+    elif kind == "deepspeed":
+        from tests import test_deepspeed_real as ds
+
+        configs = ds._configs(workdir)
+        specs = {c: ds._spec(c, int(world_text), configs) for c in ds.CASES}
+    else:
+        from tests import test_library_loops as loops
+
+        specs = {c: case.spec for c, case in loops.CASES.items()}
+    out = {}
+    for case, spec in specs.items():
+        if only and case not in only:
+            continue
+        ledger = estimate(spec) if not isinstance(spec, dict) else estimate(**spec)
+        out[case] = {r: led.peak_bytes for ids, led in ledger.ranks for r in ids}
+    return out
+
+
+def _summary(runs: list[dict], predicted: dict[str, dict[int, int]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for case in runs[0]:
+        for rank in sorted(runs[0][case]):
+            counted = [run[case][rank]["counted"] for run in runs if case in run]
+            row: dict[str, Any] = {
+                "runs": len(counted),
+                "counted_min": min(counted),
+                "counted_max": max(counted),
+                "counted_spread": max(counted) - min(counted),
+                "distinct_counts": len(set(counted)),
+            }
+            want = predicted.get(case, {}).get(rank)
+            if want is not None:
+                row["predicted"] = want
+                row["worst_bytes_from_prediction"] = (
+                    max(counted, key=lambda c: abs(c - want)) - want
+                )
+            tracked = [run[case][rank].get("tracked") for run in runs if case in run]
+            if all(t is not None for t in tracked):
+                gaps = [c - t for c, t in zip(counted, tracked, strict=True)]
+                row["counted_minus_tracked_min"] = min(gaps)
+                row["counted_minus_tracked_max"] = max(gaps)
+            out[f"{case} rank {rank}"] = row
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--spawns", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--groups", default=",".join(GROUPS))
+    parser.add_argument("--cases", default="", help="only these cases (default: all)")
+    today = datetime.date.today().isoformat()
+    parser.add_argument("--json", type=Path, default=HERE / "results" / f"noise-{today}-vm.json")
+    args = parser.parse_args(argv)
+    data = json.loads(args.json.read_text()) if args.json.exists() else {"groups": {}}
+    data.update(date=today, machine=_machine())
+    workdir = Path(tempfile.mkdtemp(prefix="vramledger-noise-"))
+    groups = args.groups.split(",")
+    only = set(args.cases.split(",")) if args.cases else None
+    predicted = {g: _predictions(g, workdir, only) for g in groups}
+    runs: dict[str, list[dict]] = {g: [] for g in groups}
+    seconds: dict[str, list[float]] = {g: [] for g in groups}
+    failures: dict[str, list[str]] = {g: [] for g in groups}
+    for i in range(args.spawns):  # the groups interleaved: an interrupted measurement has them all
+        for group in groups:
+            start = time.perf_counter()
+            try:
+                runs[group].extend(_run_spawn(group, workdir, args.repeats, only))
+            except Exception as exc:  # a failed spawn is recorded, not retried
+                failures[group].append(f"spawn {i}: {type(exc).__name__}: {exc}")
+            seconds[group].append(round(time.perf_counter() - start, 1))
+            data["groups"][group] = {
+                "commit": _commit(),
+                "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+                "spawns_x_repeats": [args.spawns, args.repeats],
+                "seconds_per_spawn": seconds[group],
+                "failures": failures[group],
+                "summary": _summary(runs[group], predicted[group]) if runs[group] else {},
+                "runs": [
+                    {c: {str(r): v for r, v in ranks.items()} for c, ranks in run.items()}
+                    for run in runs[group]
+                ],
+            }
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(data, indent=1) + "\n")
+            print(f"{group} spawn {i + 1}/{args.spawns}: {seconds[group][-1]} s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
