@@ -10,7 +10,7 @@ makes a dozen fp32 copies of it, compiled on CPU two.
 How a region is modelled here: its function is compiled for real by Dynamo, AOTAutograd and
 Inductor, on the trace's fake tensors, with every dispatch mode of the trace set aside while it
 compiles. Inductor lowers, schedules and fuses the graph and writes its wrapper module as
-always; only the last step differs (``GraphLowering._compile_to_module_lines``): the wrapper's
+always; only the last step differs (``PyCodeCache.load_by_key_path``): the wrapper's
 source is executed with its kernels left uncompiled (each a no-op; no C++ compiler runs) and its
 ``empty_strided_*`` / ``reinterpret_tensor`` helpers made dispatching ``torch`` calls. When the
 compiled region then runs, Inductor's own ``call`` runs with the trace's modes back in place: the
@@ -24,10 +24,12 @@ Limits, said in the trace's notes:
   write CUDA kernels here. For a CUDA target the CPU backend's buffer plan is the one used;
   Triton kernels can fuse differently (a reduction and its pointwise epilogue in one kernel keep
   fewer full-size buffers), so there the figure is the CPU plan's, not a measured CUDA one.
-- Compiling a region costs seconds (Dynamo, AOTAutograd, Inductor's lowering; no C++
-  compilation): each distinct argument layout is compiled once per process (Dynamo's own cache
-  on the region's code, kept per function here) and the trace replays identical calls
-  (``step_memo.py``).
+- Compiling a region costs seconds (Dynamo, AOTAutograd, and Inductor's lowering and kernel
+  source generation, most of it; no C++ compilation): each distinct argument layout is compiled
+  once per process (Dynamo's own cache on the region's code, kept per function here), and the
+  trace replays identical calls (``step_memo.py``). Inductor's FX graph cache
+  (``TORCHINDUCTOR_CACHE_DIR``, on disk) holds the wrapper source of every graph compiled
+  before, here or in a real run: a later process finds it there and skips the lowering.
 - A region Inductor cannot compile here runs eagerly, and the notes say so with both figures of
   its first call: the eager temporaries, and its outputs only (:func:`call_figures`).
 """
@@ -35,16 +37,18 @@ Limits, said in the trace's notes:
 from __future__ import annotations
 
 import contextlib
-import hashlib
+import importlib
 import types
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
+from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes, _pop_mode, _push_mode
 
 from ..timeline import Timeline
+from ..units import format_bytes
 
 METHOD = (
     "Inductor's own generated wrapper (CPU C++ backend) run on the fake inputs with its kernels "
@@ -66,8 +70,9 @@ class RegionNotModelled(Exception):
 class RegionLog:
     """What the compiled regions of one trace did."""
 
-    compiled: dict[str, int] = field(default_factory=dict)
-    """Region name -> graphs Inductor compiled for it (one per argument layout)."""
+    graphs: dict[str, set[str]] = field(default_factory=dict)
+    """Region name -> the Inductor graphs (wrapper modules) its calls ran: one per argument
+    layout, a forward and a backward for a module that is trained."""
     calls: dict[str, int] = field(default_factory=dict)
     """Region name -> calls that ran Inductor's code (replays by ``step_memo`` not counted)."""
     eager: dict[str, str] = field(default_factory=dict)
@@ -75,8 +80,10 @@ class RegionLog:
 
     def notes(self, target: str) -> list[str]:
         out = []
-        if self.compiled:
-            names = ", ".join(f"{n} ({g} graph{'s' * (g != 1)})" for n, g in self.compiled.items())
+        if self.graphs:
+            names = ", ".join(
+                f"{n} ({len(g)} graph{'s' * (len(g) != 1)})" for n, g in self.graphs.items()
+            )
             out.append(f"compiled regions modelled as Inductor runs them: {names}; {METHOD}")
             if target == "cuda":
                 out.append(CUDA_CAVEAT)
@@ -95,12 +102,19 @@ class _StubCompile:
         return None
 
 
+def _fake_active() -> bool:
+    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+
+
 def _no_op_kernel(*_args: Any, **_kwargs: Any) -> None:
     return None
 
 
 def _empty_strided(device: str) -> Callable[..., torch.Tensor]:
     def make(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
+        anchor = _Active.anchor
+        if anchor is not None and anchor.device.type == device:
+            return anchor.new_empty_strided(size, stride, dtype=dtype)
         return torch.empty_strided(size, stride, dtype=dtype, device=device)
 
     return make
@@ -115,22 +129,35 @@ def _reinterpret(base: torch.Tensor, size: Any, stride: Any, offset: int = 0) ->
 class _Active:
     """The trace's saved dispatch modes while a region runs (a stub's ``call`` puts them back)."""
 
-    modes: list[Any] | None = None
+    modes: ClassVar[list[Any] | None] = None
+    context: ClassVar[list[tuple[Any, RegionLog]]] = []
+    """(tracker, log) of the traces running (innermost last)."""
+    anchor: ClassVar[torch.Tensor | None] = None
+    """An input of the region running: its buffers are made as ``anchor.new_empty_strided``,
+    so the tracker labels them with the anchor's block (``blocks.py``), as it labels an eager
+    step's temporaries with their parameter's."""
     calls = 0
+    """Calls of stubbed wrapper modules so far (in this process)."""
+    region: ClassVar[str | None] = None
+    """The region being compiled (its wrapper modules say whose they are)."""
 
 
-def _stub_module(graph: Any, wrapper_code: Any) -> types.ModuleType:
-    """Replaces ``GraphLowering._compile_to_module_lines``: the wrapper module Inductor wrote,
-    executed with uncompiled kernels; its ``call`` runs under the trace's modes."""
+def _stub_module(
+    key: str,
+    path: str,
+    linemap: Any = None,
+    attrs: dict[str, Any] | None = None,
+    **_options: Any,
+) -> types.ModuleType:
+    """Replaces ``PyCodeCache.load_by_key_path`` for the wrapper module Inductor wrote (fresh,
+    or from its FX graph cache): executed with uncompiled kernels; its ``call`` runs under the
+    trace's modes."""
     from torch._inductor import async_compile
-    from torch._inductor.codecache import PyCodeCache
 
-    source = wrapper_code.value
-    key, path = PyCodeCache.write(source)
-    graph.cache_key = key
-    graph.cache_path = path
-    graph.cache_linemap = []
-    module = types.ModuleType(f"vramledger_inductor_{hashlib.sha1(source.encode()).hexdigest()}")
+    region = _Active.region
+    with open(path) as f:
+        source = f.read()
+    module = types.ModuleType(f"vramledger_inductor_{key}")
     module.__file__ = STUB_FILE
     real = async_compile.AsyncCompile
     async_compile.AsyncCompile = _StubCompile  # type: ignore[misc, assignment]
@@ -145,13 +172,26 @@ def _stub_module(graph: Any, wrapper_code: Any) -> types.ModuleType:
     ):
         module.__dict__[name] = _empty_strided(device)
     module.__dict__["reinterpret_tensor"] = _reinterpret
+    for name, value in (attrs or {}).items():
+        setattr(module, name, value)
     inner = module.call
 
     def call(args: list[Any]) -> Any:
         _Active.calls += 1
+        if _Active.context and region is not None:
+            _Active.context[-1][1].graphs.setdefault(region, set()).add(module.__name__)
+        previous, _Active.anchor = _Active.anchor, _anchor(args)
+        try:
+            return _call(args)
+        finally:
+            _Active.anchor = previous
+
+    def _call(args: list[Any]) -> Any:
         modes = _Active.modes
-        if modes is None:  # compiled outside a trace: nothing to record
-            return inner(args)
+        if modes is None:  # a compiled backward, run by autograd under the trace's own modes
+            fake = detect_fake_mode(args)
+            with fake if fake is not None and not _fake_active() else contextlib.nullcontext():
+                return inner(args)
         for mode in reversed(modes):
             _push_mode(mode)
         try:
@@ -164,24 +204,33 @@ def _stub_module(graph: Any, wrapper_code: Any) -> types.ModuleType:
     return module
 
 
+def _anchor(args: list[Any]) -> torch.Tensor | None:
+    """The region's first input that belongs to a block of the trace, else its first tensor."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    if _Active.context:
+        tracker = _Active.context[-1][0]
+        for t in tensors:
+            if tracker.block_of(t) is not None:
+                return t
+    return tensors[0] if tensors else None
+
+
 @contextlib.contextmanager
 def _codegen_only() -> Iterator[None]:
-    """Inductor as always, but its wrapper module is built by :func:`_stub_module`; its caches
-    (which would skip the lowering or load compiled kernels) are off."""
+    """Inductor as always, but the wrapper module it writes (or finds in its FX graph cache,
+    which then skips the lowering) is loaded by :func:`_stub_module`, so no kernel is compiled;
+    the backward graph of a trained region is compiled with its forward."""
     from torch._functorch import config as functorch_config
-    from torch._inductor import config as inductor_config
-    from torch._inductor.graph import GraphLowering
+    from torch._inductor.codecache import PyCodeCache
 
-    original = GraphLowering._compile_to_module_lines
-    GraphLowering._compile_to_module_lines = _stub_module  # type: ignore[method-assign]
+    original = PyCodeCache.__dict__["load_by_key_path"]
+    PyCodeCache.load_by_key_path = staticmethod(_stub_module)  # type: ignore[method-assign, assignment]
     try:
-        with (
-            inductor_config.patch(fx_graph_cache=False, fx_graph_remote_cache=False),
-            functorch_config.patch(enable_autograd_cache=False),
-        ):
+        # the backward graph compiled with the forward, while the trace's modes are aside
+        with functorch_config.patch(force_non_lazy_backward_lowering=True):
             yield
     finally:
-        GraphLowering._compile_to_module_lines = original  # type: ignore[method-assign]
+        PyCodeCache.load_by_key_path = original  # type: ignore[method-assign]
 
 
 def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -201,31 +250,50 @@ class CompiledRegions:
 
     def __init__(self) -> None:
         self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
-        self._graphs: dict[Callable[..., Any], set[Any]] = {}
+
+    def compiled(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
+        """``torch.compile(fn, **options)``, made once per function (on a copy of it)."""
+        found = self._compiled.get(fn)
+        if found is None:
+            found = self._compiled[fn] = torch.compile(_copy(fn), **options)
+        return found
+
+    def compiled_module(self, module: Any) -> Callable[..., Any]:
+        """A user's ``torch.compile(module, ...)`` compiled again with ``fullgraph=True``, with
+        the user's own Inductor settings (mode, options, dynamic): a graph break then fails
+        while Dynamo traces, before anything runs (code between graphs would run untracked).
+        Another backend than Inductor is not modelled."""
+        found = self._compiled.get(module)
+        if found is None:
+            from torch._dynamo.eval_frame import innermost_backend
+
+            backend = innermost_backend(module.dynamo_ctx.callback)
+            if not isinstance(backend, torch._TorchCompileInductorWrapper):
+                raise RegionNotModelled(f"its backend {backend!r} is not Inductor")
+            options = {"fullgraph": True, "dynamic": backend.dynamic, "backend": backend}
+            found = torch.compile(module._orig_mod, **options).forward
+            self._compiled[module] = found
+        return found
 
     def run(
         self,
         name: str,
-        fn: Callable[..., Any],
+        compiled: Callable[..., Any],
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
         *,
-        signature: Any,
         log: RegionLog,
-        options: dict[str, Any],
     ) -> Any:
-        """Call ``fn`` compiled with ``torch.compile(**options)``; raise
-        :class:`RegionNotModelled` if it cannot be (nothing has run then)."""
+        """Call ``compiled`` (a ``torch.compile(fullgraph=True)`` result for Inductor) with the
+        trace's modes set aside while Dynamo and Inductor compile, and back in place while
+        Inductor's code runs. Raise :class:`RegionNotModelled` if it cannot be compiled here
+        (nothing has run then); the caller then runs the region eagerly."""
         import torch._dynamo
+        from torch._dynamo.utils import counters
 
-        compiled = self._compiled.get(fn)
-        if compiled is None:
-            compiled = torch.compile(_copy(fn), **options)
-            self._compiled[fn] = compiled
-        seen = self._graphs.setdefault(fn, set())
-        before = _Active.calls
+        before = (_Active.calls, sum(counters["graph_break"].values()))
         with _disable_current_modes() as modes, _codegen_only():
-            _Active.modes = list(modes)
+            _Active.modes, _Active.region = list(modes), name
             try:
                 with (
                     torch.compiler.set_stance("default"),
@@ -237,18 +305,113 @@ class CompiledRegions:
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 raise RegionNotModelled(f"{type(exc).__name__}: {text}") from exc
             finally:
-                _Active.modes = None
-        if _Active.calls == before:
-            raise AssertionError(f"{name}: torch.compile ran without Inductor's code")
-        if signature not in seen:
-            seen.add(signature)
-            log.compiled[name] = log.compiled.get(name, 0) + 1
+                _Active.modes = _Active.region = None
+        if sum(counters["graph_break"].values()) != before[1] or _Active.calls == before[0]:
+            # fullgraph=True makes a graph break an error while Dynamo traces: never here
+            raise AssertionError(f"{name}: torch.compile did not run one Inductor graph")
         log.calls[name] = log.calls.get(name, 0) + 1
         return out
 
 
 REGIONS = CompiledRegions()
 """The process's compiled regions (Dynamo's cache is per process too)."""
+
+
+TORCHAO_COMPILE = {"fullgraph": True, "dynamic": False}
+"""How torchao compiles its step: ``torch.compile(single_param_adam, fullgraph=True,
+dynamic=False)`` in ``_AdamBase.step`` (``torchao/optim/adam.py``)."""
+COMPILED_FUNCTIONS = (("torchao.optim.adam", "single_param_adam", TORCHAO_COMPILE),)
+"""Module-level functions that libraries ``torch.compile`` at each call, by name (so a patched
+module attribute is what they compile), with the options they compile them with. Under the
+trace's ``force_eager`` stance their ``torch.compile`` runs the patched function eagerly, and
+that function runs the region as Inductor does."""
+
+
+@contextlib.contextmanager
+def compiled_regions(tracker: Any, notes: list[str], target: str) -> Iterator[None]:
+    """Within this context, the functions of ``COMPILED_FUNCTIONS`` and every
+    ``torch.compile``'d module (``OptimizedModule``) run as Inductor runs them. What they did
+    is added to ``notes`` at the end (``target``: the trace's device type)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    log = RegionLog()
+    patched: list[tuple[Any, str, Any]] = []
+    for module_name, name, options in COMPILED_FUNCTIONS:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # pragma: no cover - torchao not installed
+            continue
+        original = getattr(module, name, None)
+        if original is None:  # pragma: no cover - other torchao versions
+            continue
+        patched.append((module, name, original))
+        setattr(module, name, _function_region(f"{module_name}.{name}", original, options))
+    module_call = OptimizedModule.__call__
+    OptimizedModule.__call__ = _module_region(module_call)  # type: ignore[method-assign]
+    _Active.context.append((tracker, log))
+    try:
+        yield
+    finally:
+        _Active.context.pop()
+        OptimizedModule.__call__ = module_call  # type: ignore[method-assign]
+        for module, name, original in patched:
+            setattr(module, name, original)
+        notes.extend(n for n in log.notes(target) if n not in notes)
+
+
+def _function_region(region: str, fn: Callable[..., Any], options: dict[str, Any]) -> Any:
+    def call(*args: Any, **kwargs: Any) -> Any:
+        tracker, log = _Active.context[-1]
+        start = tracker.position()
+        try:
+            return REGIONS.run(region, REGIONS.compiled(fn, options), args, kwargs, log=log)
+        except RegionNotModelled as exc:
+            out = fn(*args, **kwargs)
+            if region not in log.eager:
+                log.eager[region] = eager_figures(str(exc), tracker.timeline, start)
+            return out
+
+    return call
+
+
+def _module_region(original: Callable[..., Any]) -> Any:
+    """``OptimizedModule.__call__`` in a trace: the module's forward graph as Inductor runs it,
+    and its backward graph (compiled with it) when autograd reaches it. Global module hooks
+    (the tracker's module attribution) are set aside while Dynamo traces the module, as they
+    would otherwise be traced into its graph: the region's storages belong to the module that
+    calls it."""
+    from torch.nn.modules import module as nn_module
+
+    def call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        tracker, log = _Active.context[-1]
+        name = f"{type(self._orig_mod).__name__} (torch.compile'd module)"
+        start = tracker.position()
+        hooks = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
+        saved = [dict(h) for h in hooks]
+        for h in hooks:
+            h.clear()
+        try:
+            return REGIONS.run(name, REGIONS.compiled_module(self), args, kwargs, log=log)
+        except RegionNotModelled as exc:
+            reason = str(exc)
+        finally:
+            for h, kept in zip(hooks, saved, strict=True):
+                h.update(kept)
+        out = self._orig_mod(*args, **kwargs)
+        if name not in log.eager:
+            log.eager[name] = eager_figures(reason, tracker.timeline, start)
+        return out
+
+    return call
+
+
+def eager_figures(reason: str, timeline: Timeline, start: tuple[int, int, int]) -> str:
+    """What the notes say of a region that ran eagerly (:func:`call_figures`)."""
+    eager, outputs = call_figures(timeline, start)
+    return (
+        f"{reason}; its first call allocated at most {format_bytes(eager)} at once eagerly, "
+        f"{format_bytes(outputs)} counting its outputs only"
+    )
 
 
 def call_figures(timeline: Timeline, start: tuple[int, int, int]) -> tuple[int, int]:

@@ -39,6 +39,7 @@ from .blocks import (
     same_timeline,
     truncate,
 )
+from .compiled import compiled_regions
 from .dtensor_compat import untracked_sharding_propagation
 from .engine import Engine, RankEngine, SingleDevice
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
@@ -309,7 +310,8 @@ def _run_rank(
         AttentionCalls() as attention,
         tracker,
         # torchao's per-parameter steps: each argument layout traced once, then replayed
-        repeated_steps(tracker, notes, policy.name),
+        compiled_regions(tracker, notes, policy.name),
+        repeated_steps(tracker),
     ):
         tracker.label_blocks(blocks)
         try:
