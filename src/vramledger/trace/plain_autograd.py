@@ -76,10 +76,16 @@ out-of-place operators."""
 
 
 def _dense_like(operand: Any, out: Any) -> bool:
-    """The in-place twin writes ``out`` into ``operand``: same shape and dtype, and a layout
-    the in-place kernel keeps (non-overlapping and dense, as ``can_accumulate_inplace``
-    asks)."""
+    """The in-place twin writes ``out`` into ``operand``: same shape and dtype, a layout the
+    in-place kernel keeps (non-overlapping and dense, as ``can_accumulate_inplace`` asks), and
+    not a view. A view holds its base, so its storage has two owners
+    (``v.storage().use_count() == 1`` fails) even when the view is the base's last user and
+    both die at once: the plain input buffer then sums out of place too. Seen on GPT-2's tied
+    embedding: ``MmBackward0`` gives the output projection's gradient as a transposed view,
+    and the embedding's gradient is added to it with ``old + new`` in a plain run."""
     if not isinstance(operand, torch.Tensor) or not isinstance(out, torch.Tensor):
+        return False
+    if operand._is_view():
         return False
     if operand.shape != out.shape or operand.dtype != out.dtype:
         return False
