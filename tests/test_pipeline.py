@@ -1,7 +1,7 @@
 """Pipeline parallelism (``parallel/pipeline.py``): stages cut as torchtitan cuts them, run by
 ``torch.distributed.pipelining``'s own schedules on a fake process group, and the same stages
-and schedules on real gloo processes, each rank counted twice: by the storage tracker and by the
-CPU allocator itself (``cpu_allocator_count``, every thread)."""
+and schedules on real gloo processes, each rank's prediction compared with the CPU allocator's
+own count (``cpu_allocator_count``, every thread; ``tests/mesh_real.py``)."""
 
 import pytest
 

@@ -2,9 +2,8 @@
 
 Estimates run PyTorch's and transformers' own engines on a fake process group; the
 multiprocess tests run the same engines on real gloo processes and compare each rank's
-prediction with the real run counted twice, independently: by the storage tracker (the
-estimate's categories) and by the CPU allocator itself (``cpu_allocator_count``, every
-thread)."""
+prediction with the CPU allocator's own count of the real run (``cpu_allocator_count``, every
+thread; ``tests/mesh_real.py``)."""
 
 import time
 
