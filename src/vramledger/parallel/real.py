@@ -186,17 +186,18 @@ class DeepSpeedMeasurement:
 
 def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasurement:
     """Run ``spec`` (``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
-    process group, tracked by the storage tracker and counted by the allocator.
+    process group, twice: a plain run (no dispatch mode, no tensor subclass active: the
+    tracker changes what autograd allocates, ``trace/plain_autograd.py``) counted by the
+    allocator, then a tracked run of the same step for the ledger's categories.
 
     On CPU the allocator count is ``cpu_allocator_count`` (installed here, so it counts from
     before the model is built); DeepSpeed's shared-memory collectives, which serve only its
     ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
     """
 
-    from ..recipe import count_parameters, module_names, resolve
+    from ..recipe import module_names, resolve
     from ..trace.tracker import StorageTracker
     from .deepspeed import apply_deepspeed
-    from .deepspeed_engine import build_run
     from .deepspeed_runtime import real_deepspeed
 
     spec, _ = apply_deepspeed(spec)
@@ -207,33 +208,59 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> DeepSpeedMeasu
     cuda = device == "cuda"
     count_start, count_end = allocator_counter(cuda)
     counted: dict[tuple[int, str], int] = {}
-
-    torch.manual_seed(spec.seed)
     recipe = resolve(spec)
     torch_device = torch.device(device)
     with real_deepspeed(skip_shared_memory_ops=not cuda):
-        model = recipe.build_model(torch_device)
-        parameters, trainable = count_parameters(model)
-        tracker = StorageTracker(module_names=module_names(model), device_type=torch_device.type)
-        observer = _CountingObserver(tracker, count_start, count_end, counted)
-        batch = recipe.make_batch(torch_device)
-        with tracker:
-            run, notes = build_run(
-                model=model,
-                batch=batch,
-                loss_fn=recipe.loss_fn,
-                optimizer=recipe.optimizer,
-                precision=recipe.precision,
-                spec=spec,
-                observer=observer,
-                fake=False,
+        plain = _PlainCountingObserver(count_start, count_end, counted)
+        _deepspeed_steps(spec, recipe, torch_device, plain, None)
+        plain.close()
+        gc.collect()
+        tracker: Any = None
+
+        def tracked_observer(model: nn.Module) -> TrackerObserver:
+            nonlocal tracker
+            tracker = StorageTracker(
+                module_names=module_names(model), device_type=torch_device.type
             )
-            for step in range(1, spec.steps + 1):
-                run.step(step, observer)
-            observer.close()
-    return rank_measurement(
-        tracker.close(), counted, spec, device, (parameters, trainable), ["measured", *notes]
-    )
+            return TrackerObserver(tracker)
+
+        notes, counts = _deepspeed_steps(spec, recipe, torch_device, None, tracked_observer)
+    return rank_measurement(tracker.close(), counted, spec, device, counts, ["measured", *notes])
+
+
+def _deepspeed_steps(
+    spec: TrainingSpec,
+    recipe: Any,
+    torch_device: torch.device,
+    observer: Any,
+    make_observer: Callable[[nn.Module], TrackerObserver] | None,
+) -> tuple[list[str], tuple[int, int]]:
+    """Build the model and DeepSpeed's run (same seed each time) and run ``spec.steps`` steps:
+    plainly with ``observer``, or under the tracker ``make_observer(model)`` makes."""
+    from ..recipe import count_parameters
+    from .deepspeed_engine import build_run
+
+    torch.manual_seed(spec.seed)
+    model = recipe.build_model(torch_device)
+    counts = count_parameters(model)
+    if make_observer is not None:
+        observer = make_observer(model)
+    batch = recipe.make_batch(torch_device)
+    mode = observer.tracker if make_observer is not None else contextlib.nullcontext()
+    with mode:
+        run, notes = build_run(
+            model=model,
+            batch=batch,
+            loss_fn=recipe.loss_fn,
+            optimizer=recipe.optimizer,
+            precision=recipe.precision,
+            spec=spec,
+            observer=observer,
+            fake=False,
+        )
+        for step in range(1, spec.steps + 1):
+            run.step(step, observer)
+    return notes, counts
 
 
 def rank_measurement(
@@ -268,6 +295,35 @@ def rank_measurement(
     return DeepSpeedMeasurement(
         ledger=ledger, counted_step_peaks=steps, counted_phase_peaks=counted
     )
+
+
+class _PlainCountingObserver:
+    """Reads the allocator's peak of each (step, phase) and nothing else: no tracker, no
+    dispatch mode (the plain run's observer)."""
+
+    def __init__(self, start: Any, end: Any, out: dict[tuple[int, str], int]):
+        self._start, self._end, self._out = start, end, out
+        self._open: tuple[int, str] | None = None
+
+    def phase(self, step: int, phase: Phase) -> None:
+        self.close()
+        self._open = (step, phase.value)
+        self._start()
+
+    def close(self) -> None:
+        if self._open is not None:
+            key = self._open
+            self._out[key] = max(self._out.get(key, 0), self._end())
+            self._open = None
+
+    def tensors(self, tensors: Any, category: Category) -> None:
+        pass
+
+    def label(self, tensors: Any, text: str) -> None:
+        pass
+
+    def optimizer_stepped(self, optimizer: Any) -> None:
+        pass
 
 
 class _CountingObserver(TrackerObserver):
