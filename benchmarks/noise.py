@@ -174,11 +174,29 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--groups", default=",".join(GROUPS))
     parser.add_argument("--cases", default="", help="only these cases (default: all)")
+    parser.add_argument(
+        "--merge",
+        nargs="*",
+        type=Path,
+        default=[],
+        help="only merge these results files' groups into --json (invocations run in parallel)",
+    )
     today = datetime.date.today().isoformat()
     parser.add_argument("--json", type=Path, default=HERE / "results" / f"noise-{today}-vm.json")
     args = parser.parse_args(argv)
     data = json.loads(args.json.read_text()) if args.json.exists() else {"groups": {}}
     data.update(date=today, machine=_machine())
+    if args.merge:
+        # invocations that ran in parallel, each on some cases of a group: the group's summary
+        # is the union of theirs (each case measured once), its runs kept per invocation
+        data["groups"] = {}
+        for path in args.merge:
+            for group, part in json.loads(path.read_text())["groups"].items():
+                merged = data["groups"].setdefault(group, {"summary": {}, "invocations": []})
+                merged["summary"].update(part.pop("summary"))
+                merged["invocations"].append(part)
+        args.json.write_text(json.dumps(data, indent=1) + "\n")
+        return 0
     workdir = Path(tempfile.mkdtemp(prefix="vramledger-noise-"))
     groups = args.groups.split(",")
     only = set(args.cases.split(",")) if args.cases else None

@@ -132,26 +132,32 @@ def _data_parallel(world: int) -> dict[str, dict]:
 
 DATA_PARALLEL = {w: _data_parallel(w) for w in (2, 4)}
 
-GLOO_FSDP2_BYTES: dict[str, tuple[int, int]] = {
-    "fsdp": (0, 52_552),
-    "fsdp-linear-units": (0, 8_200),
-    "fsdp-momentum-sgd": (0, 2_104_328),
-    "fsdp-accelerate": (0, 85_640),
-    "fsdp-loop": (0, 52_616),
+GLOO_FSDP2_BYTES: dict[tuple[int, str], tuple[int, int]] = {
+    (2, "fsdp"): (0, 52_552),
+    (2, "fsdp-linear-units"): (0, 8_200),
+    (2, "fsdp-momentum-sgd"): (0, 2_104_328),
+    (2, "fsdp-accelerate"): (0, 85_640),
+    (4, "fsdp"): (0, 126_864),
+    (4, "fsdp-linear-units"): (4_096, 193_280),
 }
-"""Per case, (below, above): how far the allocator's count of one real FSDP2 run on gloo may
-be from the prediction. Two sources, neither in the estimate's model, both measured in ``NOISE``
-(group ``gloo-2``/``gloo-4``):
+"""(world, case) -> (below, above): how far the allocator's count of one real FSDP2 run on gloo
+may be from the prediction, on any rank. Two sources, neither in the estimate's model, both
+measured in ``NOISE`` (groups ``gloo-2``/``gloo-4``, 20 runs of each case):
 
-- a few KiB every run (``fsdp`` +6,664 bytes, ``fsdp-accelerate`` +5,064, ``fsdp-momentum-sgd``
-  +1,044, the same in every run and on every rank): gloo's collectives allocate on its worker
-  threads, where no dispatch mode (the trace's or the tracker's) sees them;
-- in about 1 run in 10 per rank, one FSDP2 buffer freed late by a gloo worker thread, so it is
-  still live at the peak: up to 45,888 bytes more (``fsdp``), 80,576 (``fsdp-accelerate``),
-  2,103,284 (``fsdp-momentum-sgd``: a 256 x 1024 fp32 gradient and its momentum), 8,192
+- a few KiB in every run (+6,664 bytes ``fsdp`` on 2 ranks, +5,632/+6,672 on 4; +5,064
+  ``fsdp-accelerate``; +1,044 ``fsdp-momentum-sgd``; the same in every run): what gloo's
+  collectives allocate on their worker threads, where no dispatch mode (the trace's or the
+  tracker's) sees them;
+- in some runs, on one rank, FSDP2 buffers a gloo worker thread frees late, still live at the
+  peak (or, once, 4,096 bytes freed earlier): on 2 ranks 2 runs in 20 per rank for ``fsdp``, 1
+  in 10 for ``fsdp-momentum-sgd`` (2,103,284 bytes: a 256 x 1024 fp32 gradient and its
+  momentum) and ``fsdp-accelerate``; on 4 ranks up to 120,192 bytes (``fsdp``) and 193,264
   (``fsdp-linear-units``).
 
-The bound is the largest count seen minus the prediction."""
+Each bound is the farthest count from the prediction in those runs. The other FSDP2 cases
+(reshard_after_forward=False on 2 ranks; the tensor-parallel and pipeline ones) stay within
+:data:`EXACT_BYTES` in every run.
+"""
 ALLOWANCE_BYTES = GLOO_FSDP2_BYTES
 
 
@@ -178,7 +184,7 @@ def check_against_real_runs(world: int, cases: dict[str, dict]) -> None:
         predicted = estimate(**spec)
         per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
         assert sorted(per_rank) == sorted(real[case]) == list(range(world))
-        below, above = ALLOWANCE_BYTES.get(case, (EXACT_BYTES, EXACT_BYTES))
+        below, above = ALLOWANCE_BYTES.get((world, case), (EXACT_BYTES, EXACT_BYTES))
         for rank, (_, counted) in real[case].items():
             want = per_rank[rank]
             assert -below <= counted - want <= above, (case, rank, want, counted, counted - want)

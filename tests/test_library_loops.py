@@ -28,7 +28,6 @@ from vramledger import TrainingSpec, cpu_allocator_count, estimate
 from vramledger.parallel.local import free_port
 
 from .conftest import MODELS_PY
-from .mesh_real import GLOO_FSDP2_BYTES
 
 LOOPS = Path(__file__).parent / "library_loops"
 MLP = dict(
@@ -58,6 +57,12 @@ EXACT = (0, 0)
 """The estimate is the allocator's count, to the byte: the README's claim for single-process CPU
 runs counted by the allocator ("median 0.0000 %"), and what every run of these cases gave
 (``benchmarks/results/noise-2026-12-02-vm.json``, group ``library``)."""
+FULLY_SHARD_LOOP_BYTES = (0, 52_616)
+"""(below, above) for FSDP2's documented loop on 2 gloo ranks, measured in the ``library``
+group of the file above: the allocator counts 6,728 bytes more than the estimate in every run
+(gloo's collectives allocating on their worker threads, which no trace sees; the same as
+``tests/mesh_real.py``'s ``GLOO_FSDP2_BYTES`` for the same model), and in some runs a buffer a
+gloo worker thread frees late adds up to 45,888 bytes more."""
 LOSSES = f"{LOOPS / 'losses.py'}"
 DEEPSPEED_ZERO0_IS_NOT_DDP = (
     "DeepSpeed without ZeRO (stage 0) is read as strategy ddp, and the estimate adds PyTorch "
@@ -84,9 +89,7 @@ CASES = {
     "deepspeed-bf16": Case(1, _ds("ds_bf16.json", 1), EXACT, gap=DEEPSPEED_ZERO0_IS_NOT_DDP),
     "ddp": Case(2, _spec("output_kept", world_size=2, strategy="ddp"), EXACT),
     "zero1-torch": Case(2, _spec("output_kept", world_size=2, strategy="zero1-torch"), EXACT),
-    "fsdp": Case(
-        2, _spec("loss_kept", world_size=2, strategy="fsdp"), GLOO_FSDP2_BYTES["fsdp-loop"]
-    ),
+    "fsdp": Case(2, _spec("loss_kept", world_size=2, strategy="fsdp"), FULLY_SHARD_LOOP_BYTES),
     "deepspeed-zero1": Case(2, _ds("ds_zero1_bf16.json", 2), EXACT),
     "deepspeed-zero2": Case(2, _ds("ds_zero2_bf16.json", 2), EXACT),
 }

@@ -235,20 +235,41 @@ def test_offload_needs_host_memory_per_node():
     assert not next(c for c in tight.changes if c.name == "offload optimizer to CPU").fits
 
 
+REHEARSAL_FP32_BYTES = 20
+"""How far the 40-layer fp32 AdamW extrapolation may be from the real run: the figure
+``docs/planning.md`` states (37,709,320 vs 37,709,300 measured, +0.00005 %); on 2026-12-02 it
+is 37,709,312 vs 37,709,300 (+12). Both are deterministic (a single-process CPU run counts the
+same bytes every time): the residual of fitting each phase's peak to a line in the depth."""
+REHEARSAL_EXACT_BYTES = 0
+"""The cases ``docs/planning.md`` states as exact (bf16-master with checkpointing on the
+40-layer model; the narrow 24-layer one): 40,042,456 and 76,001,720 bytes, extrapolated and
+measured, on 2026-12-02."""
+
+
 @pytest.mark.slow
-def test_rehearsal_extrapolates_a_13x_deeper_model_within_5_percent():
-    big = TrainingSpec(model=fixture("tiny-llama-40l.json"), batch_size=2, seq_len=32, target="cpu")
+@pytest.mark.parametrize(
+    ("fields", "bound"),
+    [
+        ({}, REHEARSAL_FP32_BYTES),
+        ({"precision": "bf16-master", "grad_checkpointing": True}, REHEARSAL_EXACT_BYTES),
+    ],
+    ids=["fp32", "bf16-master-checkpointing"],
+)
+def test_rehearsal_extrapolates_a_13x_deeper_model(fields, bound):
+    big = TrainingSpec(
+        model=fixture("tiny-llama-40l.json"), batch_size=2, seq_len=32, target="cpu", **fields
+    )
     r = rehearse(big, depths=(1, 2, 3), device="cpu")
     assert r.full_depth == 40
     real = measure(big, device="cpu")
-    error = (r.extrapolated_peak_bytes - real.measured_peak_bytes) / real.measured_peak_bytes
-    assert abs(error) <= 0.05, (r.extrapolated_peak_bytes, real.measured_peak_bytes)
+    error = r.extrapolated_peak_bytes - real.measured_peak_bytes
+    assert abs(error) <= bound, (r.extrapolated_peak_bytes, real.measured_peak_bytes)
     assert r.residual_bytes >= 0
     assert set(r.to_dict()) >= {"extrapolated_peak_bytes", "estimate_peak_bytes", "residual_bytes"}
 
 
 @pytest.mark.slow
-def test_narrow_rehearsal_extrapolates_a_model_20x_larger_within_5_percent():
+def test_narrow_rehearsal_extrapolates_a_model_20x_larger_exactly():
     """Two and one layers at 1/4, 1/2 and 3/4 of the width, extrapolated to 24 layers at the
     full width (20x the parameters of the largest rehearsal), against the real run."""
     big = TrainingSpec(
@@ -257,8 +278,11 @@ def test_narrow_rehearsal_extrapolates_a_model_20x_larger_within_5_percent():
     r = rehearse(big, depths=(1, 2), widths=(0.25, 0.5, 0.75), device="cpu")
     assert r.narrowed and sorted(set(r.widths)) == [0.25, 0.5, 0.75] and len(r.depths) == 6
     real = measure(big, device="cpu")
-    error = (r.extrapolated_peak_bytes - real.measured_peak_bytes) / real.measured_peak_bytes
-    assert abs(error) <= 0.05, (r.extrapolated_peak_bytes, real.measured_peak_bytes)
+    error = r.extrapolated_peak_bytes - real.measured_peak_bytes
+    assert abs(error) <= REHEARSAL_EXACT_BYTES, (
+        r.extrapolated_peak_bytes,
+        real.measured_peak_bytes,
+    )
     assert "coefficients" in r.to_dict()["fits"]["total"]
 
 
