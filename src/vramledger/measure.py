@@ -20,8 +20,9 @@ The step runs twice, and each run gives one thing:
   dispatch-level tracker sees (``untracked_bytes``).
 
 ``zero1``/``zero2`` (DeepSpeed's engine, ``parallel/real.py: measure_deepspeed``) and pipeline
-stages (``parallel/pipeline.py: measure_pipeline``) are still counted during their tracked run
-(``measured_run`` says so).
+stages (``parallel/pipeline.py: measure_pipeline``) run by their own modules the same way: a
+plain run counted with ``cpu_allocator_count`` (CUDA: ``max_memory_allocated``), then a tracked
+run for the ledger.
 """
 
 from __future__ import annotations
@@ -177,12 +178,11 @@ def measure(
     gc.collect()
     measured_run, ledger_run = PLAIN_RUN, TRACKED_RUN
     if spec.world_size > 1 and (spec.pp > 1 or spec.strategy in DEEPSPEED_STRATEGIES):
-        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules,
-        # counted during their tracked run
+        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
+        # (a plain run counted, then a tracked run for the ledger)
         run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
         ledger, peaks = run.ledger, run.counted_step_peaks
         method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
-        measured_run = ledger_run = TRACKED_AND_COUNTED_RUN
     elif device == "cpu" and spec.world_size > 1:
         # gloo frees on its own threads, which the profiler misses: count every thread
         peaks = _plain_counted(spec)
@@ -235,10 +235,6 @@ TRACKED_RUN = (
     "categories from a separate tracked run of the same step (StorageTracker, a "
     "TorchDispatchMode; autograd's out-of-place branches folded back as trace/plain_autograd.py "
     "models them)"
-)
-TRACKED_AND_COUNTED_RUN = (
-    "counted during the tracked run (StorageTracker active: autograd took its out-of-place "
-    "branches; not yet a plain run for DeepSpeed's engine and pipeline stages)"
 )
 
 
