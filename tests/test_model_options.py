@@ -165,9 +165,15 @@ def test_notes_name_what_the_trace_ran():
     assert any("Linear4bit" in n for n in found), ledger.notes
 
 
+PLAIN_RUN_BOUND = 0.001
+"""The issue's bound for an estimate against a plain run (no dispatch mode active while it
+runs), counted by the allocator."""
+
+
 @pytest.mark.parametrize("attention", ["eager", "sdpa"])
 def test_attention_paths_match_real_cpu_runs(attention):
-    """Both paths, estimated for the CPU, against a real run of the same step."""
+    """Both paths, estimated for the CPU, against a plain real run of the same step counted by
+    the allocator, and category by category against the tracked run's ledger."""
     m = measure(
         target="cpu",
         compare=True,
@@ -176,4 +182,5 @@ def test_attention_paths_match_real_cpu_runs(attention):
         seq_len=64,
         batch_size=2,
     )
-    assert m.estimate.peak_bytes == m.ledger.peak_bytes
+    assert abs(m.error()) <= PLAIN_RUN_BOUND, (m.estimate.peak_bytes, m.measured_peak_bytes)
+    assert m.estimate.at_peak == m.ledger.at_peak
