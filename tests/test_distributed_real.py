@@ -64,6 +64,8 @@ def test_measure_under_torchrun_reports_every_rank():
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(done.stdout)  # rank 0 alone prints
     assert [r["rank"] for r in data["ranks_measured"]] == [0, 1]
+    # the two figures come from different runs once measure counts a plain run (the tracked one
+    # takes autograd's out-of-place paths), so neither bounds the other
     assert all(
-        r["measured_peak_bytes"] >= r["tracked_peak_bytes"] > 0 for r in data["ranks_measured"]
+        r["measured_peak_bytes"] > 0 and r["tracked_peak_bytes"] > 0 for r in data["ranks_measured"]
     )
