@@ -5,8 +5,11 @@
 
 For each case: the fake-tensor estimate (``--target cpu``) of the steady-state step peak, the
 real CPU run's peak as the CPU allocator reports it to ``torch.profiler`` (memory events), and
-the relative error. Targets (issue 2): median |error| <= 0.05 %, worst <= 0.5 %. Results are
-also written to benchmarks/results/accuracy-<date>-<host>.json.
+the relative error. The real run is a plain one (``measure``: no dispatch mode or tensor
+subclass active while the step runs); the tracker's view of a second, tracked run is shown
+beside it. Targets (issue 2): median |error| <= 0.05 %, worst <= 0.5 %. Results are also
+written to benchmarks/results/accuracy-<date>-<host>-<commit>.json with the date, commit and
+machine.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -157,6 +161,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     cases = CASES[:4] if args.quick else CASES
+    commit = _commit()  # the code this run loads: read before it runs, others may commit meanwhile
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     console = Console(width=130)
     table = Table(
         title="estimate (fake tensors, --target cpu) vs real CPU run: steady-state step peak"
@@ -176,6 +182,7 @@ def main() -> int:
                 "measured_bytes": m.measured_peak_bytes,
                 "tracked_real_bytes": m.ledger.peak_bytes,
                 "error": err,
+                "method": m.method,
             }
         )
         table.add_row(
@@ -196,10 +203,16 @@ def main() -> int:
         f"median |error| {100 * median:.4f} % (target 0.05 %), worst {100 * worst:.4f} % (target 0.5 %): "
         + ("[green]targets met[/green]" if ok else "[red]TARGET MISSED[/red]")
     )
-    out = HERE / "results" / f"accuracy-{datetime.date.today()}-{platform.node() or 'host'}.json"
+    host = platform.node() or "host"
+    out = HERE / "results" / f"accuracy-{datetime.date.today()}-{host}-{commit[:7]}.json"
     out.write_text(
         json.dumps(
             {
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "started": started,
+                "commit": commit,
+                "machine": _machine(),
+                "measured_run": m.measured_run,
                 "cases": rows,
                 "median_abs_error": median,
                 "worst_abs_error": worst,
@@ -210,6 +223,30 @@ def main() -> int:
     )
     console.print(f"[dim]wrote {out}[/dim]")
     return 0 if ok else 1
+
+
+def _commit() -> str:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
+    git = ["git", "-C", str(HERE)]
+    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+    ).stdout
+    return head.strip() + ("+dirty" if dirty.strip() else "")
+
+
+def _machine() -> dict[str, object]:
+    import torch
+
+    return {
+        "host": platform.node(),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
 
 
 if __name__ == "__main__":
