@@ -130,28 +130,40 @@ def test_plan_is_the_same_with_worker_processes():
     assert there == here
 
 
+DERIVED_ZERO12_BYTES = 20
+"""ZeRO-1/2's derived rank against DeepSpeed's engine: DeepSpeed's reductions and norms make
+transients the derivation models in size only. On 2026-12-02: -16 (zero1), -20 (zero2), -12
+(zero2 with optimizer offload) bytes; a fake trace counts the same bytes every time."""
+DERIVED_ZERO3_BYTES = 4_426_624
+"""ZeRO-3/FSDP2's derived rank against FSDP2 on a fake process group: the derivation's working
+set (the root unit, two blocks gathered, one block's fp32 gradients reduce-scattered) ignores
+shard padding and when exactly FSDP2 gathers and frees (``plan/derive.py``). On 2026-12-02 it is
+4,426,624 bytes above the engine on this config, with and without offload (+3.8 %, +4.5 %); the
+planner re-estimates every configuration it answers with."""
+
+
 @pytest.mark.parametrize(
-    ("strategy", "offload", "gpus", "tolerance"),
+    ("strategy", "offload", "gpus", "bound"),
     [
-        ("ddp", "none", 2, 0.0),
-        ("zero1", "none", 2, 0.0001),
-        ("zero2", "none", 2, 0.0001),
-        ("zero2", "optimizer", 2, 0.0001),
-        ("zero3", "none", 4, 0.05),
-        ("zero3", "optimizer", 4, 0.05),
+        ("ddp", "none", 2, 0),
+        ("zero1", "none", 2, DERIVED_ZERO12_BYTES),
+        ("zero2", "none", 2, DERIVED_ZERO12_BYTES),
+        ("zero2", "optimizer", 2, DERIVED_ZERO12_BYTES),
+        ("zero3", "none", 4, DERIVED_ZERO3_BYTES),
+        ("zero3", "optimizer", 4, DERIVED_ZERO3_BYTES),
     ],
 )
-def test_derived_rank_peak_is_close_to_the_real_engines(strategy, offload, gpus, tolerance):
+def test_derived_rank_peak_is_close_to_the_real_engines(strategy, offload, gpus, bound):
     """The planner's derivation from one single-GPU trace against ``estimate`` with the real
-    engines (DDP buckets, ZeroRedundancyOptimizer's partition, FSDP2 on a fake process group).
-    ZeRO-1/2 on two ranks split this model evenly; FSDP's gather and free order is modelled."""
+    engines (DDP buckets, DeepSpeed's ZeRO-1/2, FSDP2 on a fake process group). ZeRO-1/2 on two
+    ranks split this model evenly; FSDP's gather and free order is approximated."""
     spec = replace(SMALL, seq_len=128, optimizer="adamw", target="cuda")
     timeline = trace(spec, CudaPolicy(compute_capability=(9, 0))).timeline
     derived = steady_peak(
         replay(derive(timeline, model_facts(spec), strategy, gpus, offload))
     ).total
     real = estimate(replace(spec, world_size=gpus, strategy=strategy, offload=offload)).peak_bytes
-    assert derived == pytest.approx(real, rel=tolerance)
+    assert abs(derived - real) <= bound, (derived, real, derived - real)
 
 
 def test_plan_rejects_a_margin_larger_than_the_gpu():
