@@ -399,6 +399,7 @@ class StorageTracker(TorchDispatchMode):
     # -- recording a call's events to replay it (trace/step_memo.py) ----------------------------
     def position(self) -> tuple[int, int, int]:
         """Where the timeline is now (events, storages, marks): the start of a recording."""
+        self._twin = None  # no fold across a recording's edge (it would move its events)
         tl = self.timeline
         return len(tl.events), tl.num_storages, len(tl.marks)
 
@@ -444,6 +445,7 @@ class StorageTracker(TorchDispatchMode):
     def replay(self, recording: Recording, block: int | None) -> None:
         """Append a recording's events again, for a call that would make exactly them, its
         block labels made ``block``'s."""
+        self._twin = None
         tl = self.timeline
         base = tl.num_storages
         for nbytes, tag, on_host, module, op, own_block, same, label in recording.storages:
