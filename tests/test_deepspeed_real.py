@@ -49,10 +49,22 @@ NOISE = "benchmarks/results/noise-2026-12-02-vm.json"
 EXACT_BYTES = 18
 """Per rank and phase, how far the allocator's count may be from the prediction where no
 allowance below names a case: the README's "within 18 bytes"."""
-GLOO_LATE_BUCKET_BYTES: dict[tuple[int, str], tuple[int, int]] = {}
-"""(world, case) -> (below, above), where measured runs exceed :data:`EXACT_BYTES`: gloo's
-worker thread frees an all-reduce's flattened bucket later than the trace (and than most runs)
-does. Sizes and frequencies from ``NOISE``."""
+GLOO_LATE_BUCKET_BYTES: dict[tuple[int, str], tuple[int, int]] = {
+    (2, "zero1"): (0, 1_068_668),
+    (2, "ds-stage2"): (0, 37_190),
+}
+"""(world, case) -> (below, above), where measured runs exceed :data:`EXACT_BYTES`, for the
+peak and every phase: gloo's worker thread frees a reduction's flattened bucket later than the
+trace (and than most runs) does. From ``NOISE`` (20 runs of each case in one spawn):
+
+- 2 ranks, ``zero1`` (DeepSpeed's default 5e8-element bucket): in 1 run of 20 on each rank the
+  backward peak is +1,068,668 / +1,066,684 bytes; the other 19 equal the prediction;
+- 2 ranks, ``ds-stage2`` (100,000-element bucket): the backward phase +37,190 (rank 0) and
+  +8,896 (rank 1) in 1 run of 20 each, +6 bytes or exact otherwise; its peak (the optimizer
+  step) exact in all 20.
+
+Every other (world, case) stayed within :data:`EXACT_BYTES` of the prediction, peak and phases,
+in all 20 runs."""
 
 
 def _free_port() -> int:
