@@ -39,6 +39,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import types
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -250,6 +251,10 @@ class CompiledRegions:
 
     def __init__(self) -> None:
         self._compiled: dict[Callable[..., Any], Callable[..., Any]] = {}
+        self._modules: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        """Each trace builds its own modules: kept while they live."""
 
     def compiled(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
         """``torch.compile(fn, **options)``, made once per function (on a copy of it)."""
@@ -263,7 +268,7 @@ class CompiledRegions:
         the user's own Inductor settings (mode, options, dynamic): a graph break then fails
         while Dynamo traces, before anything runs (code between graphs would run untracked).
         Another backend than Inductor is not modelled."""
-        found = self._compiled.get(module)
+        found = self._modules.get(module)
         if found is None:
             from torch._dynamo.eval_frame import innermost_backend
 
@@ -272,7 +277,7 @@ class CompiledRegions:
                 raise RegionNotModelled(f"its backend {backend!r} is not Inductor")
             options = {"fullgraph": True, "dynamic": backend.dynamic, "backend": backend}
             found = torch.compile(module._orig_mod, **options).forward
-            self._compiled[module] = found
+            self._modules[module] = found
         return found
 
     def run(
