@@ -1,4 +1,9 @@
-"""The estimate against real runs: the same step on real CPU tensors, measured two ways."""
+"""The estimate against real runs: the same step on real CPU tensors, measured two ways.
+
+``measure`` counts a plain run (no dispatch mode, no tensor subclass active during the step:
+the allocator's own count from ``torch.profiler`` memory events) and takes its categories from
+a separate tracked run of the same step.
+"""
 
 import pytest
 import torch
@@ -51,6 +56,25 @@ CASES = {
 }
 
 
+LLAMA_LAYERS = 2
+"""``num_hidden_layers`` of tests/fixtures/tiny-llama.json."""
+PLAIN_RUN_BOUND = 0.001
+"""Relative, steady-state and first-step peak: the estimate within 0.1 % of the plain run
+(issue 19's "done when"; the README's accuracy table is ``benchmarks/accuracy.py``'s)."""
+
+MEASURED_RESIDUAL_BYTES: dict[str, tuple[int, int]] = {
+    "gpt2-adamw-fp32": (-48, 0),
+    "llama-fused-bf16-true": (0, -12),
+    "t5-adam-foreach": (-8, -12),
+}
+"""case -> (steady-state, first step) estimate minus plain run, in bytes, as measured on
+2026-12-02 (2-core x86_64 VM, torch 2.13.0+cpu, transformers 5.24, commit e2932ff;
+``measure(..., compare=True)``); the other ten cases were exact to the byte, steady state and
+first step. The residuals are scalars: a few bytes of loss values and step counters that the
+trace frees at another moment. Every one is far inside ``PLAIN_RUN_BOUND``; they are named so
+that a failure shows how far a case moved from what was measured."""
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_estimate_matches_real_cpu_run(name):
     m = measure(target="cpu", compare=True, **CASES[name])
@@ -59,13 +83,17 @@ def test_estimate_matches_real_cpu_run(name):
     # category by category (kernel scratch aside, which only the estimate probes).
     assert est.at_peak[Category.PARAMETERS] == m.ledger.at_peak[Category.PARAMETERS]
     assert est.optimizer_state_bytes == m.ledger.optimizer_state_bytes
-    # The allocator's own count (profiler memory events), taken independently.
-    assert abs(m.error()) <= 0.005, (
-        f"{name}: estimate {est.peak_bytes} vs measured {m.measured_peak_bytes}"
+    # The allocator's own count (profiler memory events) of the plain run, taken independently.
+    diff = est.peak_bytes - m.measured_peak_bytes
+    first_diff = est.first_step_peak_bytes - m.measured_first_step_peak_bytes
+    residual = MEASURED_RESIDUAL_BYTES.get(name, (0, 0))
+    assert abs(diff) <= PLAIN_RUN_BOUND * m.measured_peak_bytes, (
+        f"{name}: estimate {est.peak_bytes} vs plain run {m.measured_peak_bytes} "
+        f"({diff:+d} bytes; measured residual {residual[0]:+d})"
     )
-    assert (
-        abs(est.first_step_peak_bytes - m.measured_first_step_peak_bytes)
-        <= 0.005 * m.measured_first_step_peak_bytes
+    assert abs(first_diff) <= PLAIN_RUN_BOUND * m.measured_first_step_peak_bytes, (
+        f"{name}: first step {est.first_step_peak_bytes} vs {m.measured_first_step_peak_bytes} "
+        f"({first_diff:+d} bytes; measured residual {residual[1]:+d})"
     )
 
 
@@ -113,7 +141,14 @@ def test_checkpointing_lowers_activations_and_matches_real_run():
     act = Category.ACTIVATIONS
     assert ckpt.ledger.at_peak[act] < plain.ledger.at_peak[act] / 2  # measured
     assert ckpt.estimate.at_peak[act] == ckpt.ledger.at_peak[act]
-    assert abs(ckpt.error()) <= 0.005 and abs(plain.error()) <= 0.005
+    assert abs(plain.error()) <= PLAIN_RUN_BOUND
+    # Checkpointing stashes the CPU generator's state for each checkpointed layer
+    # (torch.utils.checkpoint, preserve_rng_state=True: torch.get_rng_state()). It is made
+    # outside any operator, so no dispatch-level tracker sees it: the estimate is that much
+    # below the plain run (measured -10,112 bytes, both layers' states alive at the peak).
+    untracked_rng_states = LLAMA_LAYERS * torch.get_rng_state().nbytes
+    diff = ckpt.estimate.peak_bytes - ckpt.measured_peak_bytes
+    assert diff == -untracked_rng_states or abs(ckpt.error()) <= PLAIN_RUN_BOUND, diff
 
 
 def test_model_instance_is_traced_without_touching_its_weights():
