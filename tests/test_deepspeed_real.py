@@ -52,6 +52,8 @@ allowance below names a case: the README's "within 18 bytes"."""
 GLOO_LATE_BUCKET_BYTES: dict[tuple[int, str], tuple[int, int]] = {
     (2, "zero1"): (0, 1_068_668),
     (2, "ds-stage2"): (0, 37_190),
+    (4, "ds-stage1"): (0, 37_194),
+    (4, "ds-stage2"): (0, 37_190),
 }
 """(world, case) -> (below, above), where measured runs exceed :data:`EXACT_BYTES`, for the
 peak and every phase: gloo's worker thread frees a reduction's flattened bucket later than the
@@ -61,7 +63,13 @@ trace (and than most runs) does. From ``NOISE`` (20 runs of each case in one spa
   backward peak is +1,068,668 / +1,066,684 bytes; the other 19 equal the prediction;
 - 2 ranks, ``ds-stage2`` (100,000-element bucket): the backward phase +37,190 (rank 0) and
   +8,896 (rank 1) in 1 run of 20 each, +6 bytes or exact otherwise; its peak (the optimizer
-  step) exact in all 20.
+  step) exact in all 20;
+- 4 ranks, ``ds-stage1``: rank 2's backward peak +37,194 in 1 run of 20 (+10 otherwise);
+  ``ds-stage2``: rank 1's backward phase +37,190 in 1 run of 20 (+6 otherwise), the peaks
+  exact (rank 3's optimizer step +1 byte in 3 of 20).
+
+The ranks that share a traced rank's ledger (rank 3 of ``ds-stage1``, rank 0 of ``ds-stage2``
+on 4) are 37,184-37,188 bytes below it in the backward pass in every run: the bound holds.
 
 Every other (world, case) stayed within :data:`EXACT_BYTES` of the prediction, peak and phases,
 in all 20 runs."""
