@@ -3,6 +3,7 @@
     python benchmarks/noise.py [--spawns 4] [--repeats 5]
         [--groups gloo-2,gloo-4,deepspeed-2,deepspeed-4,library] [--cases NAME,...]
         [--json benchmarks/results/noise-DATE-vm.json]
+    python benchmarks/noise.py --merge A.json B.json ... --json benchmarks/results/noise-DATE-vm.json
 
 Each group is the test's own cases (``tests/mesh_real.py``, ``tests/test_deepspeed_real.py``,
 ``tests/test_library_loops.py``) run ``--spawns`` times with fresh processes, each spawn running
@@ -14,6 +15,15 @@ count where the run has one, and the prediction (``vramledger.estimate``, made o
 them up as the spread (max - min) and the largest distance of any run from the prediction. The
 named allowances in the tests cite these figures. The JSON is rewritten after every run, so an
 interrupted measurement keeps what it has; groups already in the file and not run again are kept.
+``--merge`` joins the files of invocations run side by side (each on some of a group's cases)
+into one, the summaries made again over all their runs.
+
+``benchmarks/results/noise-2026-12-02-vm.json`` was made with (on this 2-core VM, with other
+work running): ``--groups gloo-2,gloo-4`` on the data-parallel cases, 2 spawns x 10;
+``--groups deepspeed-2,deepspeed-4 --spawns 1 --repeats 20``; ``--groups library``, 2 x 10;
+the tensor/expert/pipeline cases 1 x 4 and 1 x 8 (12 runs, not 20: the time left); then
+``--merge``. Its ``isa_emulation`` key holds the runs behind ``docs/test-bounds.md``'s "Why two
+tests failed on another machine".
 """
 
 from __future__ import annotations
@@ -143,9 +153,11 @@ def _predictions(group: str, workdir: Path, only: set[str] | None) -> dict[str, 
 
 def _summary(runs: list[dict], predicted: dict[str, dict[int, int]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for case in runs[0]:
-        for rank in sorted(runs[0][case]):
-            counted = [run[case][rank]["counted"] for run in runs if case in run]
+    cases = list(dict.fromkeys(case for run in runs for case in run))
+    for case in cases:
+        with_case = [run[case] for run in runs if case in run]
+        for rank in sorted(with_case[0], key=int):
+            counted = [ranks[rank]["counted"] for ranks in with_case]
             row: dict[str, Any] = {
                 "runs": len(counted),
                 "counted_min": min(counted),
@@ -153,13 +165,14 @@ def _summary(runs: list[dict], predicted: dict[str, dict[int, int]]) -> dict[str
                 "counted_spread": max(counted) - min(counted),
                 "distinct_counts": len(set(counted)),
             }
-            want = predicted.get(case, {}).get(rank)
+            want = predicted.get(case, {}).get(int(rank))
             if want is not None:
                 row["predicted"] = want
+                row["counted_minus_predicted"] = sorted({c - want for c in counted})
                 row["worst_bytes_from_prediction"] = (
                     max(counted, key=lambda c: abs(c - want)) - want
                 )
-            tracked = [run[case][rank].get("tracked") for run in runs if case in run]
+            tracked = [ranks[rank].get("tracked") for ranks in with_case]
             if all(t is not None for t in tracked):
                 gaps = [c - t for c, t in zip(counted, tracked, strict=True)]
                 row["counted_minus_tracked_min"] = min(gaps)
@@ -187,14 +200,21 @@ def main(argv: list[str] | None = None) -> int:
     data = json.loads(args.json.read_text()) if args.json.exists() else {"groups": {}}
     data.update(date=today, machine=_machine())
     if args.merge:
-        # invocations that ran in parallel, each on some cases of a group: the group's summary
-        # is the union of theirs (each case measured once), its runs kept per invocation
+        # invocations that ran in parallel, each on some cases of a group: a group's runs are
+        # theirs together, its summary made again over all of them
         data["groups"] = {}
         for path in args.merge:
             for group, part in json.loads(path.read_text())["groups"].items():
-                merged = data["groups"].setdefault(group, {"summary": {}, "invocations": []})
-                merged["summary"].update(part.pop("summary"))
-                merged["invocations"].append(part)
+                merged = data["groups"].setdefault(group, {"invocations": [], "runs": []})
+                predicted = merged.setdefault("predicted", {})
+                for key, row in part.pop("summary").items():
+                    case, _, rank = key.rpartition(" rank ")
+                    if "predicted" in row:
+                        predicted.setdefault(case, {})[int(rank)] = row["predicted"]
+                merged["runs"].extend(part.pop("runs"))
+                merged["invocations"].append({**part, "from": path.name})
+        for merged in data["groups"].values():
+            merged["summary"] = _summary(merged["runs"], merged.pop("predicted"))
         args.json.write_text(json.dumps(data, indent=1) + "\n")
         return 0
     workdir = Path(tempfile.mkdtemp(prefix="vramledger-noise-"))
@@ -212,17 +232,18 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as exc:  # a failed spawn is recorded, not retried
                 failures[group].append(f"spawn {i}: {type(exc).__name__}: {exc}")
             seconds[group].append(round(time.perf_counter() - start, 1))
+            serialised = [
+                {c: {str(r): v for r, v in ranks.items()} for c, ranks in run.items()}
+                for run in runs[group]
+            ]
             data["groups"][group] = {
                 "commit": _commit(),
                 "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "spawns_x_repeats": [args.spawns, args.repeats],
                 "seconds_per_spawn": seconds[group],
                 "failures": failures[group],
-                "summary": _summary(runs[group], predicted[group]) if runs[group] else {},
-                "runs": [
-                    {c: {str(r): v for r, v in ranks.items()} for c, ranks in run.items()}
-                    for run in runs[group]
-                ],
+                "summary": _summary(serialised, predicted[group]) if serialised else {},
+                "runs": serialised,
             }
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(data, indent=1) + "\n")
