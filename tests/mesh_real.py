@@ -23,10 +23,16 @@ NOISE = "benchmarks/results/noise-2026-12-02-vm.json"
 """Repeated real runs of every case here (``benchmarks/noise.py``): the allowances' sizes."""
 EXACT_BYTES = 36
 """Per rank, what the allocator may count above or below the prediction in a case with no
-allowance of its own: the README's "within 36 bytes per rank". Small allocations no traced
-storage accounts for (gloo's own bookkeeping tensors); in every run of ``NOISE`` the tensor,
-expert and pipeline cases, DDP and ZeroRedundancyOptimizer are 0-32 bytes from the prediction,
-the same in every run."""
+allowance of its own: the README's earlier "within 36 bytes per rank" (it now says "within
+0.002 %": :data:`README_RELATIVE`, held too). Small allocations no traced
+storage accounts for (gloo's own bookkeeping tensors). In 20 runs of each case (``NOISE``) the
+tensor, expert and pipeline cases are 0 to +32 bytes from the prediction (but one run of
+``tp2``: :data:`GLOO_TP_BYTES`), DDP and ZeroRedundancyOptimizer 0 bytes, every run."""
+
+README_RELATIVE = 2e-5
+"""The README's "within 0.002 %" (tensor, expert and pipeline parallelism, every rank), held
+with :data:`EXACT_BYTES` where no allowance names a case: 30 bytes on the smallest ranks here
+(1.5 MB), which measure 16."""
 
 TENSOR_PARALLEL = {
     2: {
@@ -158,10 +164,16 @@ none in the estimate's model:
   in 19 of 20 runs: it holds the short shards of the layers whose rows do not divide by 4, and
   the estimate gives every rank rank 0's ledger (a bound for the others).
 
-DDP, ZeroRedundancyOptimizer, ``reshard_after_forward=False`` and the tensor-parallel and
-pipeline cases need no allowance: the same count in every run, within :data:`EXACT_BYTES`.
+DDP, ZeroRedundancyOptimizer, ``reshard_after_forward=False``, tensor parallelism with FSDP2
+and the pipeline with FSDP2 need no allowance: the same count in every run, within
+:data:`EXACT_BYTES`.
 """
-ALLOWANCE_BYTES = GLOO_FSDP2_BYTES
+GLOO_TP_BYTES: dict[tuple[int, str], tuple[int, int]] = {(2, "tp2"): (0, 264)}
+"""(world, case) -> (below, above) for tensor parallelism on gloo: in 1 run of 20 of ``tp2``
+(``NOISE``, group ``gloo-2``), rank 1 counted 264 bytes above the prediction (256 more than in
+the other 19, and 256 more than its tracker saw): a small buffer a gloo worker thread freed
+late. Every other tensor, expert and pipeline case was within :data:`EXACT_BYTES` in all 20."""
+ALLOWANCE_BYTES = {**GLOO_FSDP2_BYTES, **GLOO_TP_BYTES}
 
 
 @functools.cache
@@ -187,7 +199,10 @@ def check_against_real_runs(world: int, cases: dict[str, dict]) -> None:
         predicted = estimate(**spec)
         per_rank = {r: ledger.peak_bytes for ids, ledger in predicted.ranks for r in ids}
         assert sorted(per_rank) == sorted(real[case]) == list(range(world))
-        below, above = ALLOWANCE_BYTES.get((world, case), (EXACT_BYTES, EXACT_BYTES))
+        named = ALLOWANCE_BYTES.get((world, case))
+        below, above = named or (EXACT_BYTES, EXACT_BYTES)
         for rank, (_, counted) in real[case].items():
             want = per_rank[rank]
             assert -below <= counted - want <= above, (case, rank, want, counted, counted - want)
+            if named is None:
+                assert abs(counted - want) <= README_RELATIVE * counted, (case, rank, want, counted)
