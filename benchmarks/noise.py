@@ -21,8 +21,9 @@ into one, the summaries made again over all their runs.
 ``benchmarks/results/noise-2026-12-02-vm.json`` was made with (on this 2-core VM, with other
 work running): ``--groups gloo-2,gloo-4`` on the data-parallel cases, 2 spawns x 10;
 ``--groups deepspeed-2,deepspeed-4 --spawns 1 --repeats 20``; ``--groups library``, 2 x 10;
-the tensor/expert/pipeline cases 1 x 4, 1 x 8 and 1 x 8 (20 runs); then ``--merge``. Its ``isa_emulation`` key holds the runs behind ``docs/test-bounds.md``'s "Why two
-tests failed on another machine".
+the tensor/expert/pipeline cases 1 x 4, 1 x 8 and 1 x 8 (20 runs); then ``--merge``. Its
+``isa_emulation`` key holds the runs behind ``docs/test-bounds.md``'s "Why two tests failed on
+another machine".
 """
 
 from __future__ import annotations
