@@ -8,10 +8,10 @@ C++ wrapper around c10's CPU allocator) is loaded from the extension file the te
 by ``VRAMLEDGER_COUNTER_SO``, without importing the package, and the script checks at the end
 that no ``vramledger`` module was imported. The model, batch and loss are the test fixtures'
 (``tests/fixtures/models.py``: ``deep_mlp``, ``mlp_inputs``, cross-entropy). Each rank writes
-``OUT_DIR/rank-N.json``: [case, the count's peak] per case run, in order (a case may be named
-more than once: repeated runs in the same processes) — the count's peak in the second step (the steady step; the first
-makes the optimizer state), in bytes above what was live before the model was built, which is
-what ``vramledger.estimate`` predicts as ``peak_bytes``.
+``OUT_DIR/rank-N.json``: [case, peak] per case run, in order (a case may be named more than
+once: repeated runs in the same processes). The peak is the count's in the second step (the
+steady step; the first makes the optimizer state), in bytes above what was live before the model
+was built, which is what ``vramledger.estimate`` predicts as ``peak_bytes``.
 
 The loops and their sources:
 
