@@ -133,7 +133,8 @@ class CudaPolicy(DevicePolicy):
         self._attention_used |= sdpa.used
 
     def op_observer(self) -> OpObserver:
-        threads_with_workspace = self._cublas_threads
+        # per trace (each trace adds its own workspace); the notes collect every trace's threads
+        threads_with_workspace: set[str] = set()
         workspace = self.cublas_workspace_bytes
 
         def observe(
@@ -147,6 +148,7 @@ class CudaPolicy(DevicePolicy):
                 thread = "autograd" if tracker.phase is Phase.BACKWARD else "main"
                 if thread not in threads_with_workspace:
                     threads_with_workspace.add(thread)
+                    self._cublas_threads.add(thread)
                     tracker.add_synthetic(
                         workspace, f"cuBLAS workspace ({thread} thread)", Category.WORKSPACE
                     )
