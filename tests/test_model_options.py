@@ -184,3 +184,19 @@ def test_attention_paths_match_real_cpu_runs(attention):
     )
     assert abs(m.error()) <= PLAIN_RUN_BOUND, (m.estimate.peak_bytes, m.measured_peak_bytes)
     assert m.estimate.at_peak == m.ledger.at_peak
+
+
+def test_qlora_under_bf16_master_says_why_attention_runs_the_math_path():
+    """peft's k-bit preparation leaves the norms in fp32, so q/k/v are fp32 and, with grouped-query
+    attention, no fused kernel takes them: the notes say so, from what the trace ran."""
+    ledger = estimate(
+        model=fixture("hub/tiny-llama-bf16"),
+        lora="r=4,alpha=8,targets=q_proj,v_proj",
+        quantize="nf4",
+        precision="bf16-master",
+        seq_len=64,
+        gpu="h100-80gb",
+    )
+    why = [n for n in ledger.notes if n.startswith("attention: the math path ran because")]
+    assert why and "q/k/v are float32" in why[0], ledger.notes
+    assert any("LlamaRMSNorm" in n and "prepare_model_for_kbit_training" in n for n in ledger.notes)

@@ -327,4 +327,20 @@ def adapter_notes(model: nn.Module) -> list[str]:
             "quantized layers found on the model: "
             + ", ".join(f"bitsandbytes.{cls}" for cls in sorted(quantized))
         )
+        fp32 = sorted(
+            {
+                type(m).__name__
+                for n, m in model.named_modules()
+                if "lora_" not in n
+                and not type(m).__module__.startswith(("bitsandbytes", "peft"))
+                and any(p.dtype == torch.float32 for p in m.parameters(recurse=False))
+            }
+        )
+        if fp32:
+            notes.append(
+                "fp32 parameters on the quantized model, as peft's "
+                "prepare_model_for_kbit_training leaves them: "
+                + ", ".join(fp32)
+                + " (an fp32 norm makes the activations after it fp32)"
+            )
     return notes

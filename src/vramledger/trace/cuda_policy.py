@@ -111,6 +111,8 @@ class CudaPolicy(DevicePolicy):
         self.compute_capability = compute_capability
         self._attention_used: set[str] = set()
         self._cublas_threads: set[str] = set()
+        self._math_reasons: set[str] = set()
+        """Why the math path ran where it did (``sdpa_cuda.math_reasons``)."""
         """Threads ("main", "autograd") whose cuBLAS workspace the trace added."""
         self._notes: list[str] = architecture_notes(compute_capability, gpu)
 
@@ -131,6 +133,7 @@ class CudaPolicy(DevicePolicy):
         with CudaAutocast(), sdpa, fused_dropout():
             yield
         self._attention_used |= sdpa.used
+        self._math_reasons |= sdpa.why_math
 
     def op_observer(self) -> OpObserver:
         # per trace (each trace adds its own workspace); the notes collect every trace's threads
@@ -183,6 +186,10 @@ class CudaPolicy(DevicePolicy):
             notes.extend(sdpa_priority_notes(self.compute_capability))
             kernels = ", ".join(ATTENTION_NAMES[b] for b in BACKENDS if b in self._attention_used)
             notes.append(f"scaled_dot_product_attention ran as {kernels}")
+            if self._math_reasons:
+                notes.append(
+                    "attention: the math path ran because " + "; ".join(sorted(self._math_reasons))
+                )
         return list(dict.fromkeys(notes))
 
 

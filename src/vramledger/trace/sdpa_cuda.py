@@ -281,6 +281,29 @@ def select_backend(
     return "math"
 
 
+def math_reasons(q, k, v, attn_mask, enable_gqa, sm: Sm) -> list[str]:
+    """Why no fused kernel took these inputs, in the words of the checks above that failed (for
+    the notes: the math path keeps the S×S scores)."""
+    reasons = []
+    if q.dtype not in _HALF:
+        reasons.append(
+            f"q/k/v are {str(q.dtype).removeprefix('torch.')} (cuDNN and flash attention take "
+            "fp16/bf16 only)"
+        )
+    elif not q.dtype == k.dtype == v.dtype:
+        reasons.append("q, k and v have different dtypes")
+    if enable_gqa and q.size(1) != k.size(1):
+        reasons.append(
+            "grouped-query attention (PyTorch 2.13's memory-efficient kernel takes none)"
+        )
+    align = minimum_gemm_alignment(q.dtype, sm)
+    if q.size(-1) % align or v.size(-1) % align:
+        reasons.append(f"head dim {q.size(-1)} not a multiple of {align} (memory-efficient)")
+    if attn_mask is not None and attn_mask.requires_grad:
+        reasons.append("an attention mask that requires grad")
+    return reasons or ["no fused kernel's conditions hold (trace/sdpa_cuda.py)"]
+
+
 def cuda_sdpa(
     q,
     k,
@@ -293,14 +316,17 @@ def cuda_sdpa(
     *,
     compute_capability: Sm = DEFAULT_COMPUTE_CAPABILITY,
     used: set[str] | None = None,
+    why_math: set[str] | None = None,
 ):
     """``scaled_dot_product_attention`` as CUDA runs it (see module docstring); the backend
-    chosen is added to ``used``."""
+    chosen is added to ``used``, and when it is math the reasons to ``why_math``."""
     backend = select_backend(
         q, k, v, attn_mask, dropout_p, is_causal, enable_gqa, compute_capability=compute_capability
     )
     if used is not None:
         used.add(backend)
+    if backend == "math" and why_math is not None:
+        why_math.update(math_reasons(q, k, v, attn_mask, enable_gqa, compute_capability))
     if backend == "math" and _is_dtensor(q):
         # context parallelism (parallel/context.py): PyTorch's ring attention wraps the fused
         # kernels only (_attention.py _sdpa_handler: "CP only supports flash attention and
@@ -430,13 +456,14 @@ class CudaSdpa:
     def __init__(self, compute_capability: Sm = DEFAULT_COMPUTE_CAPABILITY) -> None:
         self.compute_capability = compute_capability
         self.used: set[str] = set()
+        self.why_math: set[str] = set()
         self._lib: torch.library.Library | None = None
 
     def __enter__(self) -> CudaSdpa:
-        cc, used = self.compute_capability, self.used
+        cc, used, why_math = self.compute_capability, self.used, self.why_math
 
         def kernel(*args: Any, **kwargs: Any) -> Any:
-            return cuda_sdpa(*args, **kwargs, compute_capability=cc, used=used)
+            return cuda_sdpa(*args, **kwargs, compute_capability=cc, used=used, why_math=why_math)
 
         lib = torch.library.Library("aten", "IMPL")
         with warnings.catch_warnings():
