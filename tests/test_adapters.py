@@ -13,6 +13,14 @@ BATCHES = fixture("user_batches.py")
 LORA = "r=8,alpha=16,targets=q_proj,v_proj"
 # tiny-llama: hidden 64, 2 layers; q_proj 64 -> 64, v_proj 64 -> 32 (2 key/value heads of 16)
 ADAPTER_PARAMETERS = 2 * (8 * (64 + 64) + 8 * (64 + 32))
+PLAIN_RUN_BOUND = 1e-4
+"""LoRA and LLM.int8 against the plain run's allocator count: the README's "within 0.01 %"
+(measured on 2026-12-02: fp32 LoRA -0.0081 %, bf16-mixed LoRA -0.0014 %, int8 -0.0016 %: a few
+scalars the trace does not see)."""
+NF4_CPU_SCRATCH = 0.0093
+"""QLoRA (nf4) on CPU: bitsandbytes' CPU 4-bit kernels take scratch that the probe of each
+operator on zero inputs does not reproduce; measured -0.925 % of the plain run's peak on this
+model (2026-12-02, deterministic), the README's figure."""
 
 
 def _real(**spec):
@@ -23,7 +31,7 @@ def _real(**spec):
 @pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
 def test_lora_matches_a_real_peft_run(precision):
     m, est = _real(model=TINY, lora=LORA, precision=precision)
-    assert abs(m.error()) < 5e-4, (m.measured_peak_bytes, est.peak_bytes)
+    assert abs(m.error()) <= PLAIN_RUN_BOUND, (m.measured_peak_bytes, est.peak_bytes)
     assert est.trainable_parameters == m.ledger.trainable_parameters == ADAPTER_PARAMETERS
     # the frozen base has no gradients and no optimizer state; AdamW keeps m and v of the adapters
     assert est.optimizer_state_bytes == m.ledger.optimizer_state_bytes
@@ -44,7 +52,7 @@ def test_quantized_base_is_bitsandbytes_own_layout(kind):
     assert est.trainable_parameters == ADAPTER_PARAMETERS
     # the allocator's own count: bitsandbytes' CPU 4-bit kernels take a little scratch the
     # probe of each operator on zero inputs does not reproduce (README: known limitations)
-    assert abs(m.error()) < (0.01 if kind == "nf4" else 5e-4)
+    assert abs(m.error()) <= (NF4_CPU_SCRATCH if kind == "nf4" else PLAIN_RUN_BOUND)
 
 
 def test_quantized_weights_take_their_packed_bytes():
@@ -78,7 +86,10 @@ def test_freeze_patterns():
         ("alpha=16,targets=q_proj", "needs r= and targets="),
         ("r=8,targets=q_proj,rank=4", "unknown key"),
         ("r=x,targets=q_proj", "invalid literal for int"),
-        ("r=8,targets=query_key", "linear layers: down_proj, gate_proj"),
+        (
+            "r=8,targets=query_key",
+            "layers that peft's LoRA adapts: down_proj, embed_tokens, gate_proj",
+        ),
     ],
 )
 def test_bad_lora_is_one_line(lora, message):
