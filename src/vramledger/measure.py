@@ -265,27 +265,39 @@ def _plain(spec: TrainingSpec, device: str, per_step: Any = None) -> int:
         recipe, model, _, torch_device = _build(spec, device)
         batch = recipe.make_batch(torch_device)
         observer = NullObserver()
-        run = assemble(
-            model=model,
-            batch=batch,
-            loss_fn=recipe.loss_fn,
-            optimizer=real_optimizer(recipe.optimizer, spec),
-            precision=recipe.precision,
-            device=torch_device,
-            grad_accum=spec.grad_accum,
-            observer=observer,
-        )
-        run = in_step_context(run, model)
-    for step in range(1, spec.steps + 1):
+        run = _assemble(spec, recipe, model, batch, torch_device, observer)
+    _steps(run, observer, spec.steps, per_step)
+    del run, model, batch
+    gc.collect()
+    return spec.steps
+
+
+def _assemble(
+    spec: TrainingSpec, recipe: Any, model: Any, batch: Any, device: torch.device, observer: Any
+) -> Any:
+    """``training.py``'s step over the built model (the plain and the tracked run alike)."""
+    run = assemble(
+        model=model,
+        batch=batch,
+        loss_fn=recipe.loss_fn,
+        optimizer=real_optimizer(recipe.optimizer, spec),
+        precision=recipe.precision,
+        device=device,
+        grad_accum=spec.grad_accum,
+        observer=observer,
+    )
+    return in_step_context(run, model)
+
+
+def _steps(run: Any, observer: Any, steps: int, per_step: Any = None) -> None:
+    """Run the steps, each inside its profiler label, ``per_step(step, 'start'|'end')`` around."""
+    for step in range(1, steps + 1):
         if per_step is not None:
             per_step(step, "start")
         with record_function(_STEP_LABEL.format(step)):
             run.step(step, observer)
         if per_step is not None:
             per_step(step, "end")
-    del run, model, batch
-    gc.collect()
-    return spec.steps
 
 
 def _tracked(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Ledger, int]:
@@ -299,17 +311,7 @@ def _tracked(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Led
         # not part of the step.
         batch = recipe.make_batch(torch_device)
         with tracker:
-            run = assemble(
-                model=model,
-                batch=batch,
-                loss_fn=recipe.loss_fn,
-                optimizer=real_optimizer(recipe.optimizer, spec),
-                precision=recipe.precision,
-                device=torch_device,
-                grad_accum=spec.grad_accum,
-                observer=observer,
-            )
-            run = in_step_context(run, model)
+            run = _assemble(spec, recipe, model, batch, torch_device, observer)
     notes = ["measured", TRACKED_RUN]
     # The tracker is a dispatch mode, under which torch.compile cannot run: torchao's compiled
     # optimizer step runs eagerly (same arithmetic; the eager step's temporaries).
@@ -317,13 +319,7 @@ def _tracked(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Led
     if eager:
         notes.append(EAGER_TORCHAO)
     with tracker, torch.compiler.set_stance("force_eager" if eager else "default"):
-        for step in range(1, spec.steps + 1):
-            if per_step is not None:
-                per_step(step, "start")
-            with record_function(_STEP_LABEL.format(step)):
-                run.step(step, observer)
-            if per_step is not None:
-                per_step(step, "end")
+        _steps(run, observer, spec.steps, per_step)
     timeline = tracker.close()
     state_bytes = timeline.live_at_end(Category.OPTIMIZER_STATE)
     ledger = build_ledger(

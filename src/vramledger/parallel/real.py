@@ -29,6 +29,7 @@ from ..ledger import Ledger
 from ..optimizers import OptimizerChoice
 from ..spec import TrainingSpec
 from ..trace.tracker import TrackerObserver
+from ..training import NullObserver
 from .strategy import DDP_STRATEGIES, DEEPSPEED_STRATEGIES
 
 
@@ -297,15 +298,15 @@ def rank_measurement(
     )
 
 
-class _PlainCountingObserver:
-    """Reads the allocator's peak of each (step, phase) and nothing else: no tracker, no
-    dispatch mode (the plain run's observer)."""
+class _PhasePeaks:
+    """The allocator's peak of each (step, phase): ``start()`` resets the counter when a phase
+    opens, ``end()`` reads its peak when the next opens or the run closes."""
 
     def __init__(self, start: Any, end: Any, out: dict[tuple[int, str], int]):
         self._start, self._end, self._out = start, end, out
         self._open: tuple[int, str] | None = None
 
-    def phase(self, step: int, phase: Phase) -> None:
+    def open(self, step: int, phase: Phase) -> None:
         self.close()
         self._open = (step, phase.value)
         self._start()
@@ -316,32 +317,16 @@ class _PlainCountingObserver:
             self._out[key] = max(self._out.get(key, 0), self._end())
             self._open = None
 
-    def tensors(self, tensors: Any, category: Category) -> None:
-        pass
 
-    def label(self, tensors: Any, text: str) -> None:
-        pass
+class _PlainCountingObserver(NullObserver):
+    """Reads the allocator's peak of each (step, phase) and nothing else: no tracker, no
+    dispatch mode (the plain run's observer)."""
 
-    def optimizer_stepped(self, optimizer: Any) -> None:
-        pass
-
-
-class _CountingObserver(TrackerObserver):
-    """The tracker's observer, also reading the allocator's peak of each (step, phase)."""
-
-    def __init__(self, tracker: Any, start: Any, end: Any, out: dict[tuple[int, str], int]):
-        super().__init__(tracker)
-        self._start, self._end, self._out = start, end, out
-        self._open: tuple[int, str] | None = None
+    def __init__(self, start: Any, end: Any, out: dict[tuple[int, str], int]):
+        self._peaks = _PhasePeaks(start, end, out)
 
     def phase(self, step: int, phase: Phase) -> None:
-        self.close()
-        super().phase(step, phase)
-        self._open = (step, phase.value)
-        self._start()
+        self._peaks.open(step, phase)
 
     def close(self) -> None:
-        if self._open is not None:
-            key = self._open
-            self._out[key] = max(self._out.get(key, 0), self._end())
-            self._open = None
+        self._peaks.close()
