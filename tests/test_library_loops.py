@@ -27,17 +27,9 @@ import torch
 from vramledger import TrainingSpec, cpu_allocator_count, estimate
 from vramledger.parallel.local import free_port
 
-from .conftest import MODELS_PY
+from .mesh_real import MLP
 
 LOOPS = Path(__file__).parent / "library_loops"
-MLP = dict(
-    model=f"{MODELS_PY}:deep_mlp",
-    inputs=f"{MODELS_PY}:mlp_inputs",
-    loss=f"{MODELS_PY}:mlp_loss",
-    optimizer="adamw",
-    target="cpu",
-    batch_size=8,
-)
 LAUNCH_TIMEOUT_S = 600
 """One torchrun launch of every case of a world size (DeepSpeed's first import and, on a fresh
 machine, its shared-memory op's build with g++ are most of it)."""

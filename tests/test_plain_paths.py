@@ -65,9 +65,10 @@ def _plain_peak(name: str, under_mode: bool = False) -> int:
     return peak
 
 
-def _estimate(name: str):
+def _spec(name: str) -> dict:
+    """The case as estimate's and measure's fields: the plain loop's model, batch and SGD."""
     model, inputs, loss = CASES[name]
-    return estimate(
+    return dict(
         model=f"{PLAIN_PATHS_PY}:{model}",
         inputs=f"{PLAIN_PATHS_PY}:{inputs}",
         loss=f"{PLAIN_PATHS_PY}:{loss}",
@@ -76,6 +77,10 @@ def _estimate(name: str):
         steps=STEPS,
         target="cpu",
     )
+
+
+def _estimate(name: str):
+    return estimate(**_spec(name))
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -104,16 +109,7 @@ def test_without_the_plain_paths_the_estimate_is_the_moded_run(monkeypatch):
 
 
 def test_measure_counts_a_plain_run():
-    model, inputs, loss = CASES["boolean-mask-loss"]
-    m = measure(
-        model=f"{PLAIN_PATHS_PY}:{model}",
-        inputs=f"{PLAIN_PATHS_PY}:{inputs}",
-        loss=f"{PLAIN_PATHS_PY}:{loss}",
-        optimizer="sgd",
-        batch_size=BATCH,
-        steps=STEPS,
-        target="cpu",
-    )
+    m = measure(**_spec("boolean-mask-loss"))
     out = m.to_dict()
     assert out["measured_run"] == PLAIN_RUN
     assert m.measured_peak_bytes == _plain_peak("boolean-mask-loss")

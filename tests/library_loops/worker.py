@@ -42,6 +42,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -76,10 +77,11 @@ def batches(dtype: torch.dtype = torch.float32) -> list[tuple[torch.Tensor, torc
 
 
 # -- the loops: each returns the allocator's peak of the second step --------------------------
-def fp32(base: int) -> int:
-    model = models.deep_mlp()
+def _quickstart(model: nn.Module, dtype: torch.dtype, base: int) -> int:
+    """PyTorch's quickstart loop ("Optimizing the Model Parameters"): forward, loss, backward,
+    step, then zero_grad."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step, (X, y) in enumerate(batches()):
+    for step, (X, y) in enumerate(batches(dtype)):
         if step == 1:
             count.reset_peak()
         pred = model(X)
@@ -88,6 +90,10 @@ def fp32(base: int) -> int:
         optimizer.step()
         optimizer.zero_grad()
     return count.peak() - base
+
+
+def fp32(base: int) -> int:
+    return _quickstart(models.deep_mlp(), torch.float32, base)
 
 
 def _autocast(dtype: torch.dtype, base: int) -> int:
@@ -117,25 +123,12 @@ def fp16_mixed(base: int) -> int:
 
 
 def bf16_true(base: int) -> int:
-    model = models.deep_mlp().to(torch.bfloat16)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
-    for step, (X, y) in enumerate(batches(torch.bfloat16)):
-        if step == 1:
-            count.reset_peak()
-        pred = model(X)
-        loss = loss_fn(pred, y)
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    return count.peak() - base
+    """Lightning's bf16-true: the model in bf16, the quickstart loop."""
+    return _quickstart(models.deep_mlp().to(torch.bfloat16), torch.bfloat16, base)
 
 
-def ddp(base: int) -> int:
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
-    model = models.deep_mlp()
-    ddp_model = DDP(model)
-    optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=LR)
+def _ddp_tutorial(ddp_model: nn.Module, optimizer: Any, base: int) -> int:
+    """The loop of PyTorch's "Getting Started with DDP": zero_grad, forward, backward, step."""
     for step, (x, labels) in enumerate(batches()):
         if step == 1:
             count.reset_peak()
@@ -144,6 +137,13 @@ def ddp(base: int) -> int:
         loss_fn(outputs, labels).backward()
         optimizer.step()
     return count.peak() - base
+
+
+def ddp(base: int) -> int:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp_model = DDP(models.deep_mlp())
+    return _ddp_tutorial(ddp_model, torch.optim.AdamW(ddp_model.parameters(), lr=LR), base)
 
 
 def zero1_torch(base: int) -> int:
@@ -154,14 +154,7 @@ def zero1_torch(base: int) -> int:
     optimizer = ZeroRedundancyOptimizer(
         ddp_model.parameters(), optimizer_class=torch.optim.AdamW, lr=LR
     )
-    for step, (x, labels) in enumerate(batches()):
-        if step == 1:
-            count.reset_peak()
-        optimizer.zero_grad()
-        outputs = ddp_model(x)
-        loss_fn(outputs, labels).backward()
-        optimizer.step()
-    return count.peak() - base
+    return _ddp_tutorial(ddp_model, optimizer, base)
 
 
 def fsdp(base: int) -> int:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
@@ -57,17 +57,7 @@ class FitAnswer:
     method: str = "derived from traces, answer and next size re-estimated"
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer,
-            "checkpointing": self.checkpointing,
-            "batch_size": self.batch_size,
-            "seq_len": self.seq_len,
-            "reserved_peak_bytes": self.reserved_peak_bytes,
-            "headroom_bytes": self.headroom_bytes,
-            "fits_next": self.fits_next,
-            "next_size": self.next_size,
-            "method": self.method,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -85,14 +75,7 @@ class NoFit:
     """Negative: how much more the smallest size needs."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "optimizer": self.optimizer,
-            "checkpointing": self.checkpointing,
-            "batch_size": self.batch_size,
-            "seq_len": self.seq_len,
-            "reserved_peak_bytes": self.reserved_peak_bytes,
-            "headroom_bytes": self.headroom_bytes,
-        }
+        return asdict(self)
 
 
 @dataclass(frozen=True, kw_only=True)

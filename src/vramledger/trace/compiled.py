@@ -37,7 +37,6 @@ Limits, said in the trace's notes:
 from __future__ import annotations
 
 import contextlib
-import importlib
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -50,6 +49,7 @@ from torch.utils._python_dispatch import _disable_current_modes, _pop_mode, _pus
 
 from ..timeline import Timeline
 from ..units import format_bytes
+from .patched_functions import patched_functions
 
 METHOD = (
     "Inductor's own generated wrapper (CPU C++ backend) run on the fake inputs with its kernels "
@@ -340,27 +340,20 @@ def compiled_regions(tracker: Any, notes: list[str], target: str) -> Iterator[No
     from torch._dynamo.eval_frame import OptimizedModule
 
     log = RegionLog()
-    patched: list[tuple[Any, str, Any]] = []
-    for module_name, name, options in COMPILED_FUNCTIONS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # pragma: no cover - torchao not installed
-            continue
-        original = getattr(module, name, None)
-        if original is None:  # pragma: no cover - other torchao versions
-            continue
-        patched.append((module, name, original))
-        setattr(module, name, _function_region(f"{module_name}.{name}", original, options))
+    options = {(m, n): o for m, n, o in COMPILED_FUNCTIONS}
+
+    def region(module_name: str, name: str, original: Any) -> Any:
+        return _function_region(f"{module_name}.{name}", original, options[module_name, name])
+
     module_call = OptimizedModule.__call__
     OptimizedModule.__call__ = _module_region(module_call)  # type: ignore[method-assign]
     _Active.context.append((tracker, log))
     try:
-        yield
+        with patched_functions(options, region):
+            yield
     finally:
         _Active.context.pop()
         OptimizedModule.__call__ = module_call  # type: ignore[method-assign]
-        for module, name, original in patched:
-            setattr(module, name, original)
         notes.extend(n for n in log.notes(target) if n not in notes)
 
 

@@ -17,13 +17,13 @@ reads.
 from __future__ import annotations
 
 import contextlib
-import importlib
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from .patched_functions import patched_functions
 from .tracker import Recording, StorageTracker
 
 STEP_FUNCTIONS = (("torchao.optim.adam", "single_param_adam"),)
@@ -56,22 +56,8 @@ def layout(value: Any) -> Any:
 def repeated_steps(tracker: StorageTracker) -> Iterator[None]:
     """Within this context, calls of ``STEP_FUNCTIONS`` with a layout already seen replay its
     recorded events instead of running."""
-    patched: list[tuple[Any, str, Any]] = []
-    for module_name, name in STEP_FUNCTIONS:
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError:  # pragma: no cover - torchao not installed
-            continue
-        original = getattr(module, name, None)
-        if original is None:  # pragma: no cover - other torchao versions
-            continue
-        patched.append((module, name, original))
-        setattr(module, name, _memoised(original, tracker))
-    try:
+    with patched_functions(STEP_FUNCTIONS, lambda _m, _n, step: _memoised(step, tracker)):
         yield
-    finally:
-        for module, name, original in patched:
-            setattr(module, name, original)
 
 
 def _memoised(step: Any, tracker: StorageTracker) -> Any:
