@@ -20,6 +20,7 @@ import torch
 from vramledger import estimate
 
 from .fixtures import compiled as fx
+from .fixtures import compiled_functions as fn
 
 COMPILED_PY = str(Path(__file__).parent / "fixtures" / "compiled.py")
 BOUND = 0.005
@@ -40,13 +41,47 @@ BLOCK = dict(
     target="cpu",
 )
 LOWBIT = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+FUNCTIONS = "tests.fixtures.compiled_functions"
+"""Referred to by module path: its compiled functions import ``compiled.py``'s block."""
+CLASSIFIER = dict(
+    model=f"{FUNCTIONS}:classifier",
+    inputs=f"{FUNCTIONS}:classifier_inputs",
+    batch_size=512,
+    optimizer="sgd",
+    target="cpu",
+)
+FUNCTION_CASES = {
+    # case: (the plain run's model, inputs and loss; the estimate's and its eager twin's
+    # arguments; the region the notes name)
+    "compiled loss function": (
+        (fn.classifier, fn.classifier_inputs, fn.compiled_loss),
+        dict(loss=f"{FUNCTIONS}:compiled_loss", **CLASSIFIER),
+        dict(loss=f"{FUNCTIONS}:eager_loss", **CLASSIFIER),
+        "capped_cross_entropy (torch.compile'd function) (2 graphs)",
+    ),
+    "@torch.compile function in forward": (
+        (fn.GeluBlock, fx.square_inputs, fx.square_loss),
+        dict(model=f"{FUNCTIONS}:GeluBlock", **BLOCK),
+        dict(model=f"{COMPILED_PY}:Block", **BLOCK),
+        "compiled_gelu (torch.compile'd function) (2 graphs)",
+    ),
+    "nn.Module.compile()": (
+        (fn.module_compiled_block, fx.square_inputs, fx.square_loss),
+        dict(model=f"{FUNCTIONS}:module_compiled_block", **BLOCK),
+        dict(model=f"{COMPILED_PY}:Block", **BLOCK),
+        "Block (nn.Module.compile'd module) (2 graphs)",
+    ),
+}
 
 
 @functools.cache
 def _real(case: str) -> tuple[list[int], float]:
     """Per-step peaks of the plain compiled run of ``case``, and its seconds."""
     start = time.perf_counter()
-    if case in LOWBIT:
+    if case in FUNCTION_CASES:
+        (make_model, make_inputs, loss), *_ = FUNCTION_CASES[case]
+        peaks = fn.plain_run(make_model, make_inputs, loss, batch_size=512)
+    elif case in LOWBIT:
         import torchao.optim
 
         cls = getattr(torchao.optim, LOWBIT[case])
@@ -97,4 +132,32 @@ def test_region_inductor_does_not_run_is_traced_eagerly_with_both_figures():
     assert ledger.peak_bytes == eager.peak_bytes
     (note,) = [n for n in ledger.notes if "could not be modelled" in n]
     assert "is not Inductor" in note and "eagerly" in note and "outputs only" in note
+    assert not any(MODELLED in n for n in ledger.notes)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(FUNCTION_CASES))
+def test_compiled_function_matches_plain_compiled_run(case):
+    """A user's compiled function (a loss the loss factory calls, a ``@torch.compile``
+    function a forward calls, ``nn.Module.compile()``'s compiled ``_call_impl``): its forward
+    and backward graphs as Inductor runs them. Eagerly each keeps several full-size pointwise
+    intermediates for backward, so the bound tells the two apart."""
+    _, arguments, eager_arguments, region = FUNCTION_CASES[case]
+    (first, steady), _ = _real(case)
+    ledger = estimate(**arguments)
+    assert any(MODELLED in n and region in n for n in ledger.notes), ledger.notes
+    assert _within(ledger.peak_bytes, steady), (ledger.peak_bytes, steady)
+    assert _within(ledger.first_step_peak_bytes, first), (ledger.first_step_peak_bytes, first)
+    assert estimate(**eager_arguments).peak_bytes > 1.5 * steady
+
+
+def test_compiled_function_inductor_does_not_run_is_traced_eagerly_with_both_figures():
+    """A function compiled for another backend than Inductor runs eagerly, and the notes say so
+    with its eager and outputs-only figures: the eager loss's figures, and its scalar output."""
+    ledger = estimate(loss=f"{FUNCTIONS}:eager_backend_loss", **CLASSIFIER)
+    eager = estimate(loss=f"{FUNCTIONS}:eager_loss", **CLASSIFIER)
+    assert ledger.peak_bytes == eager.peak_bytes
+    (note,) = [n for n in ledger.notes if "could not be modelled" in n]
+    assert note.startswith("compiled region capped_cross_entropy (torch.compile'd function)")
+    assert "is not Inductor" in note and "outputs only" in note
     assert not any(MODELLED in n for n in ledger.notes)

@@ -37,6 +37,8 @@ Limits, said in the trace's notes:
 from __future__ import annotations
 
 import contextlib
+import gc
+import sys
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -46,10 +48,12 @@ from typing import Any, ClassVar
 import torch
 from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes, _pop_mode, _push_mode
+from torch.utils._pytree import tree_leaves
 
 from ..timeline import Timeline
 from ..units import format_bytes
 from .patched_functions import patched_functions
+from .tracker import storages_of
 
 METHOD = (
     "Inductor's own generated wrapper (CPU C++ backend) run on the fake inputs with its kernels "
@@ -255,6 +259,11 @@ class CompiledRegions:
             weakref.WeakKeyDictionary()
         )
         """Each trace builds its own modules: kept while they live."""
+        self._wrappers: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = (
+            weakref.WeakKeyDictionary()
+        )
+        """A user's compiled functions, by the ``torch.compile`` context that wraps each: kept
+        while it lives."""
 
     def compiled(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
         """``torch.compile(fn, **options)``, made once per function (on a copy of it)."""
@@ -270,14 +279,23 @@ class CompiledRegions:
         Another backend than Inductor is not modelled."""
         found = self._modules.get(module)
         if found is None:
-            from torch._dynamo.eval_frame import innermost_backend
-
-            backend = innermost_backend(module.dynamo_ctx.callback)
-            if not isinstance(backend, torch._TorchCompileInductorWrapper):
-                raise RegionNotModelled(f"its backend {backend!r} is not Inductor")
-            options = {"fullgraph": True, "dynamic": backend.dynamic, "backend": backend}
+            options = _inductor_options(module.dynamo_ctx)
             found = torch.compile(module._orig_mod, **options).forward
             self._modules[module] = found
+        return found
+
+    def compiled_wrapper(self, context: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A user's ``torch.compile(fn)`` (``context``: the ``_TorchDynamoContext`` of the
+        wrapper it returned) compiled again, on a copy of ``fn``, with ``fullgraph=True`` and
+        the user's own Inductor settings, as :meth:`compiled_module` does. A bound method
+        (``nn.Module.compile()`` compiles the module's ``_call_impl``) is compiled unbound: the
+        caller passes its ``__self__`` first."""
+        found = self._wrappers.get(context)
+        if found is None:
+            options = _inductor_options(context)
+            plain = fn.__func__ if isinstance(fn, types.MethodType) else fn
+            found = torch.compile(_copy(plain), **options)
+            self._wrappers[context] = found
         return found
 
     def run(
@@ -318,6 +336,19 @@ class CompiledRegions:
         return out
 
 
+def _inductor_options(context: Any) -> dict[str, Any]:
+    """``torch.compile`` options that compile again what ``context`` (a
+    ``_TorchDynamoContext``) compiles, with its own Inductor settings (mode, options,
+    ``dynamic``) and ``fullgraph=True``; :class:`RegionNotModelled` for another backend."""
+    from torch._dynamo.eval_frame import innermost_backend
+
+    backend = innermost_backend(context.callback)
+    if not isinstance(backend, torch._TorchCompileInductorWrapper):
+        name = getattr(backend, "compiler_name", None) or repr(backend)
+        raise RegionNotModelled(f"its backend {name!r} is not Inductor")
+    return {"fullgraph": True, "dynamic": backend.dynamic, "backend": backend}
+
+
 REGIONS = CompiledRegions()
 """The process's compiled regions (Dynamo's cache is per process too)."""
 
@@ -334,9 +365,10 @@ that function runs the region as Inductor does."""
 
 @contextlib.contextmanager
 def compiled_regions(tracker: Any, notes: list[str], target: str) -> Iterator[None]:
-    """Within this context, the functions of ``COMPILED_FUNCTIONS`` and every
-    ``torch.compile``'d module (``OptimizedModule``) run as Inductor runs them. What they did
-    is added to ``notes`` at the end (``target``: the trace's device type)."""
+    """Within this context, the functions of ``COMPILED_FUNCTIONS``, every ``torch.compile``'d
+    module (``OptimizedModule``) and every function a user compiled (``torch.compile(fn)``,
+    ``@torch.compile``, ``nn.Module.compile()``) run as Inductor runs them. What they did is
+    added to ``notes`` at the end (``target``: the trace's device type)."""
     from torch._dynamo.eval_frame import OptimizedModule
 
     log = RegionLog()
@@ -349,7 +381,7 @@ def compiled_regions(tracker: Any, notes: list[str], target: str) -> Iterator[No
     OptimizedModule.__call__ = _module_region(module_call)  # type: ignore[method-assign]
     _Active.context.append((tracker, log))
     try:
-        with patched_functions(options, region):
+        with patched_functions(options, region), _user_wrappers():
             yield
     finally:
         _Active.context.pop()
@@ -364,58 +396,183 @@ def _function_region(region: str, fn: Callable[..., Any], options: dict[str, Any
         try:
             return REGIONS.run(region, REGIONS.compiled(fn, options), args, kwargs, log=log)
         except RegionNotModelled as exc:
-            out = fn(*args, **kwargs)
-            if region not in log.eager:
-                log.eager[region] = eager_figures(str(exc), tracker.timeline, start)
-            return out
+            return run_eagerly(region, str(exc), fn, args, kwargs, start)
 
     return call
 
 
+@contextlib.contextmanager
+def _user_wrappers() -> Iterator[None]:
+    """Runs the functions a user compiled as Inductor runs them.
+
+    ``torch.compile(fn)`` returns a wrapper (``compile_wrapper`` in
+    ``torch/_dynamo/eval_frame.py``) that, under the trace's ``force_eager`` stance, asks
+    ``_callback_from_stance`` for its Dynamo callback (none: run eagerly) and then calls ``fn``,
+    which it reads from its closure. While this context is active, that lookup finds the wrapper
+    that asks (the function whose code the asking frame runs and whose context is the frame's
+    ``self``: ``gc.get_referrers`` of the code, once per wrapper and trace) and puts a region
+    function in its ``fn`` cell, so that this call and the later ones run the region. Every
+    reference to the wrapper is covered (a module attribute, ``@torch.compile`` on a function,
+    ``nn.Module.compile()``'s ``_compiled_call_impl``); the cells are restored on exit. Dynamo
+    itself inlines a wrapper through its ``_torchdynamo_inline`` attribute, which is left
+    alone."""
+    from torch._dynamo import eval_frame
+
+    original = eval_frame._callback_from_stance
+    swapped: list[tuple[Any, Any]] = []
+    """(cell, the function it held) of each wrapper redirected."""
+    regions: set[int] = set()
+    """The region functions put in those cells (a wrapper redirected already calls one)."""
+
+    def from_stance(callback: Any) -> Any:
+        found = original(callback)
+        if (
+            found is None
+            and callback not in (None, False)
+            and eval_frame._stance.stance == "force_eager"
+            and _Active.context
+            and _Active.modes is None
+        ):
+            frame = sys._getframe(1)
+            code = frame.f_code
+            if code.co_name == "compile_wrapper" and code.co_filename == eval_frame.__file__:
+                cell = None if id(frame.f_locals["fn"]) in regions else _fn_cell(frame)
+                if cell is not None:
+                    swapped.append((cell, cell.cell_contents))
+                    cell.cell_contents = _wrapper_region(frame.f_locals["self"], swapped[-1][1])
+                    regions.add(id(cell.cell_contents))
+        return found
+
+    eval_frame._callback_from_stance = from_stance
+    try:
+        yield
+    finally:
+        eval_frame._callback_from_stance = original
+        for cell, fn in reversed(swapped):
+            cell.cell_contents = fn
+
+
+def _fn_cell(frame: types.FrameType) -> Any:
+    """The ``fn`` cell of the ``compile_wrapper`` function that ``frame`` runs, or ``None``
+    where ``fn`` is a function of ``COMPILED_FUNCTIONS`` as the trace patched it (torchao's
+    step, which already runs its region)."""
+    context, fn = frame.f_locals["self"], frame.f_locals["fn"]
+    for module_name, name, _ in COMPILED_FUNCTIONS:
+        module = sys.modules.get(module_name)
+        if module is not None and getattr(module, name, None) is fn:
+            return None
+    code = frame.f_code
+    for wrapper in gc.get_referrers(code):
+        if not isinstance(wrapper, types.FunctionType) or wrapper.__code__ is not code:
+            continue
+        cells = dict(zip(code.co_freevars, wrapper.__closure__ or (), strict=True))
+        if cells["self"].cell_contents is context:
+            return cells["fn"]
+    raise AssertionError(f"no torch.compile wrapper found for {fn!r}")  # pragma: no cover
+
+
+def _wrapper_region(context: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
+    """What a user's ``torch.compile`` wrapper calls in a trace instead of ``fn``: ``fn`` as
+    Inductor runs it (:meth:`CompiledRegions.compiled_wrapper`), else eagerly with the note."""
+    bound = fn.__self__ if isinstance(fn, types.MethodType) else None
+    if isinstance(bound, torch.nn.Module):  # nn.Module.compile(): its _call_impl
+        name = f"{type(bound).__name__} (nn.Module.compile'd module)"
+    else:
+        name = f"{getattr(fn, '__qualname__', repr(fn))} (torch.compile'd function)"
+    leading = () if bound is None else (bound,)
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        tracker, log = _Active.context[-1]
+        start = tracker.position()
+        try:
+            with _global_hooks_aside():
+                compiled = REGIONS.compiled_wrapper(context, fn)
+                return REGIONS.run(name, compiled, (*leading, *args), kwargs, log=log)
+        except RegionNotModelled as exc:
+            reason = str(exc)
+        return run_eagerly(name, reason, fn, args, kwargs, start)
+
+    return call
+
+
+@contextlib.contextmanager
+def _global_hooks_aside() -> Iterator[None]:
+    """Global module hooks (the tracker's module attribution) set aside while a region is
+    traced by Dynamo and runs, as they would otherwise be traced into its graph: the region's
+    storages belong to the module that calls it."""
+    from torch.nn.modules import module as nn_module
+
+    hooks = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
+    saved = [dict(h) for h in hooks]
+    for h in hooks:
+        h.clear()
+    try:
+        yield
+    finally:
+        for h, kept in zip(hooks, saved, strict=True):
+            h.update(kept)
+
+
 def _module_region(original: Callable[..., Any]) -> Any:
     """``OptimizedModule.__call__`` in a trace: the module's forward graph as Inductor runs it,
-    and its backward graph (compiled with it) when autograd reaches it. Global module hooks
-    (the tracker's module attribution) are set aside while Dynamo traces the module, as they
-    would otherwise be traced into its graph: the region's storages belong to the module that
-    calls it."""
-    from torch.nn.modules import module as nn_module
+    and its backward graph (compiled with it) when autograd reaches it."""
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
         tracker, log = _Active.context[-1]
         name = f"{type(self._orig_mod).__name__} (torch.compile'd module)"
         start = tracker.position()
-        hooks = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
-        saved = [dict(h) for h in hooks]
-        for h in hooks:
-            h.clear()
         try:
-            return REGIONS.run(name, REGIONS.compiled_module(self), args, kwargs, log=log)
+            with _global_hooks_aside():
+                compiled = REGIONS.compiled_module(self)
+                return REGIONS.run(name, compiled, args, kwargs, log=log)
         except RegionNotModelled as exc:
             reason = str(exc)
-        finally:
-            for h, kept in zip(hooks, saved, strict=True):
-                h.update(kept)
-        out = self._orig_mod(*args, **kwargs)
-        if name not in log.eager:
-            log.eager[name] = eager_figures(reason, tracker.timeline, start)
-        return out
+        return run_eagerly(name, reason, self._orig_mod, args, kwargs, start)
 
     return call
 
 
-def eager_figures(reason: str, timeline: Timeline, start: tuple[int, int, int]) -> str:
+def run_eagerly(
+    name: str,
+    reason: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    start: tuple[int, int, int],
+) -> Any:
+    """Run a region that could not be modelled eagerly; its first call's figures go into the
+    notes (:func:`eager_figures`)."""
+    tracker, log = _Active.context[-1]
+    out = fn(*args, **kwargs)
+    if name not in log.eager:
+        log.eager[name] = eager_figures(reason, tracker.timeline, start, (args, kwargs), out)
+    return out
+
+
+def eager_figures(
+    reason: str, timeline: Timeline, start: tuple[int, int, int], inputs: Any, out: Any
+) -> str:
     """What the notes say of a region that ran eagerly (:func:`call_figures`)."""
-    eager, outputs = call_figures(timeline, start)
+    eager, outputs = call_figures(timeline, start, inputs, out)
     return (
         f"{reason}; its first call allocated at most {format_bytes(eager)} at once eagerly, "
         f"{format_bytes(outputs)} counting its outputs only"
     )
 
 
-def call_figures(timeline: Timeline, start: tuple[int, int, int]) -> tuple[int, int]:
-    """Of the events since ``start`` (``StorageTracker.position``): the most bytes that storages
-    made among them held at once (the eager temporaries' peak, outputs included), and the bytes
-    of those still alive at the end (the outputs only)."""
+def call_figures(
+    timeline: Timeline, start: tuple[int, int, int], inputs: Any, out: Any
+) -> tuple[int, int]:
+    """The two figures of a region's call that ran eagerly, from ``start``
+    (``StorageTracker.position``), its ``inputs`` and what it returned (``out``):
+
+    - eager: the most bytes that storages made since ``start`` held at once (the eager
+      temporaries' peak, outputs and tensors saved for backward included);
+    - outputs only: the bytes of the storages behind the tensors it returned, those of its
+      inputs (a returned view of an argument) left out. Tensors that autograd saves for the
+      region's backward are not counted: compiled, the region would keep the ones its
+      partitioner picks, which only compiling tells. The two figures bound what the region
+      holds at its end."""
     first_event, first_sid, _ = start
     live = peak = 0
     alive: set[int] = set()
@@ -430,4 +587,10 @@ def call_figures(timeline: Timeline, start: tuple[int, int, int]) -> tuple[int, 
         elif sid in alive:
             alive.discard(sid)
             live -= timeline.nbytes[sid]
-    return peak, live
+    given = {st._cdata for t in _tensors(inputs) for st in storages_of(t)}
+    made = {st._cdata: st.nbytes() for t in _tensors(out) for st in storages_of(t)}
+    return peak, sum(n for key, n in made.items() if key not in given)
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
