@@ -32,6 +32,9 @@ CASES = {
     "max": ("token_head", "token_inputs", "max_loss"),
     "sort": ("token_head", "token_inputs", "sorted_loss"),
     "index-select": ("lookup", "token_inputs", "lookup_loss"),
+    "bce-pos-weight": ("token_head", "token_inputs", "bce_pos_weight_loss"),
+    "prod-dim": ("token_head", "token_inputs", "grouped_prod_loss"),
+    "prod-all": ("token_head", "token_inputs", "whole_prod_loss"),
 }
 
 
@@ -115,3 +118,19 @@ def test_measure_counts_a_plain_run():
     assert m.measured_peak_bytes == _plain_peak("boolean-mask-loss")
     # The tracked run's ledger, folded as the plain run writes, agrees to the byte.
     assert out["tracked_peak_bytes"] == m.measured_peak_bytes
+
+
+@pytest.mark.parametrize("name", ["prod-dim", "prod-all"])
+def test_prod_backward_assumption_is_noted(name):
+    """The trace cannot see whether ``prod``'s input holds a zero: the ledger says what it
+    assumed, for the calls it ran, and what the other branch would hold; the figure is the
+    do-nothing mode's (which runs that branch) excess or more."""
+    notes = [n for n in _estimate(name).notes if n.startswith("prod backward")]
+    assert len(notes) == 1, notes
+    assert f"({STEPS} calls in the trace): assumed the input holds no zero" in notes[0]
+    extra = int(notes[0].split("holds up to ")[1].split(" bytes")[0].replace(",", ""))
+    assert extra >= _plain_peak(name, under_mode=True) - _plain_peak(name)
+
+
+def test_no_prod_note_without_prod():
+    assert not [n for n in _estimate("bce-pos-weight").notes if "prod" in n]

@@ -352,6 +352,7 @@ def _run_rank(
             "value-dependent operator read it)"
         )
     notes.extend(n for n in engine.notes if n not in notes)
+    notes.extend(tracker.plain_branches.notes())
     if tracker.scalars_answered:
         notes.append(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "

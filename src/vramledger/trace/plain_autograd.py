@@ -27,16 +27,35 @@ module decides which calls qualify. ``docs/plain-run-paths.md`` lists every bran
 its source, and which are modelled; ``tests/test_plain_paths.py`` checks each modelled one
 against a plain run counted by the allocator.
 
-Not modelled (see the doc): ``prod``'s backward, whose plain branch depends on whether the input
-holds a zero (a value a fake tensor does not have); forward-mode (jvp) formulas; double
-backward (``create_graph=True``: autograd then always sums out of place, as the trace does).
+Two formulas need more than that rule (:class:`PlainBranches`, also applied by the tracker):
+
+- ``binary_cross_entropy_with_logits_backward`` with ``pos_weight`` writes a *chain* in place,
+  ``t.add(1).sub_(target).mul_(input.sigmoid()).sub_(t)``: out of place, every link's operand
+  is a temporary that lives to the end of the C++ full-expression, so it does not die at once.
+  The chain starts at the ``add`` (``t`` itself is a named local that lives on) and each later
+  ``sub``/``mul`` whose first operand is the chain's buffer is that buffer (:data:`CHAINS`).
+- ``prod_backward`` (``ProdBackward0``/``1``) decides by value: a plain run computes
+  ``grad * (result / input)`` when the input holds no zero, else ``prod_safe_zeros_backward``
+  (``cat``/``cumprod``/``flip``), which is what every subclass or mode runs. The trace records
+  the no-zero branch's allocations instead (:class:`ProdPlainBranch`) when the input's values
+  say it holds no zero (a real run, or values the trace knows, trace/values.py) or are
+  unknown (a fake tensor from parameters: assumed, as real training data nearly always is,
+  and said in the notes with what the other branch would hold).
+
+Not modelled (see the doc): forward-mode (jvp) formulas; double backward
+(``create_graph=True``: autograd then always sums out of place, as the trace does).
 """
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.utils._mode_utils import no_dispatch
 
 aten = torch.ops.aten
 
@@ -108,4 +127,234 @@ def plain_writes_in_place(func: Any, args: tuple[Any, ...], out: Any) -> bool:
     return _dense_like(args[0], out)
 
 
-__all__ = ["INPUT_BUFFER_SUM", "IN_PLACE_TWINS", "plain_writes_in_place"]
+CHAINS: dict[str, tuple[Any, frozenset[Any]]] = {
+    # binary_cross_entropy_with_logits_backward with pos_weight (FunctionsManual.cpp):
+    #   plain: t.add(1).sub_(target).mul_(input.sigmoid()).sub_(t); grad_input.mul_(grad);
+    #          grad_input.mul_(weight)
+    #   subclass / mode: t.add(1).sub(target).mul(input.sigmoid()).sub(t); .mul(grad); ...
+    "BinaryCrossEntropyWithLogitsBackward0": (
+        aten.add.Scalar,
+        frozenset({aten.sub.Tensor, aten.mul.Tensor}),
+    ),
+}
+"""Backward nodes whose plain formula writes a chain of operators into one fresh buffer:
+node name -> (the operator that makes the buffer, the out-of-place operators that write into
+it in a plain run when their first operand is that buffer)."""
+
+PROD_BACKWARD = frozenset({"ProdBackward0", "ProdBackward1"})
+"""``prod_backward`` over the whole tensor (0) and along a dimension (1), FunctionsManual.cpp."""
+
+
+class Action(Enum):
+    """What the tracker does with an operator's output to record the plain run instead."""
+
+    ALIAS = "alias"
+    """The output is ``args[0]``'s storage (a link of a chain written in place)."""
+    HIDE = "hide"
+    """Not allocated in a plain run (``prod_safe_zeros_backward``'s buffers): not recorded."""
+    PROD_OUTPUT = "prod output"
+    """``prod_backward``'s result: recorded between the no-zero branch's buffers."""
+
+
+@dataclass(frozen=True)
+class ProdPlainBranch:
+    """The buffers the plain no-zero branch of one ``prod_backward`` call holds, in bytes.
+
+    Along a dimension (``ProdBackward1``)::
+
+        Tensor zero_mask = (input == 0);                        // bool, input's shape
+        Tensor slice_zero_count = zero_mask.sum(dim, true);     // int64, reduced shape
+        int64_t total_zeros = slice_zero_count.sum().item<int64_t>();  // int64 scalar, temporary
+        return grad * (result / input).conj();                  // quotient: temporary
+
+    Whole tensor (``ProdBackward0``): ``Tensor zero_idx = (input == 0).nonzero();`` (the mask
+    is a temporary of that statement; no zero: ``zero_idx`` is empty), then the same return.
+    The locals (``zero_mask``, ``slice_zero_count``) are freed after the result is made."""
+
+    mask_bytes: int
+    mask_lives_to_return: bool
+    count_bytes: int
+    total_bytes: int
+    quotient_bytes: int
+
+    @classmethod
+    def of(cls, node: Any) -> ProdPlainBranch:
+        inp, result = node._saved_self, node._saved_result
+        quotient = inp.numel() * torch.promote_types(result.dtype, inp.dtype).itemsize
+        mask = inp.numel() * torch.bool.itemsize
+        if node.name() == "ProdBackward0":
+            return cls(mask, False, 0, 0, quotient)
+        dim = node._saved_dim
+        if dim >= 2**63:  # the saved int64 reads back unsigned
+            dim -= 2**64
+        dim %= max(inp.dim(), 1)
+        counts = inp.numel() // max(inp.shape[dim], 1) * torch.int64.itemsize
+        return cls(mask, True, counts, torch.int64.itemsize, quotient)
+
+    @property
+    def peak_with(self) -> int:
+        """Bytes the branch holds beside its result while the result is made."""
+        mask = self.mask_bytes if self.mask_lives_to_return else 0
+        return mask + self.count_bytes + self.quotient_bytes
+
+
+def holds_zero(t: torch.Tensor, values: Any = None) -> bool | None:
+    """Whether ``t`` holds a zero: read from a real tensor, or from the values the trace knows
+    (trace/values.py); ``None`` when unknown (a fake tensor computed from parameters)."""
+    if isinstance(t, FakeTensor):
+        if values is None or not values.known(t):
+            return None
+        t = values.value(t)
+    if t.device.type == "meta":
+        return None
+    with no_dispatch():
+        return bool((t == 0).any())
+
+
+class PlainBranches:
+    """Per-node state for the formulas of :data:`CHAINS` and :data:`PROD_BACKWARD`: which
+    storages form the current chain, which buffers of the current ``prod_backward`` call are
+    hidden, and what the trace assumed about ``prod``'s input (for the notes)."""
+
+    def __init__(self, values: Any = None) -> None:
+        self._values = values
+        self._node: tuple[str, int] | None = None
+        self._chain: set[int] = set()  # storage keys of the current chain's buffer
+        self.prod: ProdPlainBranch | None = None
+        """The no-zero branch of the ``prod_backward`` running now (None: not modelled)."""
+        self.hidden: set[int] = set()  # storage keys of prod_safe_zeros_backward's buffers
+        self.prod_assumed = 0
+        """``prod_backward`` calls whose input values were unknown: no zero assumed."""
+        self.prod_known = 0
+        """``prod_backward`` calls whose input was seen to hold no zero."""
+        self.prod_zeros = 0
+        """``prod_backward`` calls whose input holds a zero: run as the plain run does."""
+        self.zero_branch_extra = 0
+        """The most bytes one assumed call's zero branch (as traced) held beyond the no-zero
+        branch while it ran: what an input with a zero would add at that point."""
+        self._hidden_live = 0
+        self._hidden_peak = 0
+        self._hidden_refs: dict[int, Any] = {}
+
+    def forget(self, key: int) -> None:
+        """A storage died: its key may be reused by a new one."""
+        self._chain.discard(key)
+
+    def action(self, func: Any, args: tuple[Any, ...], out: torch.Tensor) -> Action | None:
+        """How a plain run would have made ``out``, for the operators of these formulas (None:
+        as traced, left to :func:`plain_writes_in_place`)."""
+        if torch.is_grad_enabled():
+            return None
+        node = torch._C._current_autograd_node()
+        if node is None:
+            return None
+        name = node.name()
+        here = (name, node._sequence_nr())
+        if here != self._node:
+            self._start(here, node)
+        if name in CHAINS:
+            return self._chain_action(name, func, args, out)
+        if name in PROD_BACKWARD and self.prod is not None:
+            return self._prod_action(func, args, out)
+        return None
+
+    def _start(self, here: tuple[str, int], node: Any) -> None:
+        self._node = here
+        self._chain.clear()
+        self.prod = None
+        if here[0] not in PROD_BACKWARD:
+            return
+        inp = node._saved_self
+        if inp.dim() == 0:
+            return  # `return grad` on both branches
+        zero = holds_zero(inp, self._values)
+        if zero:
+            self.prod_zeros += 1
+            return
+        self.prod = ProdPlainBranch.of(node)
+        self.prod_assumed += zero is None
+        self.prod_known += zero is False
+        self._hidden_live = self._hidden_peak = 0
+
+    def _chain_action(
+        self, name: str, func: Any, args: tuple[Any, ...], out: torch.Tensor
+    ) -> Action | None:
+        head, links = CHAINS[name]
+        if func is head:
+            self._chain.add(out.untyped_storage()._cdata)
+            return None
+        operand = args[0] if args else None
+        if (
+            func in links
+            and isinstance(operand, torch.Tensor)
+            and operand.untyped_storage()._cdata in self._chain
+            and _dense_like(operand, out)
+        ):
+            self._chain.add(out.untyped_storage()._cdata)
+            return Action.ALIAS
+        return None
+
+    def _prod_action(self, func: Any, args: tuple[Any, ...], out: torch.Tensor) -> Action:
+        operand = args[0] if args else None
+        if (
+            func is aten.mul.Tensor
+            and isinstance(operand, torch.Tensor)
+            and operand.untyped_storage()._cdata not in self.hidden
+        ):
+            # grad * (exclusive_normal * exclusive_reverse): the call's result
+            assert self.prod is not None
+            out_bytes = out.untyped_storage().nbytes()
+            zero_branch = max(self._hidden_peak, self._hidden_live + out_bytes)
+            if self.prod.mask_lives_to_return:  # the zero test's locals outlive either branch
+                zero_branch += self.prod.mask_bytes + self.prod.count_bytes
+            plain = self.prod.peak_with + out_bytes
+            if self.prod_assumed:
+                self.zero_branch_extra = max(self.zero_branch_extra, zero_branch - plain)
+            return Action.PROD_OUTPUT
+        return Action.HIDE
+
+    def hide(self, storage: torch.UntypedStorage) -> None:
+        """Keep ``storage`` out of the timeline, counting it for the zero branch's figure."""
+        key = storage._cdata
+        if key in self.hidden:
+            return
+        nbytes = storage.nbytes()
+        self.hidden.add(key)
+        self._hidden_live += nbytes
+        self._hidden_peak = max(self._hidden_peak, self._hidden_live)
+
+        def died(_ref: Any, key: int = key, nbytes: int = nbytes) -> None:
+            self.hidden.discard(key)
+            self._hidden_refs.pop(key, None)
+            self._hidden_live -= nbytes
+
+        self._hidden_refs[key] = weakref.ref(storage, died)
+
+    def notes(self) -> list[str]:
+        """What the trace assumed, derived from the ``prod_backward`` calls it ran."""
+        if not self.prod_assumed:
+            return []
+        more = (
+            f"with a zero, that call holds up to {self.zero_branch_extra:,} bytes more while it "
+            "runs (prod_safe_zeros_backward)"
+            if self.zero_branch_extra > 0
+            else "with a zero, prod_safe_zeros_backward holds no more at that point"
+        )
+        return [
+            f"prod backward ({self.prod_assumed} call{'s' * (self.prod_assumed != 1)} in the "
+            "trace): assumed the input holds no zero (its values come from parameters, unknown to the trace), "
+            f"so autograd computes grad * (result / input); {more}"
+        ]
+
+
+__all__ = [
+    "CHAINS",
+    "INPUT_BUFFER_SUM",
+    "IN_PLACE_TWINS",
+    "PROD_BACKWARD",
+    "Action",
+    "PlainBranches",
+    "ProdPlainBranch",
+    "holds_zero",
+    "plain_writes_in_place",
+]

@@ -32,7 +32,13 @@ from torch.utils._python_dispatch import (
 from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
-from .plain_autograd import IN_PLACE_TWINS, INPUT_BUFFER_SUM, plain_writes_in_place
+from .plain_autograd import (
+    IN_PLACE_TWINS,
+    INPUT_BUFFER_SUM,
+    Action,
+    PlainBranches,
+    plain_writes_in_place,
+)
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
 
 
@@ -153,6 +159,9 @@ class StorageTracker(TorchDispatchMode):
         # the call just made whose first operand, if it dies at once, a plain run wrote into:
         # (operand's storage key, output's storage key, output's sid, its allocation event).
         self._plain_autograd = plain_autograd
+        self.plain_branches = PlainBranches(values)
+        """Formulas written in place as a chain, and ``prod``'s value-dependent backward."""
+        self._shared: dict[int, int] = {}  # sid -> how many live storages are that buffer
         self._twin: tuple[int, int, int, int] | None = None
         self.twins_merged = 0
         """How many out-of-place autograd buffers were modelled as the plain run's in-place
@@ -198,16 +207,26 @@ class StorageTracker(TorchDispatchMode):
                 Category.TEMPORARIES,
             )
             self.values.pending_scratch = 0
-        if isinstance(out, torch.Tensor):
-            twin = (
-                self._plain_autograd
-                and func in _TWIN_OPS
-                and plain_writes_in_place(func, args, out)
-            )
-            first_event = len(self.timeline.events)
-            self._see(out)
-            if twin:
-                self._note_twin(args[0], out, first_event)
+        plain = None
+        if self._plain_autograd and isinstance(out, torch.Tensor):
+            plain = self.plain_branches.action(func, args, out)
+        if plain is Action.HIDE and out.untyped_storage()._cdata not in self._live:
+            self.plain_branches.hide(out.untyped_storage())
+        elif plain is Action.ALIAS and self._alias(args[0], out):
+            pass
+        elif isinstance(out, torch.Tensor):
+            if plain is Action.PROD_OUTPUT:
+                self._prod_output(out)
+            else:
+                twin = (
+                    self._plain_autograd
+                    and func in _TWIN_OPS
+                    and plain_writes_in_place(func, args, out)
+                )
+                first_event = len(self.timeline.events)
+                self._see(out)
+                if twin:
+                    self._note_twin(args[0], out, first_event)
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
         self._op = None
@@ -274,6 +293,45 @@ class StorageTracker(TorchDispatchMode):
         ):
             self._twin = (operand_key, out_key, out_sid, event)
 
+    def _alias(self, operand: torch.Tensor, out: torch.Tensor) -> bool:
+        """``out`` is written into ``operand``'s buffer in a plain run (a chain link,
+        ``plain_autograd.CHAINS``): both storages stand for one buffer, freed with the last."""
+        if is_traceable_wrapper_subclass(operand) or is_traceable_wrapper_subclass(out):
+            return False
+        sid = self._live.get(operand.untyped_storage()._cdata)
+        st = out.untyped_storage()
+        key = st._cdata
+        if sid is None or key in self._live:
+            return False
+        self._live[key] = sid
+        self._refs[key] = weakref.ref(st, partial(self._on_free, key))
+        self._shared[sid] = self._shared.get(sid, 1) + 1
+        return True
+
+    def _prod_output(self, out: torch.Tensor) -> None:
+        """``prod_backward``'s result, recorded between the buffers of the plain no-zero
+        branch (``plain_autograd.ProdPlainBranch``): the mask and the per-slice zero counts
+        (locals), the scalar total (a temporary), the quotient ``result / input``."""
+        branch = self.plain_branches.prod
+        assert branch is not None
+        label = "prod backward, no-zero branch: "
+        temporaries = Category.TEMPORARIES
+        mask = self.add_synthetic(branch.mask_bytes, label + "input == 0", temporaries)
+        if not branch.mask_lives_to_return:  # (input == 0).nonzero(): the mask is a temporary
+            self._free(mask)
+        counts = None
+        if branch.count_bytes:
+            counts = self.add_synthetic(branch.count_bytes, label + "zero counts", temporaries)
+            total = self.add_synthetic(branch.total_bytes, label + "total zeros", temporaries)
+            self._free(total)
+        quotient = self.add_synthetic(branch.quotient_bytes, label + "result / input", temporaries)
+        self._see(out)
+        self._free(quotient)
+        if counts is not None:
+            self._free(counts)
+        if branch.mask_lives_to_return:
+            self._free(mask)
+
     def _merge_twin(self) -> None:
         """The operand of the last call died at once: the plain run wrote the output into it.
         The output's storage becomes the operand's (one sid, never freed here) and the output's
@@ -295,6 +353,7 @@ class StorageTracker(TorchDispatchMode):
         self.twins_merged += 1
 
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
+        self.plain_branches.forget(key)
         twin = self._twin
         if twin is not None and twin[0] == key and not self._closed:
             self._merge_twin()
@@ -302,6 +361,13 @@ class StorageTracker(TorchDispatchMode):
         sid = self._live.pop(key, None)
         self._refs.pop(key, None)
         if sid is None or self._closed:
+            return
+        shared = self._shared.get(sid)
+        if shared is not None:  # a chain's buffer: freed with its last storage
+            if shared > 2:
+                self._shared[sid] = shared - 1
+            else:
+                del self._shared[sid]
             return
         self._free(sid)
 
