@@ -1,0 +1,328 @@
+"""The user's own program, run unchanged in this process: a ``.py`` script, ``-m MODULE`` or a
+console script, with ``sys.argv`` set as the shell would set it.
+
+This module knows nothing of memory. It runs the program (``runpy``), counts optimizer steps
+(``torch.optim``'s global step hooks, so every optimizer the program makes is seen), stops the
+program after ``max_steps`` steps in all or after ``timeout`` seconds (an internal
+``BaseException`` that the program's ``except Exception`` does not catch), skips checkpoint
+saves, and tells apart how the program ended: it ran to its end, it was stopped, or it raised
+(its exception, with its traceback, is the program's, not vramledger's). What runs around it
+(fake tensors and CUDA emulation, ``trace/program_trace.py``; a real CPU run,
+``measure_program.py``) comes in through :class:`StepHooks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.metadata
+import linecache
+import os
+import runpy
+import signal
+import sys
+import threading
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from .errors import InputError, VramledgerError
+
+DEFAULT_MAX_STEPS = 20
+"""Optimizer steps in all (every optimizer counted) after which the program is stopped."""
+
+Ending = Literal["ended", "max-steps", "timeout"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProgramSpec:
+    """What to run, and for how long."""
+
+    program: str
+    """A ``.py`` file, a module name (with ``module=True``) or a console script's name."""
+    args: tuple[str, ...] = ()
+    """The program's own arguments (``sys.argv[1:]``)."""
+    module: bool = False
+    """``program`` is a module to run as ``python -m``."""
+    max_steps: int = DEFAULT_MAX_STEPS
+    """Stop the program after this many optimizer steps in all."""
+    timeout: float | None = None
+    """Stop the program after this many seconds (a program that never steps)."""
+
+    def __post_init__(self) -> None:
+        if self.max_steps < 1:
+            raise InputError(
+                f"--max-steps must be at least 1, not {self.max_steps}",
+                hint="two steps or more give a steady window",
+            )
+        if self.timeout is not None and self.timeout <= 0:
+            raise InputError(f"--timeout must be positive, not {self.timeout}")
+
+
+class StopProgram(BaseException):
+    """Raised inside the program to stop it (a BaseException: ``except Exception`` in the
+    program does not catch it)."""
+
+    def __init__(self, ending: Ending) -> None:
+        super().__init__(ending)
+        self.ending: Ending = ending
+
+
+class ProgramFailed(VramledgerError):
+    """The program raised: its own exception, shown with its own traceback."""
+
+    def __init__(self, exc: BaseException, program_traceback: str, steps: int) -> None:
+        super().__init__(
+            f"the program raised {type(exc).__name__}: {_first_line(exc)} (after {steps} "
+            f"optimizer step{'s' if steps != 1 else ''})",
+            hint="its traceback is above; the error is in the program, not in vramledger",
+        )
+        self.exception = exc
+        self.program_traceback = program_traceback
+        self.steps = steps
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
+
+
+class StepHooks(Protocol):
+    """What runs around the program's optimizer steps (the trace's phases, a real run's
+    counts)."""
+
+    def before_step(self, optimizer: Any, step: int) -> None: ...
+
+    def after_step(self, optimizer: Any, step: int) -> None: ...
+
+
+@dataclass(kw_only=True)
+class ProgramRun:
+    """How a program ran: its steps (1-based, in all) and which optimizer made each."""
+
+    ending: Ending = "ended"
+    steps: int = 0
+    optimizer_of_step: dict[int, int] = field(default_factory=dict)
+    """Step -> index of the optimizer that made it, in order of first step."""
+    optimizer_names: list[str] = field(default_factory=list)
+    """Each optimizer's name (its class, numbered when two share one)."""
+    skipped_saves: list[str] = field(default_factory=list)
+    """Where the program asked to save (``torch.save at train.py:80``), skipped."""
+    exit_code: int = 0
+    seconds: float = 0.0
+
+
+# -- where in the program ------------------------------------------------------------------------
+_LIBRARY_DIRS = tuple(
+    str(Path(p).resolve())
+    for p in {
+        os.path.dirname(os.__file__),
+        str(Path(__file__).parent),
+        *(str(Path(m.__file__).parent) for m in (contextlib, runpy) if m.__file__),
+    }
+)
+
+
+def _library_frame(filename: str) -> bool:
+    """A frame of the standard library, torch or vramledger (not the program's)."""
+    if "site-packages" in filename or "dist-packages" in filename:
+        return True
+    try:
+        resolved = str(Path(filename).resolve())
+    except OSError:
+        return False
+    return resolved.startswith(_LIBRARY_DIRS)
+
+
+def program_location() -> str | None:
+    """``file:line: source`` of the innermost frame of the program's own code (outside the
+    standard library, installed packages and vramledger), None when the call came from none."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith("<") and not _library_frame(name):
+            source = linecache.getline(name, frame.f_lineno).strip()
+            where = f"{Path(name).name}:{frame.f_lineno}"
+            return f"{where}: {source}" if source else where
+        frame = frame.f_back
+    return None
+
+
+# -- saves -----------------------------------------------------------------------------------------
+SAVE_FUNCTIONS = (
+    ("torch", "save"),
+    ("torch.serialization", "save"),
+    ("safetensors.torch", "save_file"),
+    ("safetensors.torch", "save"),
+    ("safetensors.torch", "save_model"),
+    ("transformers.modeling_utils", "safe_save_file"),
+)
+"""Functions that write checkpoints; each is replaced by one that writes nothing. Modules not
+imported yet are imported (safetensors) only when installed; transformers' module is patched
+only when the program (or the process) has already imported it."""
+SAVE_METHODS = (("transformers.modeling_utils", "PreTrainedModel", "save_pretrained"),)
+
+
+@contextlib.contextmanager
+def skipped_saves(run: ProgramRun) -> Iterator[None]:
+    """Checkpoint saves write nothing; where each was asked goes into ``run.skipped_saves``."""
+    restore: list[tuple[Any, str, Any]] = []
+
+    def skip(name: str) -> Callable[..., None]:
+        def skipped(*_args: Any, **_kwargs: Any) -> None:
+            where = program_location()
+            run.skipped_saves.append(f"{name} at {where}" if where else name)
+
+        return skipped
+
+    for module_name, attr in SAVE_FUNCTIONS:
+        module = sys.modules.get(module_name)
+        if module is None and module_name.startswith("safetensors"):
+            with contextlib.suppress(ImportError):
+                module = importlib.import_module(module_name)
+        if module is not None and hasattr(module, attr):
+            restore.append((module, attr, getattr(module, attr)))
+            setattr(module, attr, skip(f"{module_name.split('.')[0]}.{attr}"))
+    for module_name, cls_name, attr in SAVE_METHODS:
+        cls = getattr(sys.modules.get(module_name), cls_name, None)
+        if cls is not None:
+            restore.append((cls, attr, cls.__dict__[attr]))
+            setattr(cls, attr, skip(f"{cls_name}.{attr}"))
+    try:
+        yield
+    finally:
+        for owner, attr, original in reversed(restore):
+            setattr(owner, attr, original)
+
+
+# -- running ---------------------------------------------------------------------------------------
+def _target(spec: ProgramSpec) -> tuple[str, Callable[[], Any]]:
+    """``sys.argv[0]`` and a callable that runs the program."""
+    if spec.module:
+        if importlib.util.find_spec(spec.program) is None:
+            raise InputError(f"no module named {spec.program!r}", hint="check the -m MODULE name")
+        return spec.program, lambda: runpy.run_module(
+            spec.program, run_name="__main__", alter_sys=True
+        )
+    path = Path(spec.program)
+    if path.suffix == ".py" or path.exists():
+        if not path.is_file():
+            raise InputError(
+                f"no program {spec.program!r}",
+                hint="give a .py file, -m MODULE or a console script",
+            )
+        return str(path), lambda: runpy.run_path(str(path), run_name="__main__")
+    scripts = importlib.metadata.entry_points(group="console_scripts", name=spec.program)
+    if not scripts:
+        raise InputError(
+            f"{spec.program!r} is not a .py file, a module (-m) or an installed console script",
+            hint="give the script's path, -m MODULE, or the command's name",
+        )
+    entry = next(iter(scripts))
+    return spec.program, lambda: entry.load()()
+
+
+@contextlib.contextmanager
+def _argv_and_path(argv0: str, args: tuple[str, ...], script: bool) -> Iterator[None]:
+    saved_argv, saved_path = sys.argv, list(sys.path)
+    sys.argv = [argv0, *args]
+    # python puts the script's folder (or the current one, for -m) first on sys.path
+    sys.path.insert(0, str(Path(argv0).resolve().parent) if script else os.getcwd())
+    try:
+        yield
+    finally:
+        sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+@contextlib.contextmanager
+def _alarm(seconds: float | None) -> Iterator[None]:
+    """Raise ``StopProgram('timeout')`` in the main thread after ``seconds``."""
+    if seconds is None or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(_signum: int, _frame: Any) -> None:
+        raise StopProgram("timeout")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _program_traceback(exc: BaseException) -> str:
+    """The exception's traceback without the frames of vramledger and runpy above the
+    program's."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    first = next(
+        (i for i, f in enumerate(frames) if not _library_frame(f.filename)), len(frames) - 1
+    )
+    lines = ["Traceback (most recent call last):\n"]
+    lines += traceback.format_list(frames[max(first, 0) :])
+    lines += traceback.format_exception_only(type(exc), exc)
+    return "".join(lines)
+
+
+def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
+    """Run the program to its end, to ``spec.max_steps`` optimizer steps, or to
+    ``spec.timeout``; raise :class:`ProgramFailed` if it raises."""
+    import time
+
+    from torch.optim.optimizer import (
+        register_optimizer_step_post_hook,
+        register_optimizer_step_pre_hook,
+    )
+
+    argv0, target = _target(spec)
+    run = ProgramRun()
+    optimizers: dict[int, int] = {}
+    counts: dict[str, int] = {}
+
+    def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        if id(optimizer) not in optimizers:
+            optimizers[id(optimizer)] = len(run.optimizer_names)
+            name = type(optimizer).__name__
+            counts[name] = counts.get(name, 0) + 1
+            run.optimizer_names.append(name if counts[name] == 1 else f"{name} #{counts[name]}")
+        if hooks is not None:
+            hooks.before_step(optimizer, run.steps + 1)
+
+    def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        run.steps += 1
+        run.optimizer_of_step[run.steps] = optimizers[id(optimizer)]
+        if hooks is not None:
+            hooks.after_step(optimizer, run.steps)
+        if run.steps >= spec.max_steps:
+            raise StopProgram("max-steps")
+
+    start = time.perf_counter()
+    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    try:
+        with (
+            _argv_and_path(argv0, spec.args, script=not spec.module),
+            skipped_saves(run),
+            _alarm(spec.timeout),
+        ):
+            target()
+    except StopProgram as stop:
+        run.ending = stop.ending
+    except SystemExit as exc:
+        code = exc.code
+        if code not in (None, 0):
+            run.exit_code = code if isinstance(code, int) else 1
+            if not isinstance(code, int):
+                print(code, file=sys.stderr)
+    except VramledgerError:
+        raise
+    except Exception as exc:
+        raise ProgramFailed(exc, _program_traceback(exc), run.steps) from exc
+    finally:
+        for handle in handles:
+            handle.remove()
+        run.seconds = time.perf_counter() - start
+    return run

@@ -1,0 +1,394 @@
+"""A CUDA GPU that is not there: ``torch.cuda`` answers as the GPU named, and what the program
+puts on "cuda" goes where a :class:`DeviceMapping` says.
+
+While :class:`CudaEmulation` is active:
+
+- ``torch.cuda.is_available()`` is True, ``device_count()`` 1, ``get_device_properties(0)``,
+  ``get_device_name()`` and ``get_device_capability()`` describe the GPU (``gpus.py``);
+  ``current_device()``, ``set_device()``, ``synchronize()``, ``empty_cache()`` and
+  ``manual_seed*()`` do what they do on one GPU with nothing to wait for;
+- ``memory_allocated()``, ``max_memory_allocated()``, ``memory_reserved()``,
+  ``max_memory_reserved()``, ``memory_stats()``, ``reset_peak_memory_stats()`` and
+  ``mem_get_info()`` answer from a :class:`MemoryCounter` at the moment they are called (the
+  trace's live count, ``trace/program_trace.py``; a real CPU run's allocator count,
+  ``measure_program.py``);
+- every call that names a CUDA device (``device="cuda"`` of a factory, ``Tensor.to("cuda")``,
+  ``Tensor.cuda()``, ``Module.to``/``Module.cuda``) goes to the mapping: :class:`FakeCuda`
+  makes fake tensors (CPU device: a CPU-only PyTorch aborts on autograd with fake CUDA
+  tensors; the CUDA target's decisions are the device policy's), :class:`CpuForCuda` makes
+  real CPU tensors. Tensors made without naming CUDA stay real CPU tensors;
+- ``torch.autocast("cuda", ...)`` runs as CPU autocast over these CPU tensors (the CUDA
+  policy's ``CudaAutocast`` gives it CUDA's operator lists).
+
+Everything is restored on exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.overrides import TorchFunctionMode
+
+from ..categories import Category
+
+CUDA_MODULES = ("torch.cuda", "torch.cuda.memory")
+"""Where ``torch.cuda``'s functions are looked up (``torch.cuda.memory_allocated`` is
+``torch.cuda.memory.memory_allocated``)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class EmulatedGpu:
+    """What ``torch.cuda.get_device_properties`` says."""
+
+    name: str
+    total_memory: int
+    major: int
+    minor: int
+
+
+class MemoryCounter(Protocol):
+    """The device memory at this moment, as the CUDA caching allocator would count it."""
+
+    def allocated(self) -> int: ...
+
+    def max_allocated(self) -> int: ...
+
+    def reserved(self) -> int: ...
+
+    def max_reserved(self) -> int: ...
+
+    def reset_peak(self) -> None: ...
+
+
+class DeviceMapping(Protocol):
+    """Where tensors the program puts on "cuda" go."""
+
+    def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any: ...
+
+    def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
+
+    def module(self, module: nn.Module, dtype: torch.dtype | None) -> None: ...
+
+    def handles(self, func: Any, args: tuple) -> bool: ...
+
+    def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any: ...
+
+
+def _is_cuda(device: Any) -> bool:
+    if device is None:
+        return False
+    if isinstance(device, int):  # a bare index names a CUDA device
+        return True
+    if isinstance(device, (str, torch.device)):
+        try:
+            return torch.device(device).type == "cuda"
+        except RuntimeError:
+            return False
+    return False
+
+
+_TENSOR_TO = {torch.Tensor.to}
+_TENSOR_CUDA = {torch.Tensor.cuda}
+
+
+class _DeviceMode(TorchFunctionMode):
+    """Sends calls that name CUDA to the mapping (and value reads of its tensors to it)."""
+
+    def __init__(self, mapping: DeviceMapping) -> None:
+        super().__init__()
+        self.mapping = mapping
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TENSOR_TO:
+            to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
+            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **to_kwargs)
+            if _is_cuda(device):
+                return self.mapping.move(args[0], dtype)
+        elif func in _TENSOR_CUDA:
+            return self.mapping.move(args[0], None)
+        elif "device" in kwargs and _is_cuda(kwargs["device"]):
+            return self.mapping.factory(func, args, kwargs)
+        elif self.mapping.handles(func, args):
+            return self.mapping.answer(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+class FakeCuda:
+    """ "cuda" tensors are fake CPU tensors of ``mode``: factories run under it, a real tensor
+    moved to "cuda" is copied into it (an operator the tracker records; its values stay known,
+    ``trace/values.py``), a module's parameters and buffers become fake tensors registered with
+    ``register(tensors, category)`` (no operator makes them, as in ``trace/fake.py``).
+    ``values``: answers reads of fake values (``value_stand_ins.py``)."""
+
+    def __init__(
+        self,
+        mode: FakeTensorMode,
+        register: Callable[[list[torch.Tensor], Category], None],
+        values: Any = None,
+    ) -> None:
+        self.mode = mode
+        self.register = register
+        self.values = values
+
+    def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        with self.mode:
+            return func(*args, **{**kwargs, "device": "cpu"})
+
+    def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        if isinstance(t, FakeTensor):
+            return t if dtype is None or dtype == t.dtype else t.to(dtype)
+        with self.mode:
+            out = t.to("cpu", dtype=dtype, copy=True)
+        self.register([out], Category.INPUTS)
+        return out
+
+    def _fake(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        if isinstance(t, FakeTensor):
+            return t if dtype is None else t.to(dtype)
+        meta = t.detach().to("meta")
+        if dtype is not None and (t.is_floating_point() or t.is_complex()):
+            meta = meta.to(dtype)
+        converter = self.mode.fake_tensor_converter
+        return converter.from_meta_and_device(self.mode, meta, torch.device("cpu"))
+
+    def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        memo: dict[int, torch.Tensor] = {}
+        params: list[torch.Tensor] = []
+        buffers: list[torch.Tensor] = []
+        for sub in module.modules():
+            for name, p in sub._parameters.items():
+                if p is None:
+                    continue
+                if id(p) not in memo and isinstance(p, FakeTensor) and dtype in (None, p.dtype):
+                    memo[id(p)] = p  # already on the emulated device
+                elif id(p) not in memo:
+                    new = nn.Parameter(self._fake(p, dtype), requires_grad=p.requires_grad)
+                    if p.grad is not None:
+                        new.grad = self._fake(p.grad, dtype)
+                    memo[id(p)] = new
+                    params.append(new)
+                sub._parameters[name] = memo[id(p)]
+            for name, b in sub._buffers.items():
+                if b is None:
+                    continue
+                if id(b) not in memo:
+                    memo[id(b)] = self._fake(b, dtype if b.is_floating_point() else None)
+                    buffers.append(memo[id(b)])
+                sub._buffers[name] = memo[id(b)]
+        self.register(params, Category.PARAMETERS)
+        self.register(buffers, Category.BUFFERS)
+
+    def handles(self, func: Any, args: tuple) -> bool:
+        return self.values is not None and self.values.handles(func, args)
+
+    def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return self.values.answer(func, args, kwargs)
+
+
+class CpuForCuda:
+    """ "cuda" is the CPU: real tensors, nothing copied (``Tensor.to("cuda")`` of a CPU tensor
+    is that tensor)."""
+
+    def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        return func(*args, **{**kwargs, "device": "cpu"})
+
+    def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        return t if dtype is None else t.to(dtype)
+
+    def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        if dtype is not None:
+            module.to(dtype)
+
+    def handles(self, func: Any, args: tuple) -> bool:
+        return False
+
+    def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+
+def _nothing() -> Callable[..., None]:
+    """A function that does nothing (a new one each time: torch.compile's rules refuse one
+    object standing for two torch functions)."""
+
+    def nothing(*_args: Any, **_kwargs: Any) -> None:
+        return None
+
+    return nothing
+
+
+def _memory_stats(counter: MemoryCounter) -> dict[str, int]:
+    allocated, peak = counter.allocated(), counter.max_allocated()
+    reserved, reserved_peak = counter.reserved(), counter.max_reserved()
+    stats = {"num_alloc_retries": 0, "num_ooms": 0, "num_device_alloc": 0, "num_device_free": 0}
+    for key, (now, most) in {
+        "allocated_bytes": (allocated, peak),
+        "active_bytes": (allocated, peak),
+        "requested_bytes": (allocated, peak),
+        "reserved_bytes": (reserved, reserved_peak),
+    }.items():
+        for pool in ("all", "large_pool", "small_pool"):
+            whole = pool == "all"
+            stats[f"{key}.{pool}.current"] = now if whole else 0
+            stats[f"{key}.{pool}.peak"] = most if whole else 0
+    return dict(sorted(stats.items()))
+
+
+class CudaEmulation:
+    """``torch.cuda`` as ``gpu`` would answer, memory from ``counter``, "cuda" tensors made by
+    ``mapping`` (module docstring)."""
+
+    def __init__(self, gpu: EmulatedGpu, counter: MemoryCounter, mapping: DeviceMapping) -> None:
+        self.gpu = gpu
+        self.counter = counter
+        self.mapping = mapping
+        self._stack = contextlib.ExitStack()
+
+    def _functions(self) -> dict[str, Callable[..., Any]]:
+        gpu, counter = self.gpu, self.counter
+        properties = SimpleNamespace(
+            name=gpu.name,
+            total_memory=gpu.total_memory,
+            major=gpu.major,
+            minor=gpu.minor,
+            multi_processor_count=1,
+            is_integrated=False,
+            is_multi_gpu_board=False,
+            uuid="emulated",
+            L2_cache_size=0,
+            gcnArchName="",
+        )
+
+        return {
+            "is_available": lambda: True,
+            "is_initialized": lambda: True,
+            "device_count": lambda: 1,
+            "current_device": lambda: 0,
+            "set_device": _nothing(),
+            "get_device_properties": lambda *_a, **_k: properties,
+            "get_device_name": lambda *_a, **_k: gpu.name,
+            "get_device_capability": lambda *_a, **_k: (gpu.major, gpu.minor),
+            "is_bf16_supported": lambda *_a, **_k: gpu.major >= 8,
+            "synchronize": _nothing(),
+            "empty_cache": _nothing(),
+            "init": _nothing(),
+            "_lazy_init": _nothing(),
+            "manual_seed": _nothing(),
+            "manual_seed_all": _nothing(),
+            "seed": _nothing(),
+            "seed_all": _nothing(),
+            "memory_allocated": lambda *_a, **_k: counter.allocated(),
+            "max_memory_allocated": lambda *_a, **_k: counter.max_allocated(),
+            "memory_reserved": lambda *_a, **_k: counter.reserved(),
+            "max_memory_reserved": lambda *_a, **_k: counter.max_reserved(),
+            "memory_cached": lambda *_a, **_k: counter.reserved(),
+            "max_memory_cached": lambda *_a, **_k: counter.max_reserved(),
+            "reset_peak_memory_stats": lambda *_a, **_k: counter.reset_peak(),
+            "reset_max_memory_allocated": lambda *_a, **_k: counter.reset_peak(),
+            "reset_max_memory_cached": lambda *_a, **_k: counter.reset_peak(),
+            "memory_stats": lambda *_a, **_k: _memory_stats(counter),
+            "mem_get_info": lambda *_a, **_k: (
+                gpu.total_memory - counter.reserved(),
+                gpu.total_memory,
+            ),
+        }
+
+    def _patch(self, owner: Any, name: str, value: Any) -> None:
+        missing = object()
+        original = (
+            owner.__dict__.get(name, missing)
+            if isinstance(owner, type)
+            else getattr(owner, name, missing)
+        )
+
+        def restore() -> None:
+            if original is missing:
+                delattr(owner, name)
+            else:
+                setattr(owner, name, original)
+
+        setattr(owner, name, value)
+        self._stack.callback(restore)
+
+    def __enter__(self) -> CudaEmulation:
+        import torch.cuda.memory
+
+        for module_name in CUDA_MODULES:
+            module = sys.modules[module_name]
+            for name, function in self._functions().items():
+                if module_name == "torch.cuda" or hasattr(module, name):
+                    self._patch(module, name, function)
+        mapping = self.mapping
+        module_to = nn.Module.to
+
+        def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+            if not _is_cuda(device):
+                return module_to(module, *args, **kwargs)
+            mapping.module(module, dtype)
+            return module
+
+        def cuda(module: nn.Module, device: Any = None) -> nn.Module:
+            mapping.module(module, None)
+            return module
+
+        self._patch(nn.Module, "to", to)
+        self._patch(nn.Module, "cuda", cuda)
+        autocast_init = torch.amp.autocast_mode.autocast.__init__
+
+        def init(autocast: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
+            autocast_init(
+                autocast, "cpu" if device_type == "cuda" else device_type, *args, **kwargs
+            )
+
+        self._patch(torch.amp.autocast_mode.autocast, "__init__", init)
+        self._stack.enter_context(_DeviceMode(mapping))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stack.close()
+        self._stack = contextlib.ExitStack()
+
+
+@contextlib.contextmanager
+def cuda_default_foreach() -> Iterator[list[str]]:
+    """``torch.optim``'s default implementation as on CUDA tensors: multi-tensor (``foreach``)
+    when every parameter is a CUDA tensor (``_default_to_fused_or_foreach`` in
+    ``torch/optim/optimizer.py``; fake CPU tensors would get the for-loop one). Yields the
+    optimizers it decided for (their module names), for the notes."""
+    decided: list[str] = []
+    originals: dict[Any, Any] = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("torch.optim") and hasattr(module, "_default_to_fused_or_foreach"):
+            originals[module] = module._default_to_fused_or_foreach
+    original = sys.modules["torch.optim.optimizer"]._default_to_fused_or_foreach
+
+    def default(
+        params: list[torch.Tensor], differentiable: bool, use_fused: bool = False
+    ) -> tuple[bool, bool]:
+        if (
+            differentiable
+            or not params
+            or not all(p is None or isinstance(p, FakeTensor) for p in params)
+        ):
+            return original(params, differentiable, use_fused)
+        fused = use_fused and all(p is None or torch.is_floating_point(p) for p in params)
+        if not decided:
+            decided.append("foreach")
+        return fused, not fused
+
+    for module in originals:
+        module._default_to_fused_or_foreach = default
+    try:
+        yield decided
+    finally:
+        for module, function in originals.items():
+            module._default_to_fused_or_foreach = function

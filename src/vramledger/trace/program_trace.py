@@ -1,0 +1,326 @@
+"""Trace the user's own program: it runs unchanged (``program.py``), CUDA is emulated
+(``cuda_emulation.py``) and what it puts on "cuda" is fake, recorded by the same storage
+tracker, device policy and value store as ``trace/fake.py``'s step.
+
+The program's own CPU work (its data pipeline) stays real and unrecorded: the tracker here
+records fake tensors only (:class:`ProgramTracker`). Phases come from the program itself:
+
+- a forward begins when a module is called with none running (outside a backward: a module
+  run inside backward is activation checkpointing's recomputation, which the tracker knows);
+- a backward begins at ``torch.autograd.backward`` / ``torch.autograd.grad``
+  (``loss.backward()`` calls the first);
+- the optimizer phase begins at each ``optimizer.step()`` (``torch.optim``'s global hooks); the
+  optimizer's parameters and gradients are tagged there, its state when it returns. Tensors
+  the step makes without naming a device (torch.optim's ``state["step"]`` counters) are fake
+  too: the FakeTensorMode is active for the step, as in ``trace/fake.py``;
+- step ``k + 1`` begins when step ``k``'s ``optimizer.step()`` returns, its optimizer phase
+  first (``zero_grad``, as in ``training.py``), so every step's window runs from one
+  ``optimizer.step()`` to the next, whichever optimizer makes it.
+
+``torch.cuda.memory_allocated()`` and the rest answer from the timeline recorded so far
+(:class:`TimelineCounter`): live device bytes as the target's allocator counts them, the same
+replay the ledger makes, so what the program prints is the prediction.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    UnsupportedOperatorException,
+)
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_leaves
+
+from ..allocator import AllocatorModel
+from ..categories import Category, Phase
+from ..errors import TraceError
+from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch
+from ..timeline import Timeline
+from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
+from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
+from .policy import DevicePolicy
+from .tracker import StorageTracker, TrackerObserver
+from .value_stand_ins import ValueStandIns
+from .values import KnownValues
+
+TRACE_DEVICE = torch.device("cpu")
+
+
+def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
+    """The call takes a fake tensor or runs under a FakeTensorMode."""
+    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+        return True
+    return any(isinstance(a, FakeTensor) for a in tree_leaves((args, kwargs)))
+
+
+class ProgramTracker(StorageTracker):
+    """The storage tracker, recording fake tensors only: operators that neither take a fake
+    tensor nor run under a FakeTensorMode (the program's real CPU work) run untouched."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _fake_call(args, kwargs):
+            return func(*args, **(kwargs or {}))
+        return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _see(self, t: torch.Tensor, index: int = 0) -> list[int]:
+        if not isinstance(t, FakeTensor) and not is_traceable_wrapper_subclass(t):
+            return []  # a real tensor: the program's CPU work, not the device's
+        return super()._see(t, index)
+
+
+class TimelineCounter:
+    """``torch.cuda.memory_allocated()`` and the rest, from the timeline recorded so far: each
+    storage's bytes as ``allocator`` hands them out (the CUDA caching allocator's blocks and
+    segments), host-resident storages left out, as the ledger's replay counts them."""
+
+    def __init__(self, timeline: Timeline, allocator: AllocatorModel) -> None:
+        self.timeline = timeline
+        self.allocator = allocator
+        self._reset = 0
+        self._cache: tuple[int, list[int], list[int]] | None = None
+
+    def _series(self) -> tuple[list[int], list[int]]:
+        """Allocated and reserved bytes after each event."""
+        tl = self.timeline
+        if self._cache is not None and self._cache[0] == len(tl.events):
+            return self._cache[1], self._cache[2]
+        sizes, reserved = self.allocator.block_sizes(tl.nbytes, tl.events, tl.on_host)
+        host = tl.on_host
+
+        def delta(ev: int) -> int:
+            sid = ev if ev >= 0 else ~ev
+            if host[sid]:
+                return 0
+            return sizes[sid] if ev >= 0 else -sizes[sid]
+
+        allocated = list(itertools.accumulate(delta(ev) for ev in tl.events))
+        if not reserved:
+            reserved = allocated
+        self._cache = (len(tl.events), allocated, reserved)
+        return allocated, reserved
+
+    def _since_reset(self, series: list[int]) -> int:
+        start = min(self._reset, len(series))
+        before = series[start - 1] if start > 0 else 0
+        return max([before, *series[start:]])
+
+    def allocated(self) -> int:
+        series = self._series()[0]
+        return series[-1] if series else 0
+
+    def max_allocated(self) -> int:
+        return self._since_reset(self._series()[0])
+
+    def reserved(self) -> int:
+        series = self._series()[1]
+        return series[-1] if series else 0
+
+    def max_reserved(self) -> int:
+        return self._since_reset(self._series()[1])
+
+    def reset_peak(self) -> None:
+        self._reset = len(self.timeline.events)
+
+
+@dataclass(kw_only=True)
+class ProgramTrace:
+    """What tracing a program gives: its timeline, how it ran, and what was noted."""
+
+    timeline: Timeline
+    run: ProgramRun
+    parameters: int
+    trainable_parameters: int
+    notes: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+class _Phases:
+    """Tells the tracker where the program's forwards, backwards and steps begin (module
+    docstring); implements ``program.StepHooks``."""
+
+    def __init__(
+        self,
+        tracker: StorageTracker,
+        observer: TrackerObserver,
+        mode: FakeTensorMode,
+        max_steps: int,
+        names: dict[int, str],
+    ) -> None:
+        self.tracker = tracker
+        self.observer = observer
+        self.mode = mode
+        self.max_steps = max_steps
+        self.names = names
+        self.completed = 0
+        self.depth = 0
+        self.in_step = False
+        self.parameters: dict[int, tuple[int, bool]] = {}
+        """id -> (elements, trainable) of every fake parameter seen (no reference kept: a
+        reference would keep it alive)."""
+
+    def register(self, tensors: list[torch.Tensor], category: Category) -> None:
+        tensors = [t for t in tensors if t is not None]
+        if category is Category.PARAMETERS:
+            for t in tensors:
+                self.parameters.setdefault(id(t), (t.numel(), t.requires_grad))
+        self.tracker.track(tensors, category)
+
+    def forward_pre(self, module: nn.Module, _args: Any) -> None:
+        if self.depth == 0:
+            if id(module) not in self.names:
+                self.names.update(
+                    {id(m): name or type(module).__name__ for name, m in module.named_modules()}
+                )
+                fake = [p for p in module.parameters() if isinstance(p, FakeTensor)]
+                self.register(fake, Category.PARAMETERS)
+                self.register(
+                    [b for b in module.buffers() if isinstance(b, FakeTensor)], Category.BUFFERS
+                )
+            backward = torch._C._current_autograd_node() is not None
+            if not backward and not self.in_step and self.tracker.phase is not Phase.FORWARD:
+                self.tracker.set_phase(self.completed + 1, Phase.FORWARD)
+        self.depth += 1
+
+    def forward_post(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        self.depth = max(0, self.depth - 1)
+
+    def backward(self) -> None:
+        if self.tracker.phase is not Phase.BACKWARD:
+            self.tracker.set_phase(self.completed + 1, Phase.BACKWARD)
+
+    def before_step(self, optimizer: Any, step: int) -> None:
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.register([p for p in params if isinstance(p, FakeTensor)], Category.PARAMETERS)
+        self.register(
+            [p.grad for p in params if isinstance(p.grad, FakeTensor)], Category.GRADIENTS
+        )
+        self.tracker.set_phase(step, Phase.OPTIMIZER)
+        self.mode.__enter__()
+        self.in_step = True
+
+    def after_step(self, optimizer: Any, step: int) -> None:
+        self.leave_step()
+        self.observer.optimizer_stepped(optimizer)
+        self.completed = step
+        if step < self.max_steps:
+            self.tracker.set_phase(step + 1, Phase.OPTIMIZER)
+
+    def leave_step(self) -> None:
+        if self.in_step:
+            self.in_step = False
+            self.mode.__exit__(None, None, None)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        handles = [
+            nn.modules.module.register_module_forward_pre_hook(self.forward_pre),
+            nn.modules.module.register_module_forward_hook(self.forward_post, always_call=True),
+        ]
+        backward, grad = torch.autograd.backward, torch.autograd.grad
+
+        def patched_backward(*args: Any, **kwargs: Any) -> Any:
+            self.backward()
+            return backward(*args, **kwargs)
+
+        def patched_grad(*args: Any, **kwargs: Any) -> Any:
+            self.backward()
+            return grad(*args, **kwargs)
+
+        torch.autograd.backward, torch.autograd.grad = patched_backward, patched_grad
+        try:
+            yield
+        finally:
+            torch.autograd.backward, torch.autograd.grad = backward, grad
+            for handle in handles:
+                handle.remove()
+            self.leave_step()
+
+
+_FAKE_LIMITS = (
+    UnsupportedOperatorException,
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+)
+
+
+def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> ProgramTrace:
+    """Run the program with CUDA emulated on fake tensors under ``policy``; return its
+    timeline. The program's exception raises ``ProgramFailed``; one that fake tensors cause
+    (an operator that needs values computed from parameters) raises ``TraceError``."""
+    start = time.perf_counter()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    values = KnownValues(mode)
+    names: dict[int, str] = {}
+    tracker = ProgramTracker(
+        module_names=names,
+        op_observer=policy.op_observer(),
+        corrections=CORRECTIONS,
+        substitutes=SUBSTITUTES,
+        answer_optimizer_scalars=True,
+        values=values,
+    )
+    observer = TrackerObserver(tracker, policy.host_resident)
+    phases = _Phases(tracker, observer, mode, spec.max_steps, names)
+    stand_ins = ValueStandIns(values)
+    emulation = CudaEmulation(
+        gpu,
+        TimelineCounter(tracker.timeline, policy.allocator),
+        FakeCuda(mode, phases.register, stand_ins),
+    )
+    notes: list[str] = []
+    foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
+    try:
+        with (
+            policy.context(),
+            noop_conversions(),
+            torch.compiler.set_stance("force_eager"),
+            tracker,
+            phases.hooks(),
+            emulation,
+            foreach as decided,
+        ):
+            run = launch(spec, phases)
+    except ProgramFailed as failed:
+        if isinstance(failed.exception, _FAKE_LIMITS):
+            exc = failed.exception
+            raise TraceError(
+                f"the program needs a value computed from parameters ({type(exc).__name__}: "
+                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}), which fake "
+                f"tensors do not have",
+                hint="run it for real with `vramledger run --measure` (on CPU)",
+            ) from exc
+        raise
+    timeline = tracker.close()
+    if decided:
+        notes.append(
+            "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
+        )
+    notes += stand_ins.notes()
+    if run.skipped_saves:
+        notes.append("checkpoint saves skipped (nothing written): " + "; ".join(run.skipped_saves))
+    if tracker.scalars_answered:
+        notes.append(
+            "optimizer.step() read scalar values with .item(); fake tensors have none, so "
+            f"{tracker.scalar_answer} was used (scalars never change memory)"
+        )
+    parameters = phases.parameters.values()
+    return ProgramTrace(
+        timeline=timeline,
+        run=run,
+        parameters=sum(n for n, _ in parameters),
+        trainable_parameters=sum(n for n, trainable in parameters if trainable),
+        notes=list(dict.fromkeys(policy.notes() + notes)),
+        seconds=time.perf_counter() - start,
+    )
