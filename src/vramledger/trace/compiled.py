@@ -19,6 +19,13 @@ lines) and the outputs it returns, in its order, and the fallback (extern) kerne
 (``mm`` into a preallocated ``out=``, ``aten`` fallbacks that allocate). This is Inductor's own
 output on fake inputs, not its scheduler's buffer list.
 
+Which regions: the functions libraries compile by name (``COMPILED_FUNCTIONS``: torchao's step);
+a user's ``torch.compile(module)`` (``OptimizedModule``); and a user's compiled function, however
+it is reached (``torch.compile(fn)`` held anywhere, ``@torch.compile``, ``nn.Module.compile()``,
+which compiles the module's ``_call_impl``), found when its wrapper runs (:func:`_user_wrappers`).
+A user's region is compiled again with ``fullgraph=True`` and the user's Inductor settings, so a
+graph break fails while Dynamo traces, before anything runs.
+
 Limits, said in the trace's notes:
 - The backend is Inductor's CPU (C++) one: a CPU-only PyTorch has no Triton, so Inductor cannot
   write CUDA kernels here. For a CUDA target the CPU backend's buffer plan is the one used;
@@ -259,11 +266,12 @@ class CompiledRegions:
             weakref.WeakKeyDictionary()
         )
         """Each trace builds its own modules: kept while they live."""
-        self._wrappers: weakref.WeakKeyDictionary[Any, Callable[..., Any]] = (
+        self._functions: weakref.WeakKeyDictionary[Any, list[tuple[Any, Callable[..., Any]]]] = (
             weakref.WeakKeyDictionary()
         )
-        """A user's compiled functions, by the ``torch.compile`` context that wraps each: kept
-        while it lives."""
+        """A user's compiled functions: (Inductor settings, the function compiled again with
+        them) for each, kept while it lives. A function compiled anew at each call (a new
+        wrapper each time) is compiled here once per settings."""
 
     def compiled(self, fn: Callable[..., Any], options: dict[str, Any]) -> Callable[..., Any]:
         """``torch.compile(fn, **options)``, made once per function (on a copy of it)."""
@@ -287,16 +295,19 @@ class CompiledRegions:
     def compiled_wrapper(self, context: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
         """A user's ``torch.compile(fn)`` (``context``: the ``_TorchDynamoContext`` of the
         wrapper it returned) compiled again, on a copy of ``fn``, with ``fullgraph=True`` and
-        the user's own Inductor settings, as :meth:`compiled_module` does. A bound method
+        the user's own Inductor settings, as :meth:`compiled_module` does; once per function
+        and settings. A bound method
         (``nn.Module.compile()`` compiles the module's ``_call_impl``) is compiled unbound: the
         caller passes its ``__self__`` first."""
-        found = self._wrappers.get(context)
-        if found is None:
-            options = _inductor_options(context)
-            plain = fn.__func__ if isinstance(fn, types.MethodType) else fn
-            found = torch.compile(_copy(plain), **options)
-            self._wrappers[context] = found
-        return found
+        options = _inductor_options(context)
+        plain = fn.__func__ if isinstance(fn, types.MethodType) else fn
+        made = self._functions.setdefault(plain, [])
+        for backend, compiled in made:
+            if backend == options["backend"]:  # the same Inductor settings
+                return compiled
+        compiled = torch.compile(_copy(plain), **options)
+        made.append((options["backend"], compiled))
+        return compiled
 
     def run(
         self,
