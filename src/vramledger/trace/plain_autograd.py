@@ -42,7 +42,9 @@ Two formulas need more than that rule (:class:`PlainBranches`, also applied by t
   unknown (a fake tensor from parameters: assumed, as real training data nearly always is,
   and said in the notes with what the other branch would hold).
 
-Not modelled (see the doc): forward-mode (jvp) formulas; double backward
+Not modelled (see the doc): ``cross_entropy`` with label smoothing and class weights (its
+forward composite sums the kept labels' weights by ``masked_select`` in a plain run, whose CPU
+scratch depends on the values); forward-mode (jvp) formulas; double backward
 (``create_graph=True``: autograd then always sums out of place, as the trace does).
 """
 
