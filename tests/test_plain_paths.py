@@ -111,11 +111,14 @@ def test_without_the_plain_paths_the_estimate_is_the_moded_run(monkeypatch):
         assert before > plain * (1 + BOUND), (name, before, plain)
 
 
-def test_measure_counts_a_plain_run():
-    m = measure(**_spec("boolean-mask-loss"))
+@pytest.mark.parametrize("name", ["boolean-mask-loss", "bce-pos-weight", "prod-dim"])
+def test_measure_counts_a_plain_run(name):
+    """The tracked run's ledger is folded as the plain run writes: the chain of the
+    ``pos_weight`` BCE, and ``prod``'s branch read from the real input (no zero here)."""
+    m = measure(**_spec(name))
     out = m.to_dict()
     assert out["measured_run"] == PLAIN_RUN
-    assert m.measured_peak_bytes == _plain_peak("boolean-mask-loss")
+    assert m.measured_peak_bytes == _plain_peak(name)
     # The tracked run's ledger, folded as the plain run writes, agrees to the byte.
     assert out["tracked_peak_bytes"] == m.measured_peak_bytes
 
