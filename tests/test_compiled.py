@@ -151,13 +151,21 @@ def test_compiled_function_matches_plain_compiled_run(case):
     assert estimate(**eager_arguments).peak_bytes > 1.5 * steady
 
 
-def test_compiled_function_inductor_does_not_run_is_traced_eagerly_with_both_figures():
-    """A function compiled for another backend than Inductor runs eagerly, and the notes say so
-    with its eager and outputs-only figures: the eager loss's figures, and its scalar output."""
-    ledger = estimate(loss=f"{FUNCTIONS}:eager_backend_loss", **CLASSIFIER)
+@pytest.mark.parametrize(
+    ("loss", "region", "reason"),
+    [
+        ("eager_backend_loss", "capped_cross_entropy", "its backend 'eager' is not Inductor"),
+        ("graph_break_loss", "breaking_cross_entropy", "Unsupported: Call to `torch._dynamo"),
+    ],
+)
+def test_compiled_function_not_modelled_is_traced_eagerly_with_both_figures(loss, region, reason):
+    """A function compiled for another backend than Inductor, or one with a graph break, runs
+    eagerly, and the notes say so with its eager figure and its outputs-only one (the scalar
+    loss: the tensors saved for its backward are not outputs)."""
+    ledger = estimate(loss=f"{FUNCTIONS}:{loss}", **CLASSIFIER)
     eager = estimate(loss=f"{FUNCTIONS}:eager_loss", **CLASSIFIER)
     assert ledger.peak_bytes == eager.peak_bytes
     (note,) = [n for n in ledger.notes if "could not be modelled" in n]
-    assert note.startswith("compiled region capped_cross_entropy (torch.compile'd function)")
-    assert "is not Inductor" in note and "outputs only" in note
+    assert note.startswith(f"compiled region {region} (torch.compile'd function) could not")
+    assert reason in note and note.endswith("eagerly, 4 B counting its outputs only"), note
     assert not any(MODELLED in n for n in ledger.notes)

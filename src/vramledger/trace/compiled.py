@@ -46,6 +46,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import traceback
 import types
 import weakref
 from collections.abc import Callable, Iterator
@@ -337,6 +338,7 @@ class CompiledRegions:
                     out = compiled(*args, **kwargs)
             except Exception as exc:  # Dynamo, AOTAutograd or Inductor refused the region
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+                _release_frames(exc)
                 raise RegionNotModelled(f"{type(exc).__name__}: {text}") from exc
             finally:
                 _Active.modes = _Active.region = None
@@ -358,6 +360,18 @@ def _inductor_options(context: Any) -> dict[str, Any]:
         name = getattr(backend, "compiler_name", None) or repr(backend)
         raise RegionNotModelled(f"its backend {name!r} is not Inductor")
     return {"fullgraph": True, "dynamic": backend.dynamic, "backend": backend}
+
+
+def _release_frames(exc: BaseException) -> None:
+    """Clear the locals of the finished frames in ``exc``'s tracebacks (and its causes'). A
+    failed compile keeps the region's arguments in reference cycles through them (Dynamo's
+    tracing frames), which only the cyclic collector would free: the eager run that follows
+    would hold them longer than a plain run does."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
 
 REGIONS = CompiledRegions()
