@@ -351,6 +351,91 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return _report(args, result, comparison_table, comparison_plot)
 
 
+def cmd_run(args: argparse.Namespace) -> int:
+    """Run the user's program with CUDA emulated (or for real on CPU with --measure) and report
+    its memory; the program's own exception is shown as the program's."""
+    import contextlib
+
+    from .program import ProgramFailed, ProgramSpec
+
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    module = bool(command) and command[0] == "-m"
+    if module:
+        command = command[1:]
+    if not command:
+        raise InputError(
+            "no program to run", hint="write `vramledger run [OPTIONS] -- train.py [ARGS...]`"
+        )
+    spec = ProgramSpec(
+        program=command[0],
+        args=tuple(command[1:]),
+        module=module,
+        max_steps=args.max_steps,
+        timeout=args.timeout,
+    )
+    # with --json the program's own output goes to stderr, so stdout is the JSON alone
+    output = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
+    try:
+        with output:
+            if args.measure:
+                from .measure_program import measure_program
+
+                result = measure_program(spec, gpu=args.gpu)
+            else:
+                from .predict_program import run_program
+
+                result = run_program(spec, target=args.target, gpu=args.gpu)
+    except ProgramFailed as failed:
+        sys.stdout.flush()
+        print(
+            "vramledger: the program raised; its traceback (the error is the program's, not "
+            "vramledger's):",
+            file=sys.stderr,
+        )
+        print(failed.program_traceback.rstrip(), file=sys.stderr)
+        print(f"vramledger: error: {failed.one_line()}", file=sys.stderr)
+        return 1
+    return _report_program(args, result)
+
+
+def _report_program(args: argparse.Namespace, result: Any) -> int:
+    """Write the HTML report and memory snapshot of the program's ledger if asked, then print
+    JSON or the tables; the exit status says how the program ended."""
+    from .render.program import measured_program_table, program_table
+    from .render.terminal import print_renderable
+
+    ledger = getattr(result, "ledger", None)
+    for option in ("html", "memory_snapshot"):
+        if getattr(args, option, None) and ledger is None:
+            raise InputError(
+                f"--{option.replace('_', '-')} needs a prediction with two optimizer steps or more",
+                hint="let the program step (--max-steps, --timeout), without --measure",
+            )
+    if args.html:
+        from .render.html import write_html
+
+        write_html(ledger, args.html)
+    if args.memory_snapshot:
+        from .render.snapshot import write_memory_snapshot
+
+        write_memory_snapshot(ledger, args.memory_snapshot)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+    else:
+        table = measured_program_table if args.measure else program_table
+        print_renderable(table(result))
+    if result.ending == "timeout":
+        print(
+            f"vramledger: the program was stopped by --timeout {args.timeout:g} after "
+            f"{result.steps} optimizer step{'s' if result.steps != 1 else ''}",
+            file=sys.stderr,
+        )
+        return 3
+    return result.exit_code
+
+
 def _progress_bar() -> Any:
     """A rich progress bar and a ``progress(name, done, total)`` callback that drives it."""
     from rich.progress import (
@@ -624,6 +709,57 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="write loss curves and memory bars")
     _add_output_options(p, html=False)
     p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser(
+        "run",
+        help="predict the memory of your own training program, run unchanged with CUDA "
+        "emulated on fake tensors (no GPU)",
+        usage="vramledger run [OPTIONS] -- PROGRAM.py|-m MODULE|COMMAND [ARGS...]",
+    )
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="the GPU torch.cuda answers as and the prediction is for (default h100-80gb)",
+    )
+    p.add_argument(
+        "--target",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="whose decisions the fake tensors follow (default cuda; cpu: predict what a real "
+        "CPU run's allocator counts, to check against --measure)",
+    )
+    p.add_argument(
+        "--measure",
+        action="store_true",
+        help="run the program for real on CPU ('cuda' mapped onto the CPU) and count the CPU "
+        "allocator",
+    )
+    p.add_argument(
+        "--max-steps",
+        type=int,
+        default=20,
+        metavar="N",
+        help="stop the program after N optimizer steps in all (default 20)",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        help="stop the program after SECONDS (one that never steps), reporting what was seen",
+    )
+    p.add_argument(
+        "--memory-snapshot",
+        metavar="FILE.pickle",
+        help="also write the predicted run as a PyTorch CUDA memory snapshot",
+    )
+    _add_output_options(p)
+    p.add_argument(
+        "command",
+        nargs=argparse.REMAINDER,
+        metavar="PROGRAM [ARGS...]",
+        help="a .py script, -m MODULE, or a console script, with its arguments (after --)",
+    )
+    p.set_defaults(func=cmd_run)
 
     p = sub.add_parser(
         "plan", help="the fewest GPUs of a kind per optimizer, and the configurations that fit"

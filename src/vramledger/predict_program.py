@@ -110,7 +110,10 @@ def run_program(
             allocator=policy.allocator,
             parameters=traced.parameters,
             trainable_parameters=traced.trainable_parameters,
-            optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
+            optimizer_state_bytes=max(
+                (p.by_category.get(Category.OPTIMIZER_STATE, 0) for p in raw.step_peaks.values()),
+                default=0,
+            ),
             spec={"program": spec.program, "args": list(spec.args), "target": target},
             notes=notes,
             seconds=traced.seconds,

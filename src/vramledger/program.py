@@ -23,6 +23,7 @@ import signal
 import sys
 import threading
 import traceback
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -127,7 +128,7 @@ _LIBRARY_DIRS = tuple(
 
 def _library_frame(filename: str) -> bool:
     """A frame of the standard library, torch or vramledger (not the program's)."""
-    if "site-packages" in filename or "dist-packages" in filename:
+    if filename.startswith("<frozen") or "site-packages" in filename or "dist-packages" in filename:
         return True
     try:
         resolved = str(Path(filename).resolve())
@@ -136,17 +137,43 @@ def _library_frame(filename: str) -> bool:
     return resolved.startswith(_LIBRARY_DIRS)
 
 
-def program_location() -> str | None:
-    """``file:line: source`` of the innermost frame of the program's own code (outside the
-    standard library, installed packages and vramledger), None when the call came from none."""
+def _program_frame() -> Any:
+    """The innermost frame of the program's own code (outside the standard library, installed
+    packages and vramledger), None when the call came from none."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if not name.startswith("<") and not _library_frame(name):
-            source = linecache.getline(name, frame.f_lineno).strip()
-            where = f"{Path(name).name}:{frame.f_lineno}"
-            return f"{where}: {source}" if source else where
+            return frame
         frame = frame.f_back
+    return None
+
+
+def program_location() -> str | None:
+    """``file:line: source`` of the program's line running now (``_program_frame``)."""
+    frame = _program_frame()
+    if frame is None:
+        return None
+    name = frame.f_code.co_filename
+    source = linecache.getline(name, frame.f_lineno).strip()
+    where = f"{Path(name).name}:{frame.f_lineno}"
+    return f"{where}: {source}" if source else where
+
+
+def program_name_of(obj: Any) -> str | None:
+    """The program's name for ``obj`` where it runs now: a local or global variable bound to
+    it (``opt_d``), or an attribute of ``self`` (``self.opt_d``)."""
+    frame = _program_frame()
+    if frame is None:
+        return None
+    for scope in (frame.f_locals, frame.f_globals):
+        for name, value in scope.items():
+            if value is obj and not name.startswith("_"):
+                return name
+    owner = frame.f_locals.get("self")
+    for name, value in getattr(owner, "__dict__", {}).items():
+        if value is obj:
+            return f"self.{name}"
     return None
 
 
@@ -280,21 +307,29 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
 
     argv0, target = _target(spec)
     run = ProgramRun()
-    optimizers: dict[int, int] = {}
+    # by the object, not id(): an optimizer made after another is freed can reuse its id
+    optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     counts: dict[str, int] = {}
 
     def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        if id(optimizer) not in optimizers:
-            optimizers[id(optimizer)] = len(run.optimizer_names)
+        if optimizer not in optimizers:
+            optimizers[optimizer] = len(run.optimizer_names)
             name = type(optimizer).__name__
             counts[name] = counts.get(name, 0) + 1
-            run.optimizer_names.append(name if counts[name] == 1 else f"{name} #{counts[name]}")
+            variable = program_name_of(optimizer)
+            run.optimizer_names.append(
+                f"{name} ({variable})"
+                if variable
+                else name
+                if counts[name] == 1
+                else f"{name} #{counts[name]}"
+            )
         if hooks is not None:
             hooks.before_step(optimizer, run.steps + 1)
 
     def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
         run.steps += 1
-        run.optimizer_of_step[run.steps] = optimizers[id(optimizer)]
+        run.optimizer_of_step[run.steps] = optimizers[optimizer]
         if hooks is not None:
             hooks.after_step(optimizer, run.steps)
         if run.steps >= spec.max_steps:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -166,15 +167,17 @@ class _Phases:
         self.completed = 0
         self.depth = 0
         self.in_step = False
-        self.parameters: dict[int, tuple[int, bool]] = {}
-        """id -> (elements, trainable) of every fake parameter seen (no reference kept: a
-        reference would keep it alive)."""
+        self.parameters: dict[int, int] = {}
+        """id -> elements of every fake parameter seen (no reference kept: a reference would
+        keep it alive)."""
+        self.trainable: dict[int, int] = {}
+        """The same, of the parameters an optimizer steps."""
 
     def register(self, tensors: list[torch.Tensor], category: Category) -> None:
         tensors = [t for t in tensors if t is not None]
         if category is Category.PARAMETERS:
             for t in tensors:
-                self.parameters.setdefault(id(t), (t.numel(), t.requires_grad))
+                self.parameters.setdefault(id(t), t.numel())
         self.tracker.track(tensors, category)
 
     def forward_pre(self, module: nn.Module, _args: Any) -> None:
@@ -202,6 +205,7 @@ class _Phases:
 
     def before_step(self, optimizer: Any, step: int) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
+        self.trainable.update((id(p), p.numel()) for p in params if isinstance(p, FakeTensor))
         self.register([p for p in params if isinstance(p, FakeTensor)], Category.PARAMETERS)
         self.register(
             [p.grad for p in params if isinstance(p.grad, FakeTensor)], Category.GRADIENTS
@@ -283,6 +287,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
     foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
     try:
         with (
+            warnings.catch_warnings(),
             policy.context(),
             noop_conversions(),
             torch.compiler.set_stance("force_eager"),
@@ -291,6 +296,8 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             emulation,
             foreach as decided,
         ):
+            # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             run = launch(spec, phases)
     except ProgramFailed as failed:
         if isinstance(failed.exception, _FAKE_LIMITS):
@@ -315,12 +322,11 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "
             f"{tracker.scalar_answer} was used (scalars never change memory)"
         )
-    parameters = phases.parameters.values()
     return ProgramTrace(
         timeline=timeline,
         run=run,
-        parameters=sum(n for n, _ in parameters),
-        trainable_parameters=sum(n for n, trainable in parameters if trainable),
+        parameters=sum(phases.parameters.values()),
+        trainable_parameters=sum(phases.trainable.values()),
         notes=list(dict.fromkeys(policy.notes() + notes)),
         seconds=time.perf_counter() - start,
     )

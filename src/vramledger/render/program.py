@@ -1,0 +1,85 @@
+"""Terminal tables for a program's run: its ledger (``terminal.ledger_table``) with each
+optimizer's window, or, for a real CPU run, the allocator's counts."""
+
+from __future__ import annotations
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from ..categories import Category
+from ..measure_program import ProgramMeasurement
+from ..predict_program import ProgramReport
+from ..units import format_bytes
+from ..windows import OptimizerWindow
+from .terminal import ledger_table
+
+
+def _title(program: str, target: str, ending: str, steps: int, label: str) -> Text:
+    how = {"ended": "ran to its end", "max-steps": "stopped at --max-steps", "timeout": "timed out"}
+    return Text(
+        f"{label}: {program} · on {target} · {steps} optimizer step{'s' if steps != 1 else ''} "
+        f"({how.get(ending, ending)})",
+        style="bold",
+    )
+
+
+def windows_table(windows: list[OptimizerWindow], peak_bytes: int, allocator: str) -> Table:
+    table = Table(
+        title=f"each optimizer's steady window (allocated, {allocator})", title_justify="left"
+    )
+    table.add_column("optimizer")
+    table.add_column("steps", justify="right")
+    table.add_column("steady peak", justify="right")
+    table.add_column("first step", justify="right")
+    for w in windows:
+        steps = f"{w.steps[0]}–{w.steps[-1]}" if len(w.steps) > 1 else str(w.steps[0])
+        if len(w.steps) > 1 and w.steps != list(range(w.steps[0], w.steps[-1] + 1)):
+            steps = f"{len(w.steps)} of {w.steps[0]}–{w.steps[-1]}"
+        table.add_row(
+            w.optimizer,
+            steps,
+            format_bytes(w.peak_bytes) + ("" if w.steady else " (one step)"),
+            format_bytes(w.first_step_peak_bytes),
+        )
+    table.add_row(Text("program", style="bold"), "", Text(format_bytes(peak_bytes), style="bold"))
+    return table
+
+
+def program_table(report: ProgramReport) -> Group:
+    """The ledger of the program's steady steps, then each optimizer's window; before a
+    second step, what was seen."""
+    title = _title(report.program, report.target, report.ending, report.steps, "run")
+    allocator = "CUDA caching allocator" if report.target == "cuda" else "CPU allocator"
+    windows = windows_table(report.windows, report.peak_bytes, allocator)
+    if report.ledger is not None:
+        group = ledger_table(report.ledger, label="run")
+        group.renderables[0] = title
+        group.renderables.insert(1, windows)
+        return group
+    seen = Table(title="what was seen (no steady step)", title_justify="left")
+    seen.add_column("category")
+    seen.add_column("at the peak seen", justify="right")
+    for cat in Category:
+        if report.at_peak.get(cat):
+            seen.add_row(cat.value, format_bytes(report.at_peak[cat]))
+    seen.add_row(
+        Text("total (tensor bytes)", style="bold"), format_bytes(sum(report.at_peak.values()))
+    )
+    notes = Text("\n".join(f"note: {n}" for n in report.notes), style="dim")
+    return Group(title, windows, seen, notes)
+
+
+def measured_program_table(m: ProgramMeasurement) -> Group:
+    title = _title(m.program, "cpu (measured)", m.ending, m.steps, "run --measure")
+    steps = Table(title="allocator peak of each step", title_justify="left")
+    steps.add_column("step", justify="right")
+    steps.add_column("optimizer")
+    steps.add_column("peak", justify="right")
+    for step, peak in m.step_peaks.items():
+        owner = next((w.optimizer for w in m.windows if step in w.steps), "(after the last step)")
+        steps.add_row(str(step), owner, format_bytes(peak))
+    notes = Text(
+        "\n".join([f"counted by {m.method}", *(f"note: {n}" for n in m.notes)]), style="dim"
+    )
+    return Group(title, windows_table(m.windows, m.peak_bytes, "CPU allocator"), steps, notes)

@@ -1,0 +1,138 @@
+"""`vramledger run`: users' own programs (tests/programs/, ordinary scripts that run unchanged
+with plain `python` on a CUDA machine) traced with CUDA emulated on fake tensors, checked
+against the same program run for real on CPU and counted by the CPU allocator
+(`run --measure`)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from vramledger.cli import main
+from vramledger.measure_program import measure_program
+from vramledger.predict_program import run_program
+from vramledger.program import ProgramFailed, ProgramSpec
+
+PROGRAMS = Path(__file__).parent / "programs"
+
+
+def _spec(name: str, **kwargs) -> ProgramSpec:
+    return ProgramSpec(program=str(PROGRAMS / f"{name}.py"), **kwargs)
+
+
+def _printed(text: str) -> dict[str, int]:
+    """``NAME peak bytes: N`` lines the program printed."""
+    return {m[1]: int(m[2]) for m in re.finditer(r"^(.*) peak bytes: (\d+)$", text, re.M)}
+
+
+@pytest.mark.parametrize("name", ["sgd_then_adam", "gan", "ema", "distill"])
+def test_target_cpu_equals_the_real_cpu_run(name, capsys):
+    """What the program prints from torch.cuda.max_memory_allocated(), each optimizer's steady
+    window and every step's peak: --target cpu predicts the CPU allocator's count to the byte."""
+    predicted = run_program(_spec(name), target="cpu")
+    printed_predicted = _printed(capsys.readouterr().out)
+    measured = measure_program(_spec(name))
+    printed_measured = _printed(capsys.readouterr().out)
+    assert printed_predicted and printed_predicted == printed_measured
+    assert [(w.optimizer, w.steps, w.peak_bytes) for w in predicted.windows] == [
+        (w.optimizer, w.steps, w.peak_bytes) for w in measured.windows
+    ]
+    assert {k: v for k, v in predicted.step_peaks.items() if k >= 2} == {
+        k: v for k, v in measured.step_peaks.items() if k >= 2
+    }
+    assert predicted.ledger is not None
+    assert predicted.ledger.peak_bytes == max(v for k, v in measured.step_peaks.items() if k >= 2)
+
+
+def test_seed_snippet_prints_the_prediction_on_cuda(capsys):
+    """Under the CUDA target the figures printed are the ledger's: the SGD and Adam windows as
+    the caching allocator counts them (cuBLAS workspaces included)."""
+    report = run_program(_spec("sgd_then_adam"), target="cuda", gpu="a100-80gb")
+    printed = _printed(capsys.readouterr().out)
+    sgd, adam = report.windows
+    assert (sgd.optimizer, adam.optimizer) == ("SGD (optimizer)", "Adam (optimizer)")
+    assert printed == {"SGD": sgd.peak_bytes, "Adam": adam.peak_bytes}
+    assert adam.peak_bytes > sgd.peak_bytes
+    assert report.ledger is not None
+    assert report.ledger.allocated_peak_bytes == adam.peak_bytes
+    assert any("cuBLAS workspace" in n for n in report.notes)
+    assert any("foreach" in n for n in report.notes)
+    # the process is left as it was
+    assert torch.cuda.is_available() is False
+    assert nn.Module.to is nn.Module.__dict__["to"]
+
+
+def test_gan_reports_each_optimizer():
+    report = run_program(_spec("gan"), target="cpu")
+    discriminator, generator = report.windows  # in the order of their first steps
+    assert (discriminator.optimizer, generator.optimizer) == ("Adam (opt_d)", "Adam (opt_g)")
+    assert discriminator.steps == [1, 3, 5, 7] and generator.steps == [2, 4, 6, 8]
+    assert report.peak_bytes == max(generator.peak_bytes, discriminator.peak_bytes)
+
+
+def test_distillation_counts_the_frozen_teacher():
+    report = run_program(_spec("distill"), target="cpu")
+    teacher = 64 * 512 + 512 + 512 * 10 + 10
+    student = 64 * 64 + 64 + 64 * 10 + 10
+    assert report.ledger is not None
+    assert report.ledger.parameters == teacher + student
+    assert report.ledger.trainable_parameters == student
+
+
+def test_program_exception_is_the_programs(capsys):
+    with pytest.raises(ProgramFailed) as info:
+        run_program(_spec("raises"), target="cpu")
+    assert isinstance(info.value.exception, ValueError)
+    assert "raises.py" in info.value.program_traceback
+    assert "vramledger" not in info.value.program_traceback
+    assert main(["run", "--", str(PROGRAMS / "raises.py")]) == 1
+    err = capsys.readouterr().err
+    assert "its traceback (the error is the program's, not vramledger's)" in err
+    assert 'raise ValueError("learning rate schedule is empty")' in err
+
+
+def test_never_steps_stops_at_timeout(capsys):
+    report = run_program(_spec("never_steps", timeout=1.0), target="cpu")
+    assert report.ending == "timeout" and report.steps == 0
+    assert report.ledger is None
+    assert report.peak_bytes > 0 and sum(report.at_peak.values()) > 0
+    assert main(["run", "--timeout", "1", "--", str(PROGRAMS / "never_steps.py")]) == 3
+    assert "stopped by --timeout" in capsys.readouterr().err
+
+
+def test_item_returns_a_stand_in_listed_in_the_notes(capsys):
+    report = run_program(_spec("item_loss"), target="cpu")
+    out = capsys.readouterr().out
+    assert "step 2 loss 0.0000" in out
+    assert "tokens: 4" in out  # computed from the batch alone: the real value
+    [note] = [n for n in report.notes if "stand-in" in n]
+    assert "Tensor.item()" in note and "item_loss.py:15" in note and "3 times" in note
+
+
+def test_checkpoint_save_is_skipped(tmp_path, capsys):
+    path = Path("/tmp/vramledger_saves_checkpoint.pt")
+    path.unlink(missing_ok=True)
+    report = run_program(_spec("saves"), target="cpu")
+    assert not path.exists()
+    [note] = [n for n in report.notes if "saves skipped" in n]
+    assert "torch.save at saves.py:17" in note
+
+
+def test_max_steps_stops_the_program():
+    report = run_program(_spec("gan", max_steps=3), target="cpu")
+    assert report.ending == "max-steps" and report.steps == 3
+
+
+def test_cli_run_json(capsys):
+    import json
+
+    assert main(["run", "--json", "--target", "cpu", "--", str(PROGRAMS / "gan.py")]) == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out)  # the program's own output went to stderr
+    assert "GAN peak bytes" in captured.err
+    assert [w["optimizer"] for w in result["optimizer_windows"]] == ["Adam (opt_d)", "Adam (opt_g)"]
+    assert result["program_peak_bytes"] == _printed(captured.err)["GAN"]
