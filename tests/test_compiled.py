@@ -17,7 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramledger import estimate
+from vramledger import TrainingSpec, estimate
+from vramledger.predict import policy_for
+from vramledger.trace.blocks import same_timeline
+from vramledger.trace.fake import trace
 
 from .fixtures import compiled as fx
 from .fixtures import compiled_functions as fn
@@ -169,3 +172,21 @@ def test_compiled_function_not_modelled_is_traced_eagerly_with_both_figures(loss
     assert note.startswith(f"compiled region {region} (torch.compile'd function) could not")
     assert reason in note and note.endswith("eagerly, 4 B counting its outputs only"), note
     assert not any(MODELLED in n for n in ledger.notes)
+
+
+@pytest.mark.parametrize("target", ["cpu", "cuda"])
+def test_compiled_function_in_blocks_extends_as_a_full_trace(target):
+    """A compiled function called by every block: its buffers carry the calling block's label,
+    so tracing two blocks and extending is exactly the full trace."""
+    spec = TrainingSpec(
+        model=f"{FUNCTIONS}:GeluStack",
+        inputs=f"{COMPILED_PY}:square_inputs",
+        loss=f"{COMPILED_PY}:square_loss",
+        batch_size=64,
+        target=target,
+    )
+    extended = trace(spec, policy_for(target))
+    full = trace(spec, policy_for(target), extend_blocks=False)
+    assert any("extended the timeline" in n for n in extended.notes), extended.notes
+    assert any(MODELLED in n and "compiled_gelu" in n for n in extended.notes), extended.notes
+    assert same_timeline(extended.timeline, full.timeline)
