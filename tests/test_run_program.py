@@ -29,23 +29,49 @@ def _printed(text: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(.*) peak bytes: (\d+)$", text, re.M)}
 
 
-@pytest.mark.parametrize("name", ["sgd_then_adam", "gan", "ema", "distill"])
-def test_target_cpu_equals_the_real_cpu_run(name, capsys):
+GRAD_SCALER_SCALARS = 2 * 4
+"""GradScaler makes its scale and growth tracker (two fp32 scalars) on the device the loss
+reports, which for an emulated CUDA tensor is the CPU: real host tensors in the trace, counted
+by the allocator in the real CPU run."""
+HOST_DATASET = 128 * 64 * 4 + 128 * 8
+"""data_loader.py's TensorDataset, in host memory: a GPU's allocator never sees it, the real CPU
+run's allocator counts it (measure_program.py)."""
+
+
+@pytest.mark.parametrize(
+    ("name", "allowance"),
+    [
+        ("sgd_then_adam", 0),
+        ("gan", 0),
+        ("ema", 0),
+        ("distill", 0),
+        ("autocast_bf16", 0),
+        ("grad_scaler", GRAD_SCALER_SCALARS),
+        ("data_loader", HOST_DATASET),
+        pytest.param("hf_llama", 0, marks=pytest.mark.slow),
+    ],
+)
+def test_target_cpu_equals_the_real_cpu_run(name, allowance, capsys):
     """What the program prints from torch.cuda.max_memory_allocated(), each optimizer's steady
-    window and every step's peak: --target cpu predicts the CPU allocator's count to the byte."""
+    window and every step's peak: --target cpu predicts the CPU allocator's count to the byte,
+    or short of it by a named allowance (memory the real CPU run's allocator sees that a GPU's
+    would not)."""
     predicted = run_program(_spec(name), target="cpu")
     printed_predicted = _printed(capsys.readouterr().out)
     measured = measure_program(_spec(name))
     printed_measured = _printed(capsys.readouterr().out)
-    assert printed_predicted and printed_predicted == printed_measured
-    assert [(w.optimizer, w.steps, w.peak_bytes) for w in predicted.windows] == [
+    assert printed_predicted
+    assert {k: v + allowance for k, v in printed_predicted.items()} == printed_measured
+    assert [(w.optimizer, w.steps, w.peak_bytes + allowance) for w in predicted.windows] == [
         (w.optimizer, w.steps, w.peak_bytes) for w in measured.windows
     ]
-    assert {k: v for k, v in predicted.step_peaks.items() if k >= 2} == {
+    assert {k: v + allowance for k, v in predicted.step_peaks.items() if k >= 2} == {
         k: v for k, v in measured.step_peaks.items() if k >= 2
     }
     assert predicted.ledger is not None
-    assert predicted.ledger.peak_bytes == max(v for k, v in measured.step_peaks.items() if k >= 2)
+    assert predicted.ledger.peak_bytes + allowance == max(
+        v for k, v in measured.step_peaks.items() if k >= 2
+    )
 
 
 def test_seed_snippet_prints_the_prediction_on_cuda(capsys):
@@ -120,6 +146,13 @@ def test_checkpoint_save_is_skipped(tmp_path, capsys):
     assert not path.exists()
     [note] = [n for n in report.notes if "saves skipped" in n]
     assert "torch.save at saves.py:17" in note
+
+
+def test_module_program(monkeypatch):
+    """``-m MODULE``, as ``python -m`` runs it."""
+    monkeypatch.syspath_prepend(str(PROGRAMS))
+    report = run_program(ProgramSpec(program="distill", module=True), target="cpu")
+    assert report.steps == 4 and report.optimizers == ["SGD (optimizer)"]
 
 
 def test_max_steps_stops_the_program():

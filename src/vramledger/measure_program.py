@@ -121,8 +121,12 @@ def measure_program(spec: ProgramSpec, *, gpu: str | None = None) -> ProgramMeas
     emulation = CudaEmulation(emulated_gpu(resolve_gpu(gpu or DEFAULT_GPU)), counter, CpuForCuda())
     with emulation:
         run: ProgramRun = launch(spec, counter)
-    if run.steps not in counter.step_peaks or run.ending == "ended":
-        counter.end_step(run.steps + 1)  # the tail after the last step
+    if run.steps not in counter.step_peaks or run.ending != "max-steps":
+        # what ran after the last step belongs to it, as in a trace (trace/program_trace.py)
+        last = max(run.steps, 1)
+        previous = counter.step_peaks.get(last, 0)
+        counter.end_step(last)
+        counter.step_peaks[last] = max(previous, counter.step_peaks[last])
     peaks = counter.step_peaks
     return ProgramMeasurement(
         program=" ".join([spec.program, *spec.args]),

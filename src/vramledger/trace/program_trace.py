@@ -15,7 +15,8 @@ records fake tensors only (:class:`ProgramTracker`). Phases come from the progra
   too: the FakeTensorMode is active for the step, as in ``trace/fake.py``;
 - step ``k + 1`` begins when step ``k``'s ``optimizer.step()`` returns, its optimizer phase
   first (``zero_grad``, as in ``training.py``), so every step's window runs from one
-  ``optimizer.step()`` to the next, whichever optimizer makes it.
+  ``optimizer.step()`` to the next, whichever optimizer makes it; what runs after the last
+  step (evaluation, logging) belongs to the last step.
 
 ``torch.cuda.memory_allocated()`` and the rest answer from the timeline recorded so far
 (:class:`TimelineCounter`): live device bytes as the target's allocator counts them, the same
@@ -74,6 +75,11 @@ class ProgramTracker(StorageTracker):
         if not _fake_call(args, kwargs):
             return func(*args, **(kwargs or {}))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    @property
+    def module_names(self) -> dict[int, str]:
+        """id(module) -> name, filled in as the program's modules first run."""
+        return self._module_names
 
     def _see(self, t: torch.Tensor, index: int = 0) -> list[int]:
         if not isinstance(t, FakeTensor) and not is_traceable_wrapper_subclass(t):
@@ -266,9 +272,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues(mode)
-    names: dict[int, str] = {}
     tracker = ProgramTracker(
-        module_names=names,
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
         substitutes=SUBSTITUTES,
@@ -276,7 +280,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
         values=values,
     )
     observer = TrackerObserver(tracker, policy.host_resident)
-    phases = _Phases(tracker, observer, mode, spec.max_steps, names)
+    phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
     stand_ins = ValueStandIns(values)
     emulation = CudaEmulation(
         gpu,
@@ -310,6 +314,10 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             ) from exc
         raise
     timeline = tracker.close()
+    if run.steps:
+        # What runs after the last optimizer step (evaluation, logging) is the last step's
+        # tail: its own step would have no forward and backward to report.
+        timeline.marks = [m for m in timeline.marks if m[1] <= run.steps]
     if decided:
         notes.append(
             "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
