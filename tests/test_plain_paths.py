@@ -35,6 +35,8 @@ CASES = {
     "bce-pos-weight": ("token_head", "token_inputs", "bce_pos_weight_loss"),
     "prod-dim": ("token_head", "token_inputs", "grouped_prod_loss"),
     "prod-all": ("token_head", "token_inputs", "whole_prod_loss"),
+    "ce-smoothing-weight": ("token_head", "token_inputs", "smoothed_weighted_ce_loss"),
+    "ce-smoothing-weight-tagger": ("tagger", "tagger_inputs", "smoothed_weighted_tag_loss"),
 }
 
 
@@ -137,3 +139,17 @@ def test_prod_backward_assumption_is_noted(name):
 
 def test_no_prod_note_without_prod():
     assert not [n for n in _estimate("bce-pos-weight").notes if "prod" in n]
+
+
+def test_smoothed_weighted_cross_entropy_runs_the_plain_weight_sum(monkeypatch):
+    """On the tagger the forward weight sum decides the peak: traced as the mode runs it
+    (``masked_fill`` + ``gather``), the estimate comes out below the plain run, whose
+    ``masked_select`` holds a long copy of the mask and its prefix sum."""
+    import vramledger.trace.plain_autograd as plain_autograd
+
+    name = "ce-smoothing-weight-tagger"
+    plain = _plain_peak(name)
+    monkeypatch.setattr(plain_autograd, "_SMOOTHED_WEIGHT_SUM", frozenset())
+    before = _estimate(name).peak_bytes
+    monkeypatch.undo()
+    assert before < plain * (1 - BOUND), (before, plain)

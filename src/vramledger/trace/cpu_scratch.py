@@ -15,6 +15,8 @@ and named in the notes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
@@ -27,6 +29,16 @@ aten = torch.ops.aten
 
 PROBE_LIMIT_BYTES = 1024**3
 """Largest real memory a probe may use (inputs + outputs, before scratch)."""
+
+
+VALUE_DEPENDENT = frozenset({aten.masked_select.default})
+"""Kernels whose scratch depends on the values, probed on the values the trace knows
+(trace/values.py) when it knows them all: ``masked_select_out_impl_cpu``
+(aten/src/ATen/native/TensorAdvancedIndexing.cpp) sums the mask (through a long copy of it,
+8 bytes per element) and returns when nothing is kept; otherwise its parallel path makes a long
+copy of the mask and its prefix sum (16 bytes per element). On zeros nothing is kept.
+Measured on torch 2.13, 65,536 elements, 2 threads: 524,312 bytes of scratch with no element
+kept, 1,048,576 with any (cross-entropy's label-smoothing weight sum, trace/plain_autograd.py)."""
 
 
 def probed(func: Any, args: tuple[Any, ...]) -> bool:
@@ -66,6 +78,15 @@ def _real(a: Any) -> Any:
     return a
 
 
+def _known(values: Any, a: Any) -> Any:
+    """``a`` with the values the trace knows (a copy: the probe must not write into them)."""
+    if isinstance(a, torch.Tensor):
+        return values.value(a).clone()
+    if isinstance(a, (list, tuple)):
+        return type(a)(_known(values, x) for x in a)
+    return a
+
+
 def _flat_tensors(args: Any) -> list[torch.Tensor]:
     if isinstance(args, torch.Tensor):
         return [args]
@@ -91,13 +112,30 @@ class CpuScratchProbe:
     ) -> None:
         if not isinstance(func, torch._ops.OpOverload):
             return
+        values = tracker.values
+        if (
+            func in VALUE_DEPENDENT
+            and values is not None
+            and all(values.known(t) for t in _flat_tensors([*args, *kwargs.values()]))
+        ):
+            scratch = self._probe(func, args, kwargs, out, partial(_known, values))
+            if scratch > 0:
+                tracker.add_transient(scratch, f"{func} CPU kernel scratch")
+            return
         key = _key(func, args, kwargs)
         if key not in self.cache:
             self.cache[key] = self._probe(func, args, kwargs, out) if probed(func, args) else 0
         if self.cache[key] > 0:
             tracker.add_transient(self.cache[key], f"{func} CPU kernel scratch")
 
-    def _probe(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> int:
+    def _probe(
+        self,
+        func: Any,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        out: Any,
+        real: Callable[[Any], Any] = _real,
+    ) -> int:
         outs = [
             o
             for o in (out if isinstance(out, (tuple, list)) else (out,))
@@ -113,8 +151,8 @@ class CpuScratchProbe:
             # which a probe cannot copy; these are index arithmetic, no kernel scratch
             return 0
         with _disable_current_modes(), torch.no_grad():
-            real_args = [_real(a) for a in args]
-            real_kwargs = {k: _real(v) for k, v in kwargs.items()}
+            real_args = [real(a) for a in args]
+            real_kwargs = {k: real(v) for k, v in kwargs.items()}
             inputs = {
                 t.untyped_storage()._cdata
                 for t in _flat_tensors([*real_args, *real_kwargs.values()])

@@ -27,7 +27,7 @@ module decides which calls qualify. ``docs/plain-run-paths.md`` lists every bran
 its source, and which are modelled; ``tests/test_plain_paths.py`` checks each modelled one
 against a plain run counted by the allocator.
 
-Two formulas need more than that rule (:class:`PlainBranches`, also applied by the tracker):
+Three formulas need more than that rule (:class:`PlainBranches`, also applied by the tracker):
 
 - ``binary_cross_entropy_with_logits_backward`` with ``pos_weight`` writes a *chain* in place,
   ``t.add(1).sub_(target).mul_(input.sigmoid()).sub_(t)``: out of place, every link's operand
@@ -41,16 +41,20 @@ Two formulas need more than that rule (:class:`PlainBranches`, also applied by t
   say it holds no zero (a real run, or values the trace knows, trace/values.py) or are
   unknown (a fake tensor from parameters: assumed, as real training data nearly always is,
   and said in the notes with what the other branch would hold).
+- ``cross_entropy`` with label smoothing, class weights and a mean sums the kept labels'
+  weights in its forward composite by ``masked_select`` in a plain run, by ``masked_fill`` and
+  ``gather`` for a subclass weight: the latter's buffers are hidden and the plain operators are
+  run through the tracker in their place (``PlainBranches._weight_sum_action``), on the
+  labels' values the trace knows (without them it is traced as the mode runs it).
 
-Not modelled (see the doc): ``cross_entropy`` with label smoothing and class weights (its
-forward composite sums the kept labels' weights by ``masked_select`` in a plain run, whose CPU
-scratch depends on the values); forward-mode (jvp) formulas; double backward
+Not modelled (see the doc): forward-mode (jvp) formulas; double backward
 (``create_graph=True``: autograd then always sums out of place, as the trace does).
 """
 
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -143,6 +147,18 @@ CHAINS: dict[str, tuple[Any, frozenset[Any]]] = {
 node name -> (the operator that makes the buffer, the out-of-place operators that write into
 it in a plain run when their first operand is that buffer)."""
 
+_SMOOTHED_WEIGHT_SUM = frozenset(
+    {
+        aten.eq.Scalar,
+        aten.masked_fill_.Scalar,
+        aten.masked_fill.Scalar,
+        aten.gather.default,
+        aten.div.Tensor,
+    }
+)
+"""The operators of ``cross_entropy``'s label-smoothing weight sum (see
+``PlainBranches._weight_sum_action``)."""
+
 PROD_BACKWARD = frozenset({"ProdBackward0", "ProdBackward1"})
 """``prod_backward`` over the whole tensor (0) and along a dimension (1), FunctionsManual.cpp."""
 
@@ -200,6 +216,14 @@ class ProdPlainBranch:
         return mask + self.count_bytes + self.quotient_bytes
 
 
+def _readable(t: torch.Tensor, values: Any) -> bool:
+    """Whether ``t``'s values exist for a value-dependent operator: a real tensor, or one whose
+    values the trace knows."""
+    if isinstance(t, FakeTensor):
+        return values is not None and values.known(t)
+    return t.device.type != "meta"
+
+
 def holds_zero(t: torch.Tensor, values: Any = None) -> bool | None:
     """Whether ``t`` holds a zero: read from a real tensor, or from the values the trace knows
     (trace/values.py); ``None`` when unknown (a fake tensor computed from parameters)."""
@@ -237,6 +261,14 @@ class PlainBranches:
         self._hidden_live = 0
         self._hidden_peak = 0
         self._hidden_refs: dict[int, Any] = {}
+        self._ignore: tuple[int, torch.Tensor, bool] | None = None
+        """(ignore mask's key, target, the smoothed loss was masked with it)"""
+        self._filtered: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self.replay: list[tuple[Any, Callable[[], tuple[Any, ...]]]] = []
+        """Plain-run operators the tracker runs (and records) after the current one:
+        (operator, its arguments when run); each output is appended to :attr:`held`."""
+        self.held: list[torch.Tensor] = []
+        """Outputs of replayed operators, alive until the plain statement ends."""
 
     def forget(self, key: int) -> None:
         """A storage died: its key may be reused by a new one."""
@@ -245,6 +277,8 @@ class PlainBranches:
     def action(self, func: Any, args: tuple[Any, ...], out: torch.Tensor) -> Action | None:
         """How a plain run would have made ``out``, for the operators of these formulas (None:
         as traced, left to :func:`plain_writes_in_place`)."""
+        if func in _SMOOTHED_WEIGHT_SUM:
+            return self._weight_sum_action(func, args, out)
         if torch.is_grad_enabled():
             return None
         node = torch._C._current_autograd_node()
@@ -277,6 +311,78 @@ class PlainBranches:
         self.prod_assumed += zero is None
         self.prod_known += zero is False
         self._hidden_live = self._hidden_peak = 0
+
+    def _weight_sum_action(
+        self, func: Any, args: tuple[Any, ...], out: torch.Tensor
+    ) -> Action | None:
+        """``cross_entropy`` with label smoothing, class weights and a mean
+        (``cross_entropy_loss_label_smoothing`` in aten/src/ATen/native/Loss.cpp) divides by
+        the kept labels' weights. For a subclass weight (any weight under a mode)::
+
+            auto ignore_mask = target == ignore_index;
+            auto filtered_target = target.masked_fill(ignore_mask, 0);
+            auto tgt_weights = weight.gather(0, filtered_target.flatten());
+            auto weight_sum = tgt_weights.masked_fill_(ignore_mask.flatten(), 0).sum();
+            ret = smooth_loss.sum() / weight_sum;
+
+        and in a plain run::
+
+            ret = smooth_loss.sum() / weight.gather(0, target.masked_select(~ignore_mask)
+                                                       .flatten()).sum();
+
+        The first two buffers are hidden and the plain operators are run in their place
+        (:attr:`replay`, through the tracker, so that their kernels' scratch and the number
+        of kept labels, known from the batch, count); they live to the division."""
+        if func is aten.eq.Scalar:
+            self._ignore = (out.untyped_storage()._cdata, args[0], False)
+            return None
+        if func is aten.masked_fill_.Scalar:  # smooth_loss.masked_fill_(ignore_mask, 0.0)
+            mask = args[1]
+            if (
+                self._ignore is not None
+                and isinstance(mask, torch.Tensor)
+                and mask.untyped_storage()._cdata == self._ignore[0]
+                and args[0].is_floating_point()
+            ):
+                self._ignore = (*self._ignore[:2], True)
+            return None
+        if func is aten.div.Tensor:
+            self.held.clear()  # the plain statement's temporaries die with it
+            return None
+        if func is aten.masked_fill.Scalar:
+            target, mask = args[0], args[1]
+            if (
+                self._ignore is not None
+                and self._ignore[2]
+                and target is self._ignore[1]
+                and isinstance(mask, torch.Tensor)
+                and mask.untyped_storage()._cdata == self._ignore[0]
+                and not target.is_floating_point()
+                and _readable(target, self._values)
+                and _readable(mask, self._values)
+            ):
+                self._filtered = (out.untyped_storage()._cdata, target, mask)
+                return Action.HIDE
+            return None
+        # gather(weight, 0, filtered_target.flatten())
+        index = args[2] if len(args) > 2 else None
+        if (
+            self._filtered is not None
+            and args[1] == 0
+            and isinstance(index, torch.Tensor)
+            and index.untyped_storage()._cdata == self._filtered[0]
+            and args[0].dim() == 1
+        ):
+            _, target, mask = self._filtered
+            self._filtered = None
+            weight = args[0]
+            self.replay = [
+                (aten.bitwise_not.default, lambda: (mask,)),
+                (aten.masked_select.default, lambda: (target, self.held[-1])),
+                (aten.gather.default, lambda: (weight, 0, self.held[-1].flatten())),
+            ]
+            return Action.HIDE
+        return None
 
     def _chain_action(
         self, name: str, func: Any, args: tuple[Any, ...], out: torch.Tensor

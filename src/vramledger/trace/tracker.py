@@ -235,7 +235,19 @@ class StorageTracker(TorchDispatchMode):
             for sid in self._transients:
                 self._free(sid)
             self._transients = []
+        if self.plain_branches.replay:
+            self._replay_plain()
         return out
+
+    def _replay_plain(self) -> None:
+        """Run and record the plain run's operators in place of the hidden ones
+        (``plain_autograd.PlainBranches.replay``)."""
+        branches = self.plain_branches
+        replay, branches.replay = branches.replay, []
+        for func, args in replay:
+            call_args = args()
+            types = tuple({type(a) for a in call_args if isinstance(a, torch.Tensor)})
+            branches.held.append(self.__torch_dispatch__(func, types, call_args))
 
     def _see_all(self, outs: Iterable[Any]) -> None:
         for i, o in enumerate(outs):
