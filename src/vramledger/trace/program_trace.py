@@ -323,6 +323,12 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
         )
     notes += stand_ins.notes()
+    if values.routed_ops:
+        notes.append(
+            f"{', '.join(sorted(values.routed_ops))} over values computed from parameters "
+            "answered with the balanced routing (row r picks (r·k + j) mod n, "
+            "trace/values.py)"
+        )
     if run.skipped_saves:
         notes.append("checkpoint saves skipped (nothing written): " + "; ".join(run.skipped_saves))
     if tracker.scalars_answered:

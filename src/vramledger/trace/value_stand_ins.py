@@ -27,15 +27,15 @@ STAND_IN = 0
 """Every unknown value reads as zero (0.0, 0, False)."""
 
 READS = {
-    torch.Tensor.item: "item()",
-    torch.Tensor.tolist: "tolist()",
-    torch.Tensor.__float__: "float()",
-    torch.Tensor.__int__: "int()",
-    torch.Tensor.__bool__: "bool()",
-    torch.Tensor.__index__: "index()",
-    torch.Tensor.__format__: "format()",
-    torch.Tensor.__repr__: "print()",
-    torch.Tensor.numpy: "numpy()",
+    torch.Tensor.item: "Tensor.item()",
+    torch.Tensor.tolist: "Tensor.tolist()",
+    torch.Tensor.__float__: "float(tensor)",
+    torch.Tensor.__int__: "int(tensor)",
+    torch.Tensor.__bool__: "bool(tensor)",
+    torch.Tensor.__index__: "a tensor as an index",
+    torch.Tensor.__format__: "format(tensor)",
+    torch.Tensor.__repr__: "print(tensor)",
+    torch.Tensor.numpy: "Tensor.numpy()",
 }
 """Tensor methods that read values, and how the notes name them."""
 
@@ -66,7 +66,7 @@ class ValueStandIns:
 
     def notes(self) -> list[str]:
         return [
-            f"Tensor.{read} of a value computed from parameters returned a stand-in "
+            f"{read} of a value computed from parameters returned a stand-in "
             f"({STAND_IN}) at {where}"
             + (f" ({count} times)" if count > 1 else "")
             + "; control flow that depends on it took zero's branch"
