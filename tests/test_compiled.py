@@ -174,12 +174,21 @@ def test_compiled_function_not_modelled_is_traced_eagerly_with_both_figures(loss
     assert not any(MODELLED in n for n in ledger.notes)
 
 
-@pytest.mark.parametrize("target", ["cpu", "cuda"])
-def test_compiled_function_in_blocks_extends_as_a_full_trace(target):
-    """A compiled function called by every block: its buffers carry the calling block's label,
-    so tracing two blocks and extending is exactly the full trace."""
+@pytest.mark.parametrize(
+    ("model", "region", "target"),
+    [
+        ("gelu_stack", "compiled_gelu (torch.compile'd function)", "cpu"),
+        ("gelu_stack", "compiled_gelu (torch.compile'd function)", "cuda"),
+        ("compiled_block_stack", "Block (torch.compile'd module)", "cpu"),
+        ("module_compiled_stack", "Block (nn.Module.compile'd module)", "cpu"),
+    ],
+)
+def test_compiled_regions_in_blocks_extend_as_a_full_trace(model, region, target):
+    """A compiled function called by every block, or every block compiled: the region's buffers
+    carry the block's label (a compiled module's own hooks run, as ``nn.Module.__call__`` runs
+    them), so tracing two blocks and extending is exactly the full trace."""
     spec = TrainingSpec(
-        model=f"{FUNCTIONS}:GeluStack",
+        model=f"{FUNCTIONS}:{model}",
         inputs=f"{COMPILED_PY}:square_inputs",
         loss=f"{COMPILED_PY}:square_loss",
         batch_size=64,
@@ -188,5 +197,5 @@ def test_compiled_function_in_blocks_extends_as_a_full_trace(target):
     extended = trace(spec, policy_for(target))
     full = trace(spec, policy_for(target), extend_blocks=False)
     assert any("extended the timeline" in n for n in extended.notes), extended.notes
-    assert any(MODELLED in n and "compiled_gelu" in n for n in extended.notes), extended.notes
+    assert any(MODELLED in n and region in n for n in extended.notes), extended.notes
     assert same_timeline(extended.timeline, full.timeline)

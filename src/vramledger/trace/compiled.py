@@ -44,6 +44,7 @@ Limits, said in the trace's notes:
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import sys
 import traceback
@@ -152,7 +153,15 @@ class _Active:
     calls = 0
     """Calls of stubbed wrapper modules so far (in this process)."""
     region: ClassVar[str | None] = None
-    """The region being compiled (its wrapper modules say whose they are)."""
+    """The region being compiled or running its forward."""
+    runs = 0
+    """Runs of regions so far (in this process): the wrapper modules that one run loads (a
+    forward and its backward) share its number."""
+    names: ClassVar[dict[int, str]] = {}
+    """Run number of a wrapper module -> the region whose forward ran it last. Dynamo and
+    AOTAutograd reuse a compiled graph for another region whose graph is the same (another
+    trace's module of the same class), so a wrapper module's region is read when it runs, and
+    a backward's is its forward's."""
 
 
 def _stub_module(
@@ -167,7 +176,7 @@ def _stub_module(
     trace's modes."""
     from torch._inductor import async_compile
 
-    region = _Active.region
+    run = _Active.runs
     with open(path) as f:
         source = f.read()
     module = types.ModuleType(f"vramledger_inductor_{key}")
@@ -191,6 +200,11 @@ def _stub_module(
 
     def call(args: list[Any]) -> Any:
         _Active.calls += 1
+        region = _Active.region
+        if region is not None:  # a forward
+            _Active.names[run] = region
+        else:  # a backward, run by autograd
+            region = _Active.names.get(run)
         if _Active.context and region is not None:
             _Active.context[-1][1].graphs.setdefault(region, set()).add(module.__name__)
         previous, _Active.anchor = _Active.anchor, _anchor(args)
@@ -329,6 +343,7 @@ class CompiledRegions:
         before = (_Active.calls, sum(counters["graph_break"].values()))
         with _disable_current_modes() as modes, _codegen_only():
             _Active.modes, _Active.region = list(modes), name
+            _Active.runs += 1
             try:
                 with (
                     torch.compiler.set_stance("default"),
@@ -403,7 +418,7 @@ def compiled_regions(tracker: Any, notes: list[str], target: str) -> Iterator[No
         return _function_region(f"{module_name}.{name}", original, options[module_name, name])
 
     module_call = OptimizedModule.__call__
-    OptimizedModule.__call__ = _module_region(module_call)  # type: ignore[method-assign]
+    OptimizedModule.__call__ = _module_region()  # type: ignore[method-assign]
     _Active.context.append((tracker, log))
     try:
         with patched_functions(options, region), _user_wrappers():
@@ -538,23 +553,35 @@ def _global_hooks_aside() -> Iterator[None]:
             h.update(kept)
 
 
-def _module_region(original: Callable[..., Any]) -> Any:
-    """``OptimizedModule.__call__`` in a trace: the module's forward graph as Inductor runs it,
-    and its backward graph (compiled with it) when autograd reaches it."""
+def _module_region() -> Any:
+    """``OptimizedModule.__call__`` in a trace: ``nn.Module.__call__`` on the wrapper as
+    always (its own hooks run: the tracker's block labels, when the wrapper is a block), with
+    its forward, ``dynamo_ctx(_orig_mod.__call__)``, replaced for the call by the module's
+    forward graph as Inductor runs it, and its backward graph (compiled with it) when autograd
+    reaches it."""
 
     def call(self: Any, *args: Any, **kwargs: Any) -> Any:
-        tracker, log = _Active.context[-1]
-        name = f"{type(self._orig_mod).__name__} (torch.compile'd module)"
-        start = tracker.position()
+        saved = self.__dict__["forward"]
+        self.__dict__["forward"] = functools.partial(_module_forward, self)
         try:
-            with _global_hooks_aside():
-                compiled = REGIONS.compiled_module(self)
-                return REGIONS.run(name, compiled, args, kwargs, log=log)
-        except RegionNotModelled as exc:
-            reason = str(exc)
-        return run_eagerly(name, reason, self._orig_mod, args, kwargs, start)
+            return torch.nn.Module.__call__(self, *args, **kwargs)
+        finally:
+            self.__dict__["forward"] = saved
 
     return call
+
+
+def _module_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
+    tracker, log = _Active.context[-1]
+    name = f"{type(module._orig_mod).__name__} (torch.compile'd module)"
+    start = tracker.position()
+    try:
+        with _global_hooks_aside():
+            compiled = REGIONS.compiled_module(module)
+            return REGIONS.run(name, compiled, args, kwargs, log=log)
+    except RegionNotModelled as exc:
+        reason = str(exc)
+    return run_eagerly(name, reason, module._orig_mod, args, kwargs, start)
 
 
 def run_eagerly(
