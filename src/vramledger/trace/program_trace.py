@@ -44,6 +44,7 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import AllocatorModel
 from ..categories import Category, Phase
@@ -58,6 +59,9 @@ from .value_stand_ins import ValueStandIns
 from .values import KnownValues
 
 TRACE_DEVICE = torch.device("cpu")
+_DEVICE_COPIES = frozenset({torch.ops.aten._to_copy.default})
+"""``Tensor.to("cuda")`` of a real tensor: a copy the tracker records as the operator's output
+(``cuda_emulation.FakeCuda.move``), not a real tensor met on the device."""
 
 
 def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
@@ -69,11 +73,33 @@ def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
 
 class ProgramTracker(StorageTracker):
     """The storage tracker, recording fake tensors only: operators that neither take a fake
-    tensor nor run under a FakeTensorMode (the program's real CPU work) run untouched."""
+    tensor nor run under a FakeTensorMode (the program's real CPU work) run untouched.
+
+    A real tensor that meets a fake one in an operator was made on the device in the program's
+    GPU run: emulated tensors report the CPU as their device, so ``torch.arange(t,
+    device=x.device)`` makes a real CPU tensor here, where on the GPU it makes a CUDA tensor
+    (a CUDA operator refuses CPU tensors but 0-d ones). Its fake twin, the one ``mode`` converts
+    it to, is recorded from that first use for as long as the real tensor lives (autograd
+    keeps what it saves: the real tensor, as a CUDA run keeps its CUDA tensor)."""
+
+    def __init__(self, mode: FakeTensorMode, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._mode = mode
+        self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _fake_call(args, kwargs):
             return func(*args, **(kwargs or {}))
+        if func not in _DEVICE_COPIES:
+            for t in tree_leaves((args, kwargs)):
+                if (
+                    type(t) in (torch.Tensor, nn.Parameter)
+                    and t.dim() > 0
+                    and t.device.type == "cpu"
+                    and t not in self._twins
+                ):
+                    self._twins[t] = twin = self._mode.from_tensor(t)
+                    self._see(twin)
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     @property
@@ -273,6 +299,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues(mode)
     tracker = ProgramTracker(
+        mode,
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
         substitutes=SUBSTITUTES,
