@@ -19,6 +19,31 @@ def fixture(name: str) -> str:
 MODELS_PY = fixture("models.py")
 
 
+@pytest.fixture(autouse=True)
+def _piped_output(monkeypatch):
+    """Every test's output as when piped, whatever the terminal running the suite: ``COLUMNS``
+    (set by some terminals, and by pytest-xdist's workers) would wrap the CLI's lines. A test
+    that needs a width sets it."""
+    monkeypatch.delenv("COLUMNS", raising=False)
+
+
 @pytest.fixture
 def fixtures() -> Path:
     return FIXTURES
+
+
+MULTIPROCESS_GROUP = "multiprocess"
+"""Under pytest-xdist (``--dist loadgroup``, the README's test command), every test marked
+``multiprocess`` runs on one worker, one after another: their real gloo runs are cached per
+world size and shared between files (``tests/mesh_real.py``), and two sets of gloo processes at
+once would only fight for the cores. Every other test is grouped by its file, so a file's cached
+traces are made once."""
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            multiprocess = item.get_closest_marker("multiprocess") is not None
+            item.add_marker(
+                pytest.mark.xdist_group(MULTIPROCESS_GROUP if multiprocess else item.path.name)
+            )

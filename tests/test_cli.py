@@ -292,9 +292,10 @@ def test_piped_tables_are_not_cut_to_80_columns(capsys, monkeypatch):
         assert f"note: {note}" in out
 
 
-def test_optimizer_state_is_said_per_rank_and_over_all_ranks(capsys):
+def test_optimizer_state_is_said_per_rank_and_over_all_ranks(capsys, monkeypatch):
     """FSDP over 4 ranks: AdamW's 8 bytes per parameter are 2 on each rank; the line says which
     is which, and the JSON gives the sum over every rank."""
+    monkeypatch.delenv("COLUMNS", raising=False)  # piped: nothing is cut or wrapped
     args = ["estimate", fixture("tiny-llama.json"), "--seq-len", "32"]
     args += ["--world-size", "4", "--strategy", "fsdp"]
     _, out, _ = run_cli(capsys, *args)
