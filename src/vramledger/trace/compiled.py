@@ -22,7 +22,8 @@ output on fake inputs, not its scheduler's buffer list.
 Which regions: the functions libraries compile by name (``COMPILED_FUNCTIONS``: torchao's step);
 a user's ``torch.compile(module)`` (``OptimizedModule``); and a user's compiled function, however
 it is reached (``torch.compile(fn)`` held anywhere, ``@torch.compile``, ``nn.Module.compile()``,
-which compiles the module's ``_call_impl``), found when its wrapper runs (:func:`_user_wrappers`).
+which compiles the module's ``_call_impl``: here its forward, with the hooks run eagerly), found
+when its wrapper runs (:func:`_user_wrappers`).
 A user's region is compiled again with ``fullgraph=True`` and the user's Inductor settings, so a
 graph break fails while Dynamo traces, before anything runs.
 
@@ -514,25 +515,59 @@ def _fn_cell(frame: types.FrameType) -> Any:
 def _wrapper_region(context: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     """What a user's ``torch.compile`` wrapper calls in a trace instead of ``fn``: ``fn`` as
     Inductor runs it (:meth:`CompiledRegions.compiled_wrapper`), else eagerly with the note."""
-    bound = fn.__self__ if isinstance(fn, types.MethodType) else None
-    if isinstance(bound, torch.nn.Module):  # nn.Module.compile(): its _call_impl
-        name = f"{type(bound).__name__} (nn.Module.compile'd module)"
-    else:
-        name = f"{getattr(fn, '__qualname__', repr(fn))} (torch.compile'd function)"
-    leading = () if bound is None else (bound,)
+    bound = getattr(fn, "__self__", None)
+    if isinstance(bound, torch.nn.Module) and fn.__name__ == "_call_impl":
+        return _compiled_call_impl(context, bound, fn)
+    name = f"{getattr(fn, '__qualname__', repr(fn))} (torch.compile'd function)"
+    return functools.partial(_run_region, name, context, fn, ())
+
+
+def _compiled_call_impl(
+    context: Any, module: torch.nn.Module, call_impl: Callable[..., Any]
+) -> Callable[..., Any]:
+    """``nn.Module.compile()`` compiles the module's ``_call_impl``: here ``_call_impl`` runs
+    eagerly, so the module's hooks run as ``nn.Module.__call__`` runs them (the tracker's block
+    labels, an engine's hooks; traced by Dynamo they would be part of the graph), with its
+    ``forward`` replaced for the call by the forward as Inductor runs it, as for a
+    ``torch.compile``'d module. Its forward is compiled unbound, the module its first
+    argument."""
+    name = f"{type(module).__name__} (nn.Module.compile'd module)"
+    forward = type(module).forward
+    region = functools.partial(_run_region, name, context, forward, (module,))
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        tracker, log = _Active.context[-1]
-        start = tracker.position()
+        saved = module.__dict__.get("forward")
+        module.__dict__["forward"] = region
         try:
-            with _global_hooks_aside():
-                compiled = REGIONS.compiled_wrapper(context, fn)
-                return REGIONS.run(name, compiled, (*leading, *args), kwargs, log=log)
-        except RegionNotModelled as exc:
-            reason = str(exc)
-        return run_eagerly(name, reason, fn, args, kwargs, start)
+            return call_impl(*args, **kwargs)
+        finally:
+            if saved is None:
+                del module.__dict__["forward"]
+            else:
+                module.__dict__["forward"] = saved
 
     return call
+
+
+def _run_region(
+    name: str,
+    context: Any,
+    fn: Callable[..., Any],
+    leading: tuple[Any, ...],
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``fn(*leading, *args, **kwargs)`` compiled again as ``context`` compiles it and run as
+    Inductor runs it; eagerly, with the note, where that cannot be done."""
+    tracker, log = _Active.context[-1]
+    start = tracker.position()
+    try:
+        with _global_hooks_aside():
+            compiled = REGIONS.compiled_wrapper(context, fn)
+            return REGIONS.run(name, compiled, (*leading, *args), kwargs, log=log)
+    except RegionNotModelled as exc:
+        reason = str(exc)
+    return run_eagerly(name, reason, fn, (*leading, *args), kwargs, start)
 
 
 @contextlib.contextmanager
