@@ -160,6 +160,26 @@ class FakeCuda:
         converter = self.mode.fake_tensor_converter
         return converter.from_meta_and_device(self.mode, meta, torch.device("cpu"))
 
+    def _parameter(self, p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """The fake parameter, in ``p``'s own object where possible: ``Module.to("cuda")``
+        keeps each Parameter object, so an optimizer made before the move (as accelerate's
+        ``prepare`` allows) steps the moved parameters. The fake takes the real one's place
+        (``torch.utils.swap_tensors``, as ``Module._apply`` does under
+        ``torch.__future__.set_swap_module_params_on_conversion``); a fake made by
+        ``FakeTensor`` itself has no weak reference, which the swap refuses. Where ``p`` has
+        one, a new Parameter object."""
+        meta = p.detach().to("meta")
+        if dtype is not None and p.is_floating_point():
+            meta = meta.to(dtype)
+        fake = FakeTensor(self.mode, meta, torch.device("cpu"))
+        fake.requires_grad_(p.requires_grad)
+        fake._is_param = True
+        try:
+            torch.utils.swap_tensors(p, fake)
+        except RuntimeError:
+            return nn.Parameter(self._fake(p, dtype), requires_grad=p.requires_grad)
+        return p
+
     def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
         memo: dict[int, torch.Tensor] = {}
         params: list[torch.Tensor] = []
@@ -171,11 +191,11 @@ class FakeCuda:
                 if id(p) not in memo and isinstance(p, FakeTensor) and dtype in (None, p.dtype):
                     memo[id(p)] = p  # already on the emulated device
                 elif id(p) not in memo:
-                    new = nn.Parameter(self._fake(p, dtype), requires_grad=p.requires_grad)
-                    if p.grad is not None:
-                        new.grad = self._fake(p.grad, dtype)
-                    memo[id(p)] = new
-                    params.append(new)
+                    grad = None if p.grad is None else self._fake(p.grad, dtype)
+                    memo[id(p)] = self._parameter(p, dtype)
+                    if grad is not None:
+                        memo[id(p)].grad = grad
+                    params.append(memo[id(p)])
                 sub._parameters[name] = memo[id(p)]
             for name, b in sub._buffers.items():
                 if b is None:
