@@ -76,6 +76,42 @@ def test_target_cpu_equals_the_real_cpu_run(name, allowance, capsys):
     )
 
 
+NANOGPT_HOST_SCALARS = 2 * 4
+"""nanoGPT's ``estimate_loss`` keeps its two mean losses (``losses.mean()`` of a CPU tensor,
+fp32 scalars) for the rest of the run: host memory, which a GPU's allocator never sees and the
+real CPU run's counts."""
+
+
+@pytest.mark.slow
+def test_nanogpt(tmp_path, monkeypatch, capsys):
+    """nanoGPT's own train.py (vendored, tests/programs/nanogpt) on a tiny config and local
+    data: its fused AdamW, gradient accumulation, evaluation and checkpoint save, under
+    --target cpu as the real CPU run counts it."""
+    import shutil
+
+    import numpy as np
+
+    source = PROGRAMS / "nanogpt"
+    shutil.copy(source / "configurator.py", tmp_path)  # train.py execs it from the cwd
+    data = tmp_path / "data" / "tiny"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rng.integers(0, 65, 20000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, 65, 4000, dtype=np.uint16).tofile(data / "val.bin")
+    monkeypatch.chdir(tmp_path)
+    spec = ProgramSpec(program=str(source / "train.py"), args=(str(source / "tiny.py"),))
+    predicted = run_program(spec, target="cpu")
+    assert "iter 3: loss 0.0000" in capsys.readouterr().out
+    measured = measure_program(spec)
+    capsys.readouterr()
+    assert predicted.steps == measured.steps == 4
+    [window] = predicted.windows
+    assert window.optimizer == "AdamW (optimizer)"
+    assert window.peak_bytes + NANOGPT_HOST_SCALARS == measured.windows[0].peak_bytes
+    assert not (tmp_path / "out-tiny" / "ckpt.pt").exists()
+    assert any("torch.save at train.py" in n for n in predicted.notes)
+
+
 def test_seed_snippet_prints_the_prediction_on_cuda(capsys):
     """Under the CUDA target the figures printed are the ledger's: the SGD and Adam windows as
     the caching allocator counts them (cuBLAS workspaces included)."""
@@ -155,6 +191,47 @@ def test_module_program(monkeypatch):
     monkeypatch.syspath_prepend(str(PROGRAMS))
     report = run_program(ProgramSpec(program="distill", module=True), target="cpu")
     assert report.steps == 4 and report.optimizers == ["SGD (optimizer)"]
+
+
+def test_console_script(capsys):
+    """An installed console script runs by its name (vramledger's own, which prints its
+    version and exits 0)."""
+    report = run_program(ProgramSpec(program="vramledger", args=("--version",)), target="cpu")
+    assert report.ending == "ended" and report.exit_code == 0 and report.steps == 0
+    assert "vramledger" in capsys.readouterr().out
+
+
+def test_the_process_is_restored():
+    """Everything run patches is put back: torch.cuda, Module.to/cuda, autocast, autograd's
+    entry points, torch.save, the optimizer step hooks."""
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    before = (
+        torch.cuda.is_available,
+        torch.cuda.max_memory_allocated,
+        torch.cuda.memory.memory_allocated,
+        nn.Module.to,
+        nn.Module.cuda,
+        torch.amp.autocast_mode.autocast.__init__,
+        torch.autograd.backward,
+        torch.save,
+        len(_global_optimizer_pre_hooks),
+        len(_global_optimizer_post_hooks),
+    )
+    run_program(_spec("saves"), target="cuda")
+    after = (
+        torch.cuda.is_available,
+        torch.cuda.max_memory_allocated,
+        torch.cuda.memory.memory_allocated,
+        nn.Module.to,
+        nn.Module.cuda,
+        torch.amp.autocast_mode.autocast.__init__,
+        torch.autograd.backward,
+        torch.save,
+        len(_global_optimizer_pre_hooks),
+        len(_global_optimizer_post_hooks),
+    )
+    assert after == before
 
 
 def test_max_steps_stops_the_program():

@@ -97,6 +97,7 @@ def _is_cuda(device: Any) -> bool:
 
 _TENSOR_TO = {torch.Tensor.to}
 _TENSOR_CUDA = {torch.Tensor.cuda}
+_PINNING = {torch.Tensor.pin_memory, torch.Tensor.is_pinned}
 
 
 class _DeviceMode(TorchFunctionMode):
@@ -115,6 +116,9 @@ class _DeviceMode(TorchFunctionMode):
                 return self.mapping.move(args[0], dtype)
         elif func in _TENSOR_CUDA:
             return self.mapping.move(args[0], None)
+        elif func in _PINNING:
+            # pinned host memory is the host's, and a CPU-only PyTorch cannot pin: unpinned
+            return args[0] if func is torch.Tensor.pin_memory else False
         elif "device" in kwargs and _is_cuda(kwargs["device"]):
             return self.mapping.factory(func, args, kwargs)
         elif self.mapping.handles(func, args):

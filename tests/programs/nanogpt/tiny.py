@@ -1,0 +1,20 @@
+# ruff: noqa
+# A tiny configuration for tests/test_run_program.py (data made by the test in data/tiny).
+out_dir = "out-tiny"
+dataset = "tiny"
+n_layer = 2
+n_head = 2
+n_embd = 64
+block_size = 64
+batch_size = 4
+gradient_accumulation_steps = 2
+max_iters = 3
+lr_decay_iters = 3
+warmup_iters = 1
+eval_interval = 2
+eval_iters = 1
+log_interval = 1
+compile = False
+dropout = 0.0
+always_save_checkpoint = True
+dtype = "float32"
