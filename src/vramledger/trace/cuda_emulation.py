@@ -33,9 +33,11 @@ from types import SimpleNamespace
 from typing import Any, Protocol
 
 import torch
+import torch.utils._device
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 from ..categories import Category
 
@@ -120,6 +122,14 @@ class _DeviceMode(TorchFunctionMode):
             # pinned host memory is the host's, and a CPU-only PyTorch cannot pin: unpinned
             return args[0] if func is torch.Tensor.pin_memory else False
         elif "device" in kwargs and _is_cuda(kwargs["device"]):
+            return self.mapping.factory(func, args, kwargs)
+        elif (
+            kwargs.get("device") is None
+            and func in _device_constructors()
+            and _is_cuda(torch.utils._device.CURRENT_DEVICE)
+        ):
+            # torch.set_default_device("cuda") and `with torch.device("cuda")`: their mode sits
+            # at the bottom of the stack, so it names CUDA after this one has looked
             return self.mapping.factory(func, args, kwargs)
         elif self.mapping.handles(func, args):
             return self.mapping.answer(func, args, kwargs)
