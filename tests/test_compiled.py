@@ -53,7 +53,7 @@ CLASSIFIER = dict(
     optimizer="sgd",
     target="cpu",
 )
-FUNCTION_CASES = {
+USER_CASES = {
     # case: (the plain run's model, inputs and loss; the estimate's and its eager twin's
     # arguments; the region the notes name)
     "compiled loss function": (
@@ -74,6 +74,19 @@ FUNCTION_CASES = {
         dict(model=f"{COMPILED_PY}:Block", **BLOCK),
         "Block (nn.Module.compile'd module) (2 graphs)",
     ),
+    # a whole model whose blocks the tracker labels: its hooks must stay out of the graph
+    "torch.compile(model) with blocks": (
+        (fn.compiled_stack, fx.square_inputs, fx.square_loss),
+        dict(model=f"{FUNCTIONS}:compiled_stack", **BLOCK),
+        dict(model=f"{FUNCTIONS}:eager_stack", **BLOCK),
+        "Stack (torch.compile'd module) (2 graphs)",
+    ),
+    "model.compile() with blocks": (
+        (fn.module_compiled_stack_whole, fx.square_inputs, fx.square_loss),
+        dict(model=f"{FUNCTIONS}:module_compiled_stack_whole", **BLOCK),
+        dict(model=f"{FUNCTIONS}:eager_stack", **BLOCK),
+        "Stack (nn.Module.compile'd module) (2 graphs)",
+    ),
 }
 
 
@@ -81,8 +94,8 @@ FUNCTION_CASES = {
 def _real(case: str) -> tuple[list[int], float]:
     """Per-step peaks of the plain compiled run of ``case``, and its seconds."""
     start = time.perf_counter()
-    if case in FUNCTION_CASES:
-        (make_model, make_inputs, loss), *_ = FUNCTION_CASES[case]
+    if case in USER_CASES:
+        (make_model, make_inputs, loss), *_ = USER_CASES[case]
         peaks = fn.plain_run(make_model, make_inputs, loss, batch_size=512)
     elif case in LOWBIT:
         import torchao.optim
@@ -139,13 +152,14 @@ def test_region_inductor_does_not_run_is_traced_eagerly_with_both_figures():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", list(FUNCTION_CASES))
-def test_compiled_function_matches_plain_compiled_run(case):
+@pytest.mark.parametrize("case", list(USER_CASES))
+def test_user_compiled_region_matches_plain_compiled_run(case):
     """A user's compiled function (a loss the loss factory calls, a ``@torch.compile``
-    function a forward calls, ``nn.Module.compile()``'s compiled ``_call_impl``): its forward
-    and backward graphs as Inductor runs them. Eagerly each keeps several full-size pointwise
-    intermediates for backward, so the bound tells the two apart."""
-    _, arguments, eager_arguments, region = FUNCTION_CASES[case]
+    function a forward calls, ``nn.Module.compile()``'s compiled ``_call_impl``) or whole
+    model with repeated blocks: its forward and backward graphs as Inductor runs them. Eagerly
+    each keeps several full-size pointwise intermediates for backward, so the bound tells the
+    two apart."""
+    _, arguments, eager_arguments, region = USER_CASES[case]
     (first, steady), _ = _real(case)
     ledger = estimate(**arguments)
     assert any(MODELLED in n and region in n for n in ledger.notes), ledger.notes

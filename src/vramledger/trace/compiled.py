@@ -562,7 +562,7 @@ def _run_region(
     tracker, log = _Active.context[-1]
     start = tracker.position()
     try:
-        with _global_hooks_aside():
+        with _trace_hooks_aside(next((a for a in leading if isinstance(a, torch.nn.Module)), None)):
             compiled = REGIONS.compiled_wrapper(context, fn)
             return REGIONS.run(name, compiled, (*leading, *args), kwargs, log=log)
     except RegionNotModelled as exc:
@@ -571,21 +571,31 @@ def _run_region(
 
 
 @contextlib.contextmanager
-def _global_hooks_aside() -> Iterator[None]:
-    """Global module hooks (the tracker's module attribution) set aside while a region is
-    traced by Dynamo and runs, as they would otherwise be traced into its graph: the region's
-    storages belong to the module that calls it."""
+def _trace_hooks_aside(module: torch.nn.Module | None = None) -> Iterator[None]:
+    """The trace's module hooks set aside while a region is traced by Dynamo and runs, as
+    Dynamo would otherwise trace them into its graph (and refuse the graph: their side effects
+    on the tracker are not nullified): the global hooks (the tracker's module attribution), and
+    the tracker's own hooks on ``module`` and its submodules (its block labels, when the region
+    is a whole model). The region's storages belong to the module that calls it, and inside a
+    compiled model they carry no block label (the block extension then traces in full)."""
     from torch.nn.modules import module as nn_module
 
-    hooks = (nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks)
-    saved = [dict(h) for h in hooks]
-    for h in hooks:
-        h.clear()
+    tracker = _Active.context[-1][0]
+    hooks = [nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks]
+    owned = [lambda _h: True, lambda _h: True]
+    for m in module.modules() if module is not None else ():
+        hooks += [m._forward_pre_hooks, m._forward_hooks]
+        owned += [lambda h: getattr(h, "__self__", None) is tracker] * 2
+    saved = [list(h.items()) for h in hooks]
+    for h, ours in zip(hooks, owned, strict=True):
+        for key in [k for k, hook in h.items() if ours(hook)]:
+            del h[key]
     try:
         yield
     finally:
-        for h, kept in zip(hooks, saved, strict=True):
-            h.update(kept)
+        for h, items in zip(hooks, saved, strict=True):
+            h.clear()
+            h.update(items)
 
 
 def _module_region() -> Any:
@@ -611,7 +621,7 @@ def _module_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
     name = f"{type(module._orig_mod).__name__} (torch.compile'd module)"
     start = tracker.position()
     try:
-        with _global_hooks_aside():
+        with _trace_hooks_aside(module._orig_mod):
             compiled = REGIONS.compiled_module(module)
             return REGIONS.run(name, compiled, args, kwargs, log=log)
     except RegionNotModelled as exc:
