@@ -312,16 +312,14 @@ class CompiledRegions:
         """A user's ``torch.compile(fn)`` (``context``: the ``_TorchDynamoContext`` of the
         wrapper it returned) compiled again, on a copy of ``fn``, with ``fullgraph=True`` and
         the user's own Inductor settings, as :meth:`compiled_module` does; once per function
-        and settings. A bound method
-        (``nn.Module.compile()`` compiles the module's ``_call_impl``) is compiled unbound: the
-        caller passes its ``__self__`` first."""
+        and settings (``fn`` a plain function: a method is compiled unbound, its object the
+        first argument)."""
         options = _inductor_options(context)
-        plain = fn.__func__ if isinstance(fn, types.MethodType) else fn
-        made = self._functions.setdefault(plain, [])
+        made = self._functions.setdefault(fn, [])
         for backend, compiled in made:
             if backend == options["backend"]:  # the same Inductor settings
                 return compiled
-        compiled = torch.compile(_copy(plain), **options)
+        compiled = torch.compile(_copy(fn), **options)
         made.append((options["backend"], compiled))
         return compiled
 
@@ -519,6 +517,8 @@ def _wrapper_region(context: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     if isinstance(bound, torch.nn.Module) and fn.__name__ == "_call_impl":
         return _compiled_call_impl(context, bound, fn)
     name = f"{getattr(fn, '__qualname__', repr(fn))} (torch.compile'd function)"
+    if isinstance(fn, types.MethodType):  # torch.compile(model.forward): compiled unbound
+        return functools.partial(_run_region, name, context, fn.__func__, (fn.__self__,))
     return functools.partial(_run_region, name, context, fn, ())
 
 
