@@ -113,6 +113,27 @@ def test_nanogpt(tmp_path, monkeypatch, capsys):
     assert any("torch.save at train.py" in n for n in predicted.notes)
 
 
+TRAINER_HOST_BATCH = 2 * (2 * 64 * 8)
+"""accelerate's DataLoaderShard (under Trainer) fetches the next batch (input_ids and labels,
+2 x 64 int64 each) before the step: host memory, counted by the real CPU run's allocator."""
+HOST_SCALARS = 256
+"""At most this many bytes of host scalars the program keeps (Trainer's float bookkeeping)."""
+
+
+@pytest.mark.slow
+def test_hf_trainer(capsys):
+    """transformers' Trainer (accelerate inside, loss logging with .item(), grad-norm clipping):
+    the real CPU run's count less the host batch prefetched, to within a few host scalars."""
+    predicted = run_program(_spec("hf_trainer"), target="cpu")
+    printed = _printed(capsys.readouterr().out)
+    measured = measure_program(_spec("hf_trainer"))
+    printed_measured = _printed(capsys.readouterr().out)
+    assert predicted.steps == measured.steps == 4
+    extra = printed_measured["trainer"] - printed["trainer"]
+    assert TRAINER_HOST_BATCH <= extra <= TRAINER_HOST_BATCH + HOST_SCALARS
+    assert any("stand-in" in n for n in predicted.notes)
+
+
 def test_seed_snippet_prints_the_prediction_on_cuda(capsys):
     """Under the CUDA target the figures printed are the ledger's: the SGD and Adam windows as
     the caching allocator counts them (cuBLAS workspaces included)."""

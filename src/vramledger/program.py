@@ -283,16 +283,13 @@ def _alarm(seconds: float | None) -> Iterator[None]:
 
 
 def _program_traceback(exc: BaseException) -> str:
-    """The exception's traceback without the frames of vramledger and runpy above the
-    program's."""
-    frames = traceback.extract_tb(exc.__traceback__)
-    first = next(
-        (i for i, f in enumerate(frames) if not _library_frame(f.filename)), len(frames) - 1
-    )
-    lines = ["Traceback (most recent call last):\n"]
-    lines += traceback.format_list(frames[max(first, 0) :])
-    lines += traceback.format_exception_only(type(exc), exc)
-    return "".join(lines)
+    """The exception's traceback, from the program's first frame (vramledger's and runpy's
+    frames above it left out), with the exceptions it was raised from."""
+    summary = traceback.TracebackException.from_exception(exc)
+    frames = list(summary.stack)
+    first = next((i for i, f in enumerate(frames) if not _library_frame(f.filename)), 0)
+    summary.stack = traceback.StackSummary.from_list(frames[first:])
+    return "".join(summary.format())
 
 
 def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:

@@ -3,7 +3,9 @@ puts on "cuda" goes where a :class:`DeviceMapping` says.
 
 While :class:`CudaEmulation` is active:
 
-- ``torch.cuda.is_available()`` is True, ``device_count()`` 1, ``get_device_properties(0)``,
+- ``torch.cuda.is_available()`` is True, ``device_count()`` 1 (but to an installed package
+  asking while it is imported, which would load CUDA kernels: ``_library_import``),
+  ``get_device_properties(0)``,
   ``get_device_name()`` and ``get_device_capability()`` describe the GPU (``gpus.py``);
   ``current_device()``, ``set_device()``, ``synchronize()``, ``empty_cache()`` and
   ``manual_seed*()`` do what they do on one GPU with nothing to wait for;
@@ -249,6 +251,24 @@ class CpuForCuda:
         raise NotImplementedError
 
 
+_IMPORTING = "<frozen importlib._bootstrap>"
+
+
+def _library_import() -> bool:
+    """An installed package asks while it is being imported: it chooses its backend then
+    (bitsandbytes loads its CUDA kernels, which a CPU-only PyTorch lacks), so it is told the
+    truth, no GPU. The program's own code, and libraries at run time, see the GPU."""
+    frame = sys._getframe(2)  # the caller of torch.cuda.is_available()
+    caller = frame.f_code.co_filename if frame is not None else ""
+    if "site-packages" not in caller and "dist-packages" not in caller:
+        return False
+    while frame is not None:
+        if frame.f_code.co_filename == _IMPORTING:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _nothing() -> Callable[..., None]:
     """A function that does nothing (a new one each time: torch.compile's rules refuse one
     object standing for two torch functions)."""
@@ -302,9 +322,9 @@ class CudaEmulation:
         )
 
         return {
-            "is_available": lambda: True,
+            "is_available": lambda: not _library_import(),
             "is_initialized": lambda: True,
-            "device_count": lambda: 1,
+            "device_count": lambda: 0 if _library_import() else 1,
             "current_device": lambda: 0,
             "set_device": _nothing(),
             "get_device_properties": lambda *_a, **_k: properties,
