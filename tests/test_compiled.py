@@ -68,6 +68,12 @@ USER_CASES = {
         dict(model=f"{COMPILED_PY}:Block", **BLOCK),
         "compiled_gelu (torch.compile'd function) (2 graphs)",
     ),
+    "compiled bound forward": (
+        (fn.compiled_forward_block, fx.square_inputs, fx.square_loss),
+        dict(model=f"{FUNCTIONS}:compiled_forward_block", **BLOCK),
+        dict(model=f"{COMPILED_PY}:Block", **BLOCK),
+        "Block.forward (torch.compile'd function) (2 graphs)",
+    ),
     "nn.Module.compile()": (
         (fn.module_compiled_block, fx.square_inputs, fx.square_loss),
         dict(model=f"{FUNCTIONS}:module_compiled_block", **BLOCK),
