@@ -24,7 +24,7 @@ from typing import Any
 from . import cpu_allocator_count as count
 from .gpus import resolve_gpu
 from .predict_program import DEFAULT_GPU, emulated_gpu
-from .program import ProgramRun, ProgramSpec, launch
+from .program import ProgramRun, ProgramSpec, launch, skipped_saves_note
 from .trace.cuda_emulation import CpuForCuda, CudaEmulation
 from .windows import OptimizerWindow, optimizer_windows
 
@@ -138,11 +138,7 @@ def measure_program(spec: ProgramSpec, *, gpu: str | None = None) -> ProgramMeas
         step_peaks=peaks,
         notes=[
             "measured: the program ran for real on CPU, 'cuda' mapped onto the CPU",
-            *(
-                ["checkpoint saves skipped: " + "; ".join(run.skipped_saves)]
-                if run.skipped_saves
-                else []
-            ),
+            *([skipped_saves_note(run.skipped_saves)] if run.skipped_saves else []),
         ],
         exit_code=run.exit_code,
         seconds=time.perf_counter() - start,

@@ -224,6 +224,16 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
             setattr(owner, attr, original)
 
 
+def skipped_saves_note(saves: list[str]) -> str:
+    """One note for the saves skipped, each place once with how many times."""
+    counts: dict[str, int] = {}
+    for where in saves:
+        counts[where] = counts.get(where, 0) + 1
+    return "checkpoint saves skipped (nothing written): " + "; ".join(
+        f"{where} ({n} times)" if n > 1 else where for where, n in counts.items()
+    )
+
+
 # -- running ---------------------------------------------------------------------------------------
 def _target(spec: ProgramSpec) -> tuple[str, Callable[[], Any]]:
     """``sys.argv[0]`` and a callable that runs the program."""

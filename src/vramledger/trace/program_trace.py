@@ -49,7 +49,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from ..allocator import AllocatorModel
 from ..categories import Category, Phase
 from ..errors import TraceError
-from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch
+from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from ..timeline import Timeline
 from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
@@ -357,7 +357,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             "trace/values.py)"
         )
     if run.skipped_saves:
-        notes.append("checkpoint saves skipped (nothing written): " + "; ".join(run.skipped_saves))
+        notes.append(skipped_saves_note(run.skipped_saves))
     if tracker.scalars_answered:
         notes.append(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "

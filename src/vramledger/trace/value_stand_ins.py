@@ -69,6 +69,6 @@ class ValueStandIns:
             f"{read} of a value computed from parameters returned a stand-in "
             f"({STAND_IN}) at {where}"
             + (f" ({count} times)" if count > 1 else "")
-            + "; control flow that depends on it took zero's branch"
+            + " (code that branches on it took zero's branch)"
             for (read, where), count in self.used.items()
         ]
