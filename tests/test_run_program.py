@@ -49,6 +49,7 @@ run's allocator counts it (measure_program.py)."""
         ("device_of_input", 0),
         ("accelerate_ema", 0),
         ("default_device", 0),
+        ("cuda_timing", 0),
         ("grad_scaler", GRAD_SCALER_SCALARS),
         ("data_loader", HOST_DATASET),
         pytest.param("hf_llama", 0, marks=pytest.mark.slow),

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -279,6 +280,70 @@ def _nothing() -> Callable[..., None]:
     return nothing
 
 
+class EmulatedEvent:
+    """``torch.cuda.Event``: nothing runs asynchronously, so an event is the time it was
+    recorded (``elapsed_time`` in milliseconds, as CUDA's)."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, **_: Any) -> None:
+        self.time: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self.time = time.perf_counter()
+
+    def elapsed_time(self, end: EmulatedEvent) -> float:
+        return 1000.0 * ((end.time or 0.0) - (self.time or 0.0))
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+class EmulatedStream:
+    """``torch.cuda.Stream``: one stream, nothing to wait for."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def record_event(self, event: EmulatedEvent | None = None) -> EmulatedEvent:
+        event = event or EmulatedEvent()
+        event.record()
+        return event
+
+    def query(self) -> bool:
+        return True
+
+    def __enter__(self) -> EmulatedStream:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        pass
+
+
+def _summary(gpu: EmulatedGpu, counter: MemoryCounter) -> str:
+    """``torch.cuda.memory_summary()``, the figures the counter has."""
+    rows = [
+        ("Allocated memory", counter.allocated(), counter.max_allocated()),
+        ("Reserved memory", counter.reserved(), counter.max_reserved()),
+    ]
+    lines = [f"emulated {gpu.name}: {'':>14}{'Cur Usage':>16}{'Peak Usage':>16}"]
+    lines += [f"{name:<30}{now:>16,}{peak:>16,}" for name, now, peak in rows]
+    return "\n".join(lines)
+
+
 def _memory_stats(counter: MemoryCounter) -> dict[str, int]:
     allocated, peak = counter.allocated(), counter.max_allocated()
     reserved, reserved_peak = counter.reserved(), counter.max_reserved()
@@ -353,6 +418,17 @@ class CudaEmulation:
                 gpu.total_memory - counter.reserved(),
                 gpu.total_memory,
             ),
+            "memory_summary": lambda *_a, **_k: _summary(gpu, counter),
+            "utilization": lambda *_a, **_k: 0,
+            "Event": EmulatedEvent,
+            "Stream": EmulatedStream,
+            "current_stream": lambda *_a, **_k: EmulatedStream(),
+            "default_stream": lambda *_a, **_k: EmulatedStream(),
+            "stream": lambda *_a, **_k: contextlib.nullcontext(),
+            "get_rng_state": lambda *_a, **_k: torch.get_rng_state(),
+            "get_rng_state_all": lambda: [torch.get_rng_state()],
+            "set_rng_state": _nothing(),
+            "set_rng_state_all": _nothing(),
         }
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
@@ -380,6 +456,10 @@ class CudaEmulation:
             for name, function in self._functions().items():
                 if module_name == "torch.cuda" or hasattr(module, name):
                     self._patch(module, name, function)
+        nvtx = torch.cuda.nvtx
+        for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
+            self._patch(nvtx, name, _nothing())
+        self._patch(nvtx, "range", lambda *_a, **_k: contextlib.nullcontext())
         mapping = self.mapping
         module_to = nn.Module.to
 
