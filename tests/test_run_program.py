@@ -231,6 +231,8 @@ def test_the_process_is_restored():
 
     before = (
         torch.cuda.is_available,
+        torch.cuda.Event,
+        torch.cuda.nvtx.range_push,
         torch.cuda.max_memory_allocated,
         torch.cuda.memory.memory_allocated,
         nn.Module.to,
@@ -244,6 +246,8 @@ def test_the_process_is_restored():
     run_program(_spec("saves"), target="cuda")
     after = (
         torch.cuda.is_available,
+        torch.cuda.Event,
+        torch.cuda.nvtx.range_push,
         torch.cuda.max_memory_allocated,
         torch.cuda.memory.memory_allocated,
         nn.Module.to,

@@ -414,9 +414,18 @@ def _report_program(args: argparse.Namespace, result: Any) -> int:
                 hint="let the program step (--max-steps, --timeout), without --measure",
             )
     if args.html:
-        from .render.html import write_html
+        from pathlib import Path
 
-        write_html(ledger, args.html)
+        from .render.html import ledger_html
+
+        try:
+            Path(args.html).write_text(
+                ledger_html(ledger, title=f"vramledger run: {result.program}"), encoding="utf-8"
+            )
+        except OSError as exc:
+            raise InputError(
+                f"cannot write {args.html}: {exc.strerror}", hint="check the path"
+            ) from exc
     if args.memory_snapshot:
         from .render.snapshot import write_memory_snapshot
 
