@@ -261,6 +261,21 @@ def test_the_process_is_restored():
     assert after == before
 
 
+def test_resume_from_a_checkpoint(capsys):
+    """torch.load(..., map_location="cuda") reads the checkpoint into host memory and moves it
+    to the emulated device, as a GPU run's load would."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    torch.save({"model": model.state_dict()}, "/tmp/vramledger_resume_checkpoint.pt")
+    predicted = run_program(_spec("resume"), target="cpu")
+    printed = _printed(capsys.readouterr().out)
+    measured = measure_program(_spec("resume"))
+    printed_measured = _printed(capsys.readouterr().out)
+    assert predicted.steps == 3
+    assert printed == printed_measured
+    assert [w.peak_bytes for w in predicted.windows] == [w.peak_bytes for w in measured.windows]
+
+
 def test_max_steps_stops_the_program():
     report = run_program(_spec("gan", max_steps=3), target="cpu")
     assert report.ending == "max-steps" and report.steps == 3

@@ -19,6 +19,8 @@ While :class:`CudaEmulation` is active:
   makes fake tensors (CPU device: a CPU-only PyTorch aborts on autograd with fake CUDA
   tensors; the CUDA target's decisions are the device policy's), :class:`CpuForCuda` makes
   real CPU tensors. Tensors made without naming CUDA stay real CPU tensors;
+- ``torch.load`` reads CUDA tensors (saved on a GPU, or ``map_location="cuda"``) into host
+  memory and moves them as ``.to("cuda")`` would;
 - ``torch.autocast("cuda", ...)`` runs as CPU autocast over these CPU tensors (the CUDA
   policy's ``CudaAutocast`` gives it CUDA's operator lists).
 
@@ -41,6 +43,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
+from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
 
@@ -270,6 +273,39 @@ def _library_import() -> bool:
     return False
 
 
+def _mapped_load(load: Callable[..., Any], mapping: DeviceMapping) -> Callable[..., Any]:
+    """``torch.load`` whose CUDA tensors (saved on a GPU, or mapped there with
+    ``map_location``) are read into host memory and then moved by ``mapping``, as a CUDA-less
+    PyTorch cannot restore a CUDA storage."""
+
+    def mapped(f: Any, map_location: Any = None, *args: Any, **kwargs: Any) -> Any:
+        on_cuda: set[int] = set()
+
+        def restore(storage: Any, location: str) -> Any:
+            target = location
+            if isinstance(map_location, dict):
+                target = map_location.get(location, location)
+            elif isinstance(map_location, (str, torch.device)):
+                target = str(map_location)
+            if _is_cuda(target) or (map_location is None and location.startswith("cuda")):
+                on_cuda.add(storage.data_ptr())
+            return storage
+
+        if callable(map_location):
+            return load(f, map_location, *args, **kwargs)
+        loaded = load(f, restore, *args, **kwargs)
+
+        def move(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage().data_ptr() not in on_cuda:
+                return t
+            moved = mapping.move(t, None)
+            return nn.Parameter(moved, t.requires_grad) if isinstance(t, nn.Parameter) else moved
+
+        return tree_map_only(torch.Tensor, move, loaded) if on_cuda else loaded
+
+    return mapped
+
+
 def _nothing() -> Callable[..., None]:
     """A function that does nothing (a new one each time: torch.compile's rules refuse one
     object standing for two torch functions)."""
@@ -476,6 +512,7 @@ class CudaEmulation:
 
         self._patch(nn.Module, "to", to)
         self._patch(nn.Module, "cuda", cuda)
+        self._patch(torch, "load", _mapped_load(torch.load, mapping))
         autocast_init = torch.amp.autocast_mode.autocast.__init__
 
         def init(autocast: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
