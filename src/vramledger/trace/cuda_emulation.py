@@ -339,6 +339,13 @@ class EmulatedEvent:
         return True
 
 
+class _DeviceScope(contextlib.nullcontext):
+    """``torch.cuda.device(i)`` / ``device_of(t)``: one device, nothing to switch."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        super().__init__()
+
+
 class EmulatedStream:
     """``torch.cuda.Stream``: one stream, nothing to wait for."""
 
@@ -465,6 +472,11 @@ class CudaEmulation:
             "get_rng_state_all": lambda: [torch.get_rng_state()],
             "set_rng_state": _nothing(),
             "set_rng_state_all": _nothing(),
+            "set_per_process_memory_fraction": _nothing(),
+            "reset_accumulated_memory_stats": _nothing(),
+            "ipc_collect": _nothing(),
+            "device": _DeviceScope,
+            "device_of": _DeviceScope,
         }
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
