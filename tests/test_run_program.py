@@ -183,7 +183,7 @@ def test_program_exception_is_the_programs(capsys):
 
 
 def test_never_steps_stops_at_timeout(capsys):
-    report = run_program(_spec("never_steps", timeout=1.0), target="cpu")
+    report = run_program(_spec("never_steps", timeout=2.0), target="cpu")
     assert report.ending == "timeout" and report.steps == 0
     assert report.ledger is None
     assert report.peak_bytes > 0 and sum(report.at_peak.values()) > 0
