@@ -19,8 +19,9 @@ While :class:`CudaEmulation` is active:
   makes fake tensors (CPU device: a CPU-only PyTorch aborts on autograd with fake CUDA
   tensors; the CUDA target's decisions are the device policy's), :class:`CpuForCuda` makes
   real CPU tensors. Tensors made without naming CUDA stay real CPU tensors;
-- ``torch.load`` reads CUDA tensors (saved on a GPU, or ``map_location="cuda"``) into host
-  memory and moves them as ``.to("cuda")`` would;
+- ``torch.load`` reads CUDA tensors (saved on a GPU, or ``map_location="cuda"``) and
+  ``safetensors.torch.load_file(device="cuda")`` its tensors into host memory and moves them as
+  ``.to("cuda")`` would;
 - ``torch.autocast("cuda", ...)`` runs as CPU autocast over these CPU tensors (the CUDA
   policy's ``CudaAutocast`` gives it CUDA's operator lists).
 
@@ -525,6 +526,19 @@ class CudaEmulation:
         self._patch(nn.Module, "to", to)
         self._patch(nn.Module, "cuda", cuda)
         self._patch(torch, "load", _mapped_load(torch.load, mapping))
+        try:
+            import safetensors.torch as safetensors_torch
+        except ImportError:
+            safetensors_torch = None
+        if safetensors_torch is not None:
+            load_file = safetensors_torch.load_file
+
+            def mapped_load_file(filename: Any, device: Any = "cpu") -> dict[str, torch.Tensor]:
+                if not _is_cuda(device):
+                    return load_file(filename, device=device)
+                return {k: mapping.move(v, None) for k, v in load_file(filename).items()}
+
+            self._patch(safetensors_torch, "load_file", mapped_load_file)
         autocast_init = torch.amp.autocast_mode.autocast.__init__
 
         def init(autocast: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
