@@ -1,0 +1,187 @@
+"""`vramledger run` on users' own programs, against the same programs run for real on CPU.
+
+    python benchmarks/programs.py            # every program, a few minutes on 2 cores
+    python benchmarks/programs.py --quick    # the first 4
+
+Each program (tests/programs/, ordinary scripts that run unchanged with plain `python` on a CUDA
+machine; nanoGPT's own train.py, vendored there, on a tiny config and local data) runs three
+times, each in its own process: `vramledger run --target cpu` (the prediction of what the CPU
+allocator counts), `vramledger run --measure` (the real CPU run, counted by
+`cpu_allocator_count`) and `vramledger run --gpu h100-80gb` (the CUDA prediction, for
+reference). The table compares each optimizer's steady peak; where the real CPU run counts host
+memory a GPU's allocator would not see, the difference is named (`HOST`). Results are written to
+benchmarks/results/programs-<date>-<host>-<commit>.json with the date, commit and machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+HERE = Path(__file__).parent
+PROGRAMS = HERE.parent / "tests" / "programs"
+
+CASES = [
+    "sgd_then_adam",
+    "gan",
+    "ema",
+    "distill",
+    "autocast_bf16",
+    "device_of_input",
+    "accelerate_ema",
+    "default_device",
+    "cuda_timing",
+    "grad_scaler",
+    "data_loader",
+    "hf_llama",
+    "hf_trainer",
+    "nanogpt",
+]
+HOST = {
+    "grad_scaler": "GradScaler's scale and growth tracker: two host scalars (8 B)",
+    "data_loader": "the TensorDataset in host memory (33,792 B)",
+    "hf_trainer": "the next batch accelerate's DataLoaderShard fetches on the host (2,048 B) "
+    "and Trainer's host scalars",
+    "nanogpt": "the two mean losses estimate_loss keeps on the host (8 B)",
+}
+"""Programs whose real CPU run counts host memory a GPU's allocator would not see."""
+
+
+def _command(case: str, workdir: Path) -> list[str]:
+    if case == "nanogpt":
+        source = PROGRAMS / "nanogpt"
+        return [str(source / "train.py"), str(source / "tiny.py")]
+    return [str(PROGRAMS / f"{case}.py")]
+
+
+def _nanogpt_workdir() -> Path:
+    """train.py execs configurator.py from the working folder and reads data/tiny there."""
+    import numpy as np
+
+    workdir = Path(tempfile.mkdtemp(prefix="vramledger-nanogpt-"))
+    shutil.copy(PROGRAMS / "nanogpt" / "configurator.py", workdir)
+    data = workdir / "data" / "tiny"
+    data.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    rng.integers(0, 65, 20000, dtype=np.uint16).tofile(data / "train.bin")
+    rng.integers(0, 65, 4000, dtype=np.uint16).tofile(data / "val.bin")
+    return workdir
+
+
+def _run(options: list[str], command: list[str], cwd: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-m", "vramledger", "run", "--json", *options, "--", *command],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{' '.join(options)} {command[0]}: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    cases = CASES[:4] if args.quick else CASES
+    commit = _commit()
+    started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    console = Console(width=140)
+    table = Table(title="vramledger run --target cpu vs --measure: each optimizer's steady peak")
+    for col in ("program", "optimizer", "predicted", "measured", "difference", "CUDA (H100)"):
+        table.add_column(col, justify="left" if col in ("program", "optimizer") else "right")
+    rows = []
+    for case in cases:
+        cwd = _nanogpt_workdir() if case == "nanogpt" else Path(tempfile.mkdtemp())
+        command = _command(case, cwd)
+        predicted = _run(["--target", "cpu"], command, cwd)
+        measured = _run(["--measure"], command, cwd)
+        cuda = _run(["--gpu", "h100-80gb"], command, cwd)
+        for p, m, c in zip(
+            predicted["optimizer_windows"],
+            measured["optimizer_windows"],
+            cuda["optimizer_windows"],
+            strict=True,
+        ):
+            diff = m["peak_bytes"] - p["peak_bytes"]
+            rows.append(
+                {
+                    "program": case,
+                    "optimizer": p["optimizer"],
+                    "steps": p["steps"],
+                    "predicted_bytes": p["peak_bytes"],
+                    "measured_bytes": m["peak_bytes"],
+                    "difference_bytes": diff,
+                    "relative": diff / m["peak_bytes"],
+                    "host_memory_named": HOST.get(case),
+                    "cuda_h100_predicted_bytes": c["peak_bytes"],
+                }
+            )
+            table.add_row(
+                case,
+                p["optimizer"],
+                f"{p['peak_bytes']:,}",
+                f"{m['peak_bytes']:,}",
+                f"{diff:+,}" + (" (host)" if case in HOST and diff else ""),
+                f"{c['peak_bytes']:,}",
+            )
+        console.print(f"[dim]{case}: done[/dim]")
+    console.print(table)
+    unexplained = [r for r in rows if r["difference_bytes"] and not r["host_memory_named"]]
+    for name, why in HOST.items():
+        console.print(f"[dim]host: {name}: {why}[/dim]")
+    host = platform.node() or "host"
+    out = HERE / "results" / f"programs-{datetime.date.today()}-{host}-{commit[:7]}.json"
+    out.write_text(
+        json.dumps(
+            {
+                "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                "started": started,
+                "commit": commit,
+                "machine": _machine(),
+                "cases": rows,
+                "host_memory": HOST,
+                "unexplained_differences": len(unexplained),
+            },
+            indent=2,
+        )
+    )
+    console.print(f"[dim]wrote {out}[/dim]")
+    return 1 if unexplained else 0
+
+
+def _commit() -> str:
+    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
+    git = ["git", "-C", str(HERE)]
+    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], check=False).returncode
+    return commit.strip() + ("+dirty" if dirty else "")
+
+
+def _machine() -> dict:
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "processor": platform.processor(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())
