@@ -167,6 +167,8 @@ def _commit() -> str:
     """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
     git = ["git", "-C", str(HERE)]
     commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
+    if not commit.strip():  # an exported tree (git archive): its commit is given
+        return os.environ.get("VRAMLEDGER_COMMIT", "unknown")
     dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], check=False).returncode
     return commit.strip() + ("+dirty" if dirty else "")
 
