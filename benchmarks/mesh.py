@@ -36,7 +36,7 @@ def cases() -> dict[int, dict[str, dict]]:
 
 def main(argv: list[str] | None = None) -> int:
     from vramledger import TrainingSpec, estimate
-    from vramledger.parallel.local import measure_on_local_gloo
+    from vramledger.measure.local import measure_on_local_gloo
     from vramledger.parallel.mesh import mesh_coords
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -89,7 +89,7 @@ def _run_spawn(
     rounds: list[dict[str, dict[int, dict[str, Any]]]] = [{} for _ in range(repeats)]
     if kind == "gloo":
         from tests import mesh_real
-        from vramledger.parallel.local import measure_on_local_gloo
+        from vramledger.measure.local import measure_on_local_gloo
 
         world = int(world_text)
         cases = {c: s for c, s in mesh_real.world_cases(world).items() if keep(c)}

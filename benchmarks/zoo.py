@@ -48,7 +48,6 @@ import queue
 import random
 import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -1297,6 +1296,7 @@ def worker(case: Case, runs: list[tuple[str, str]], folder: Path) -> None:
 def distributed_worker(case: Case, strategy: str, folder: Path) -> None:
     """Per-rank estimate and a real torchrun of the same step; one result line."""
     from vramledger import estimate
+    from vramledger.measure.local import free_port
 
     path = write_variants(build_case(case).config, folder)["none"]
     fields = spec_fields(path, case.task, "fp32")
@@ -1313,7 +1313,7 @@ def distributed_worker(case: Case, strategy: str, folder: Path) -> None:
         "--nproc-per-node",
         str(DISTRIBUTED_WORLD),
         "--master-port",
-        str(_free_port()),
+        str(free_port()),
         "-m",
         "vramledger.cli",
         "measure",
@@ -1350,12 +1350,6 @@ def _last_error_line(stderr: str) -> str:
     lines = [ln for ln in stderr.strip().splitlines() if ln.strip()]
     errors = [ln for ln in lines if re.match(r"^(\w+(Error|Exception)|error:)", ln.strip())]
     return (errors[-1] if errors else lines[-1] if lines else "no output").strip()[:600]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # -- the parent: subprocesses with a timeout per run -------------------------------------------

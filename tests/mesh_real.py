@@ -9,7 +9,7 @@ and the scratch CPU kernels allocate inside themselves (oneDNN's, whose size dep
 import functools
 
 from vramledger import estimate
-from vramledger.parallel.local import measure_on_local_gloo
+from vramledger.measure.local import measure_on_local_gloo
 
 from .conftest import FIXTURES, MODELS_PY
 from .gloo_noise import largest_transient_collective, late_free_window

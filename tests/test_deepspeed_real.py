@@ -12,14 +12,13 @@ machine's run saw as 253,544 and failed on), while the estimate probes the kerne
 machine it runs on and matched the count on every rank in both."""
 
 import json
-import os
-import socket
 
 import pytest
-import torch.multiprocessing as mp
 
 from vramledger import TrainingSpec, cpu_allocator_count, estimate
 from vramledger.categories import Phase
+from vramledger.measure.deepspeed import measure_deepspeed
+from vramledger.measure.local import run_on_local_gloo
 
 from .conftest import fixture
 from .gloo_noise import (
@@ -70,12 +69,6 @@ traced rank's ledger (rank 3 of ``ds-stage1``, rank 0 of ``ds-stage2`` on 4) are
 bytes below it in the backward pass in every run: the bound holds."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spec(case: str, world: int, configs: dict[str, str]) -> TrainingSpec:
     fields = {**SPEC, **CASES[case]}
     if case in configs:
@@ -94,24 +87,13 @@ def _configs(folder) -> dict[str, str]:
     return out
 
 
-def _worker(rank, world, port, configs, cases, repeats, queue):
-    import torch.distributed as dist
-
-    from vramledger.parallel.real import shut_down_group
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for round_ in range(repeats):
-            for case in cases:
-                _measure_case(round_, case, rank, world, configs, queue)
-    finally:
-        shut_down_group()
+def _rank(rank, world, queue, configs, cases, repeats):
+    for round_ in range(repeats):
+        for case in cases:
+            _measure_case(round_, case, rank, world, configs, queue)
 
 
 def _measure_case(round_, case, rank, world, configs, queue):
-    from vramledger.parallel.real import measure_deepspeed
-
     m = measure_deepspeed(_spec(case, world, configs))
     phases = {
         phase: max(v for (step, p), v in m.counted_phase_peaks.items() if step >= 2 and p == phase)
@@ -125,25 +107,14 @@ def run_real(
 ) -> list[dict[str, dict[int, tuple[int, int, dict]]]]:
     """One spawn of ``world`` processes running ``cases`` ``repeats`` times in turn: per round,
     case and rank, (tracked peak, counted peak, counted peak of each steady phase)."""
-    cpu_allocator_count.build()  # compiled once here, loaded by the workers
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, port, configs, list(cases), repeats, queue))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
     results: list[dict[str, dict[int, tuple[int, int, dict]]]] = [
         {case: {} for case in cases} for _ in range(repeats)
     ]
-    for _ in range(world * len(cases) * repeats):
-        round_, case, rank, *result = queue.get(timeout=600)
+    args = (configs, list(cases), repeats)
+    for round_, case, rank, *result in run_on_local_gloo(
+        world, _rank, args, world * len(cases) * repeats
+    ):
         results[round_][case][rank] = tuple(result)
-    for p in procs:
-        p.join(timeout=120)
-        assert p.exitcode == 0
     return results
 
 

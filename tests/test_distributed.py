@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from vramledger import Category, InputError, TrainingSpec, estimate
-from vramledger.parallel.deepspeed import read_deepspeed_config
+from vramledger.deepspeed_config import read_deepspeed_config
 
 from .conftest import fixture
 

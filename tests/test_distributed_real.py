@@ -8,7 +8,7 @@ import pytest
 
 from vramledger import estimate
 from vramledger.categories import Phase
-from vramledger.parallel.local import free_port
+from vramledger.measure.local import free_port
 
 from .mesh_real import DATA_PARALLEL, check_against_real_runs, real_runs
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from vramledger import estimate
+from vramledger.accelerate_config import apply_accelerate, read_accelerate_config
 from vramledger.errors import InputError
-from vramledger.parallel.accelerate import apply_accelerate, read_accelerate_config
 from vramledger.parallel.fsdp_units import apply_fully_shard, check_units_are_blocks, shard_units
 from vramledger.recipe import resolve
 from vramledger.spec import TrainingSpec

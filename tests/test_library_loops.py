@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from vramledger import TrainingSpec, cpu_allocator_count, estimate
-from vramledger.parallel.local import free_port
+from vramledger.measure.local import free_port
 
 from .gloo_noise import (
     DEEPSPEED_DEFAULT_BUCKET_ELEMENTS,

@@ -24,6 +24,7 @@ import torch
 
 from .categories import Category
 from .errors import InputError
+from .ledger import replay, steady_peak
 from .optimizers import resolve_optimizer
 from .recipe import resolve
 from .sources import BatchShape, load_callable
@@ -324,8 +325,6 @@ def _train(recipe, choice, initial, next_batch, steps, device, progress) -> Opti
 
 
 def _tracked_peak(timeline: Any) -> int:
-    from .ledger import replay, steady_peak
-
     return steady_peak(replay(timeline)).total if timeline.steps >= 2 else 0
 
 

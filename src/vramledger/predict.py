@@ -10,38 +10,28 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
+from .accelerate_config import apply_accelerate
 from .checks import request_warnings
-from .gpus import modelled_compute_capability, precision_warnings
+from .deepspeed_config import apply_deepspeed
+from .gpus import precision_warnings
 from .ledger import Ledger, build_ledger
-from .parallel.accelerate import apply_accelerate
-from .parallel.deepspeed import apply_deepspeed
-from .parallel.deepspeed_engine import DeepSpeedZero
+from .parallel.deepspeed_engine import DeepSpeedZero, deepspeed_config
+from .parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
+from .parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
 from .parallel.engines import DataParallel, zero1_partition
 from .parallel.mesh import MeshParallel, mesh_coords, mesh_rank_groups, uses_mesh
 from .parallel.pipeline import PipelineParallel, pipeline_rank_groups
 from .parallel.strategy import DEEPSPEED_STRATEGIES
 from .recipe import resolve
 from .spec import TrainingSpec
-from .trace.cuda_policy import CudaPolicy
 from .trace.fake import trace
-from .trace.policy import CpuPolicy, DevicePolicy
+from .trace.target_policy import policy_for
 from .trace.values import CONCRETE_ROUTINGS
 from .units import format_bytes
 from .verdict import verdict
 from .version import __version__
 
-
-def policy_for(spec: TrainingSpec | str) -> DevicePolicy:
-    """The decisions of ``spec``'s target: on CUDA those of its GPU's compute capability
-    (``spec.gpu``; 9.0 when none is given, said in the notes; AMD GPUs are refused). A bare
-    target name (``measure``'s real device) gets the default."""
-    target = spec if isinstance(spec, str) else spec.target
-    if target != "cuda":
-        return CpuPolicy()
-    gpu = None if isinstance(spec, str) else spec.gpu_kind()
-    if gpu is None:
-        return CudaPolicy()
-    return CudaPolicy(compute_capability=modelled_compute_capability(gpu), gpu=gpu.name)
+__all__ = ["as_spec", "estimate", "policy_for", "rank_groups"]
 
 
 def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:
@@ -109,10 +99,6 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
     model = resolve(spec).build_model("meta")
     params = [p for p in model.parameters() if p.requires_grad]
     if spec.strategy in DEEPSPEED_STRATEGIES:
-        from .parallel.deepspeed_engine import deepspeed_config
-        from .parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
-        from .parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
-
         zero = deepspeed_config(spec)["zero_optimization"]
         return deepspeed_rank_groups(
             [p.numel() for p in params],

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .attention import register_modelled_flash_attention
 from .errors import InputError
 from .jsonfile import read_json_object
 from .tasks import (
@@ -258,8 +259,6 @@ def _build_hf(config: Any, auto_cls: Any, task: str, attn_implementation: str | 
         built.architectures = []
     extra: dict[str, Any] = {}
     if attn_implementation == "flash_attention_2":
-        from .attention import register_modelled_flash_attention
-
         extra["attn_implementation"] = register_modelled_flash_attention()
     elif attn_implementation is not None:
         extra["attn_implementation"] = attn_implementation

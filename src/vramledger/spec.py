@@ -107,7 +107,7 @@ class TrainingSpec:
     """An accelerate config (YAML or JSON, as ``accelerate config`` writes it): distributed
     type, FSDP2 wrap policy, offload, reshard_after_forward, activation checkpointing, mixed
     precision and process count are read from it, and the model is wrapped as accelerate does
-    (parallel/accelerate.py)."""
+    (accelerate_config.py)."""
     dp_shard: int | None = None
     """Ranks the data-parallel axis shards over (FSDP2 / ZeRO-3) when the model is also split
     along other axes; default: the world size divided by tp x pp x cp."""

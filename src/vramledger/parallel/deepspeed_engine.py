@@ -42,7 +42,9 @@ import torch
 from torch import nn
 
 from ..categories import Category, Phase
+from ..deepspeed_config import DEEPSPEED_HINT
 from ..errors import InputError
+from ..jsonfile import read_json_object
 from ..optimizers import OptimizerChoice
 from ..precision import PrecisionPolicy
 from ..recipe import Recipe
@@ -106,9 +108,6 @@ def deepspeed_config(spec: TrainingSpec) -> dict[str, Any]:
         **DEEPSPEED_PRECISIONS[spec.precision],
     }
     if spec.deepspeed is not None:
-        from ..jsonfile import read_json_object
-        from .deepspeed import DEEPSPEED_HINT
-
         user = read_json_object(spec.deepspeed, "DeepSpeed config", hint=DEEPSPEED_HINT)
         zero.update(
             {k: v for k, v in user.get("zero_optimization", {}).items() if k in PASSED_ZERO_KEYS}

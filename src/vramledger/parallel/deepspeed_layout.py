@@ -23,6 +23,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+
+from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world
+from .engines import fake_world
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 """Elements each partition start is aligned to, per rank: ``nccl_start_alignment_factor = 2``
@@ -70,11 +74,6 @@ def zero_partitions(
     """Every rank's partition of one parameter group whose parameters have ``numels`` elements
     (in the group's order), as DeepSpeed's ZeRO-1/2 optimizer makes it on ``world_size`` ranks,
     by DeepSpeed's own methods."""
-    import torch.distributed as dist
-
-    from .deepspeed_runtime import fake_deepspeed_world
-    from .engines import fake_world
-
     if dist.is_initialized():
         if dist.get_world_size() != world_size:
             raise ValueError(f"a process group of {dist.get_world_size()} ranks is initialised")
@@ -88,8 +87,6 @@ def _deepspeed_partitions(
 ) -> list[RankPartition]:
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch._utils import _flatten_dense_tensors
-
-    from .deepspeed_runtime import deepspeed_modules
 
     # Only the partitioning methods of an instance are used, with the state they read.
     zero = object.__new__(deepspeed_modules().zero_optimizer)

@@ -21,6 +21,7 @@ from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
 from ..timeline import Timeline
+from .fsdp_units import apply_fully_shard
 from .strategy import (
     DDP_STRATEGIES,
     FSDP_STRATEGIES,
@@ -155,7 +156,6 @@ class RankEngine:
         named units that are not the traced ``blocks`` raise NotExtensible)."""
         if self.strategy not in FSDP_STRATEGIES:
             return model
-        from .fsdp_units import apply_fully_shard
 
         units = apply_fully_shard(model, self.spec, self.mesh, precision_name, blocks)
         self.notes.append(

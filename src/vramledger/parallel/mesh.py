@@ -35,13 +35,17 @@ from torch import nn
 from ..categories import Category
 from ..config_depth import config_depth
 from ..errors import InputError
-from ..recipe import Recipe
+from ..recipe import Recipe, resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..trace.engine import Track
 from ..training import assemble
-from .engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe
+from .context import check_context_parallel, context_parallel_step
+from .engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
+from .experts import apply_expert_parallel, symmetric_count_exchange
+from .fsdp_units import apply_fully_shard, mixed_precision_policy
 from .strategy import DDP_STRATEGIES, FSDP_STRATEGIES
+from .tp_plans import tp_plan
 
 MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """torchtitan's order of mesh dimensions, outermost first."""
@@ -244,13 +248,9 @@ def apply_inner_parallelism(
     :func:`applied` says what was done."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from .tp_plans import tp_plan
-
     words: list[str] = []
     loss_parallel = False
     if spec.cp > 1:
-        from .context import check_context_parallel
-
         check_context_parallel(spec.seq_len, spec.cp, spec.target)
         words.append(
             f"context parallel over {spec.cp} ranks: PyTorch's context_parallel (ring attention, "
@@ -264,8 +264,6 @@ def apply_inner_parallelism(
         words.append(f"tensor parallel over {spec.tp} ranks: {plan.source}")
     experts: list[nn.Module] = []
     if spec.ep > 1:
-        from .experts import apply_expert_parallel
-
         experts = apply_expert_parallel(model, mesh["ep"], mesh["tp"])
         words.append(
             f"expert parallel over {spec.ep} ranks: transformers' apply_expert_parallelism "
@@ -274,8 +272,6 @@ def apply_inner_parallelism(
     fsdp_mesh = _fsdp_mesh(mesh, spec)
     if fsdp_mesh is not None:
         from torch.distributed.fsdp import fully_shard
-
-        from .fsdp_units import apply_fully_shard, mixed_precision_policy
 
         for module in experts:  # torchtitan: each experts module over dp_shard_mod_ep first
             fully_shard(
@@ -300,8 +296,6 @@ def step_context(model: nn.Module, batch: Any = None) -> Iterator[None]:
     done = applied(model)
     with contextlib.ExitStack() as stack:
         if done.spec is not None and done.spec.cp > 1:
-            from .context import context_parallel_step
-
             stack.enter_context(context_parallel_step(done.mesh["cp"], batch, done.spec.seq_len))
         if done.loss_parallel:
             from torch.distributed.tensor.parallel import loss_parallel
@@ -389,8 +383,6 @@ class MeshRankEngine:
         import torch
         from torch.distributed.tensor import DTensor
 
-        from .engines import ddp_buckets
-
         params = [
             p.to_local() if isinstance(p, DTensor) else p
             for p in model.parameters()
@@ -412,8 +404,6 @@ class MeshRankEngine:
         parallel)."""
         run = in_step_context(assemble(**kwargs), kwargs["model"])
         if self.spec.ep > 1:  # the count exchange a fake process group cannot make
-            from .experts import symmetric_count_exchange
-
             ep_rank = mesh_coords(self.rank, self.spec)["ep"]
             inner = run.context
             run.context = lambda: _both(inner(), symmetric_count_exchange(ep_rank))
@@ -492,9 +482,6 @@ def check_even_tp(spec: TrainingSpec) -> None:
         return
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import parallelize_module
-
-    from ..recipe import resolve
-    from .tp_plans import tp_plan
 
     recipe = resolve(spec)
     shapes: list[dict[str, tuple[int, ...]]] = []

@@ -20,7 +20,7 @@ Each stage is a ``PipelineStage`` given its input and output shapes (one micro-b
 ``batch_size`` examples), and the rank runs ``ScheduleGPipe`` / ``Schedule1F1B`` /
 ``ScheduleInterleaved1F1B`` with ``microbatches`` micro-batches, ``return_outputs=False`` (as
 torchtitan's training step). The same code runs an estimate (fake tensors, a fake process group:
-the sends and receives go nowhere, shapes are exact) and a real run (:func:`measure_pipeline`,
+the sends and receives go nowhere, shapes are exact) and a real run (``measure/pipeline.py``,
 gloo or NCCL), with one difference: the schedule's warm-up vote (``schedules.py``
 ``_PipelineSchedule._warmup_p2p``, ``result.item()`` on a tensor each stage receives from its
 neighbour, ``stage.py`` ``_warmup_backward_result``) cannot run on fake tensors, whose values
@@ -56,7 +56,6 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..categories import Category, Phase
@@ -763,77 +762,11 @@ def _observe(stage: Any, run: PipelineRun, hidden_dtype: torch.dtype) -> None:
     stage.backward_one_chunk = backward_one_chunk
 
 
-# -- a real run (torchrun: gloo on CPU, NCCL on GPUs) --------------------------------------------
-def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> Any:
-    """Run ``spec`` for real as this rank of the process group: the same stages, schedule and
-    step as the estimate's (:class:`PipelineRank`, the warm-up vote included), twice: a plain
-    run (no dispatch mode, no tensor subclass active: the tracker changes what autograd
-    allocates, ``trace/plain_autograd.py``) counted by the allocator (``cpu_allocator_count`` on
-    CPU, installed before the model is built; ``max_memory_allocated`` on CUDA), then a tracked
-    run of the same step for the ledger. Returns ``real.DeepSpeedMeasurement``'s fields
-    (ledger, counted peaks per step and phase)."""
-    import gc
-
-    from ..recipe import count_parameters, module_names, resolve
-    from ..trace.tracker import StorageTracker, TrackerObserver
-    from .mesh import build_mesh
-    from .real import _PlainCountingObserver, allocator_counter, rank_measurement
-
-    if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
-        raise InputError(f"measure_pipeline needs a process group of {spec.world_size} ranks")
-    count_start, count_end = allocator_counter(device == "cuda")
-    counted: dict[tuple[int, str], int] = {}
-    rank = dist.get_rank()
-    torch_device = torch.device(device)
-
-    def steps(tracked: bool) -> tuple[Any, Any, tuple[int, int]]:
-        torch.manual_seed(spec.seed)
-        engine = PipelineParallel(spec, rank)
-        recipe = engine.adapt(resolve(spec))
-        model = recipe.build_model(torch_device)
-        counts = count_parameters(model)
-        rank_engine = PipelineRank(
-            spec=spec, rank=rank, mesh=build_mesh(spec, device), plans=engine.plans, fake=False,
-            hidden_dtype=engine.hidden_dtype,
-        )  # fmt: skip
-        model = rank_engine.wrap(model, [], recipe.precision.name)
-        tracker = None
-        observer: Any = _PlainCountingObserver(count_start, count_end, counted)
-        if tracked:
-            tracker = StorageTracker(
-                module_names=module_names(model),
-                device_type=torch_device.type,
-                op_categories=rank_engine.op_categories,
-                resize_category=rank_engine.resize_category,
-            )
-            observer = TrackerObserver(tracker)
-        batch = recipe.make_batch(torch_device)
-        with tracker if tracker is not None else contextlib.nullcontext():
-            run = rank_engine.assemble(
-                model=model, batch=batch, loss_fn=recipe.loss_fn, optimizer=recipe.optimizer,
-                precision=recipe.precision, device=torch_device, grad_accum=1, observer=observer,
-            )  # fmt: skip
-            for step in range(1, spec.steps + 1):
-                run.step(step, observer)
-        if not tracked:
-            observer.close()
-        return tracker, rank_engine, counts
-
-    steps(tracked=False)
-    gc.collect()
-    tracker, rank_engine, counts = steps(tracked=True)
-    run = rank_measurement(
-        tracker.close(), counted, spec, device, counts, ["measured", *rank_engine.notes]
-    )
-    return replace(run, ledger=replace(run.ledger, mesh_coords=mesh_coords(rank, spec)))
-
-
 __all__ = [
     "PipelineParallel",
     "PipelineRank",
     "PipelineRun",
     "StagePlan",
-    "measure_pipeline",
     "pipeline_rank_groups",
     "rank_stage_plans",
     "stage_layers",

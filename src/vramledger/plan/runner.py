@@ -33,8 +33,11 @@ from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import fields
 from typing import Any
 
+from ..predict import estimate
 from ..spec import TrainingSpec
 from ..timeline import Timeline
+from ..trace.fake import trace
+from ..trace.target_policy import policy_for
 
 WORKER_MIN_TRACE_SECONDS = 1.0
 """Workers start only when the first trace took at least this long: starting them costs the
@@ -44,9 +47,6 @@ fork server's imports, a few seconds of one CPU (``worker_preload.py``;
 
 def traced_timeline(spec: TrainingSpec) -> Timeline:
     """The single-GPU fake-tensor trace the search derives strategies from (on the spec's GPU)."""
-    from ..predict import policy_for
-    from ..trace.fake import trace
-
     return trace(spec, policy_for(spec)).timeline
 
 
@@ -80,8 +80,6 @@ def reserved_peak(spec: TrainingSpec, blocks_verified: bool = False) -> tuple[in
     """What the real engines say ``spec`` reserves on its worst GPU, that rank's host bytes
     (what it offloads), and whether this run verified its block extension (every traced rank's
     blocks extended after the check; False when the check was skipped, ``blocks_verified``)."""
-    from ..predict import estimate
-
     ledger = estimate(spec, blocks_verified=blocks_verified)
     extended = all(rank.blocks_extended for _, rank in ledger.ranks) if ledger.ranks else False
     return ledger.reserved_peak_bytes, ledger.host_bytes, extended and not blocks_verified

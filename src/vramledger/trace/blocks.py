@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import nn
 
+from ..categories import Phase
 from ..gc_pause import gc_paused
 from ..timeline import Timeline
 
@@ -192,8 +193,6 @@ def _with_free_sweeps(tl: Timeline) -> tuple[list[int | None], list[int | None]]
 
 def _timed_events(tl: Timeline) -> list[bool]:
     """True for events in forward or backward (labelled by the block running, not by storage)."""
-    from ..categories import Phase
-
     timed = [False] * len(tl.events)
     bounds = [*tl.marks, (len(tl.events), 0, Phase.SETUP)]
     for (a, _, phase), (b, _, _) in itertools.pairwise(bounds):

@@ -6,7 +6,7 @@ reduces nothing; 1 -> zero1, 2 -> zero2, 3 -> zero3),
 ``bf16.enabled`` (bf16-master), ``fp16.enabled`` (fp16-master), ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, and ``train_batch_size`` (checked against the other two and the
 world size). Under stages 1 and 2, which run DeepSpeed's own engine
-(``deepspeed_engine.py``), the ``zero_optimization`` keys that shape its buffers and steps
+(``parallel/deepspeed_engine.py``), the ``zero_optimization`` keys that shape its buffers and steps
 (bucket sizes, overlap, contiguous gradients, round robin, reduce-scatter) and gradient
 clipping are given to the engine as they are (``deepspeed_engine.PASSED_ZERO_KEYS``). Other
 accepted keys only tune speed or logging and are ignored (the ``optimizer`` section too: the
@@ -20,9 +20,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..jsonfile import read_json_object
-from ..spec import TrainingSpec
+from .errors import InputError
+from .jsonfile import read_json_object
+from .spec import TrainingSpec
 
 STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
 _IGNORED_TOP = {

@@ -19,45 +19,42 @@ The step runs twice, and each run gives one thing:
   plain run's except for memory that operators allocate inside their kernels, which no
   dispatch-level tracker sees (``untracked_bytes``).
 
-``zero1``/``zero2`` (DeepSpeed's engine, ``parallel/real.py: measure_deepspeed``) and pipeline
-stages (``parallel/pipeline.py: measure_pipeline``) run by their own modules the same way: a
-plain run counted with ``cpu_allocator_count`` (CUDA: ``max_memory_allocated``), then a tracked
-run for the ledger.
+``zero1``/``zero2`` (DeepSpeed's engine, ``measure/deepspeed.py``) and pipeline stages
+(``measure/pipeline.py``) run by their own modules the same way: a plain run counted with
+``cpu_allocator_count`` (CUDA: ``max_memory_allocated``; ``measure/counting.py``), then a tracked
+run for the ledger. ``measure/local.py`` runs cases on several local gloo processes.
 """
 
 from __future__ import annotations
 
 import gc
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.profiler import profile, record_function
 
-from .allocator_events import memory_events, ranges, recording
-from .categories import CATEGORY_PRIORITY, Category, Phase
-from .errors import InputError
-from .ledger import Ledger, build_ledger
-from .parallel.accelerate import apply_accelerate
-from .parallel.engines import adapt_recipe
-from .parallel.pipeline import measure_pipeline
-from .parallel.real import (
-    check_world,
-    gather_peaks,
-    in_step_context,
-    measure_deepspeed,
-    real_optimizer,
-    wrap_real,
-)
-from .parallel.strategy import DEEPSPEED_STRATEGIES
-from .predict import as_spec, policy_for
-from .recipe import count_parameters, module_names, resolve
-from .spec import TrainingSpec
-from .trace.tracker import StorageTracker, TrackerObserver
-from .training import NullObserver, assemble
-from .version import __version__
+from .. import cpu_allocator_count
+from ..accelerate_config import apply_accelerate
+from ..allocator_events import memory_events, ranges, recording
+from ..categories import CATEGORY_PRIORITY, Category, Phase
+from ..errors import InputError
+from ..ledger import Ledger, build_ledger
+from ..parallel.engines import adapt_recipe
+from ..parallel.real import in_step_context, real_optimizer, wrap_real
+from ..parallel.strategy import DEEPSPEED_STRATEGIES
+from ..predict import as_spec
+from ..predict import estimate as predict
+from ..recipe import count_parameters, module_names, resolve
+from ..spec import TrainingSpec
+from ..trace.target_policy import policy_for
+from ..trace.tracker import StorageTracker, TrackerObserver
+from ..training import NullObserver, assemble
+from ..version import __version__
+from .deepspeed import measure_deepspeed
+from .pipeline import measure_pipeline
 
 _STEP_LABEL = "vramledger.step{}"
 
@@ -198,11 +195,7 @@ def measure(
         peaks = _plain_cuda(spec)
         ledger, _ = _tracked(spec, "cuda")
         method = "torch.cuda.max_memory_allocated() per step"
-    estimate = None
-    if compare:
-        from .predict import estimate as predict
-
-        estimate = predict(spec, target=device)
+    estimate = predict(spec, target=device) if compare else None
     ledger = _with_seconds(ledger, time.perf_counter() - start)
     rank_results: list[dict[str, Any]] = []
     if spec.world_size > 1:
@@ -228,6 +221,29 @@ def measure(
     )
 
 
+def check_world(spec: TrainingSpec) -> None:
+    if not dist.is_initialized():
+        raise InputError(
+            f"measuring {spec.strategy} on {spec.world_size} ranks needs a process group",
+            hint=f"launch with torchrun --nproc-per-node {spec.world_size} -m vramledger.cli measure ...",
+        )
+    if dist.get_world_size() != spec.world_size:
+        raise InputError(
+            f"--world-size {spec.world_size} but the process group has {dist.get_world_size()} ranks"
+        )
+    if spec.precision.endswith("-mixed") and spec.strategy == "zero1-torch":
+        raise InputError(
+            "measuring zero1-torch with master weights is not supported", hint="use fsdp, or fp32"
+        )
+
+
+def gather_peaks(value: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every rank's result, on every rank (rank 0 reports them)."""
+    out: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 EAGER_TORCHAO = "torchao's compiled optimizer step ran eagerly under the tracker (same arithmetic)"
 
 PLAIN_RUN = "counted in a plain run (no dispatch mode, no tensor subclass active during the step)"
@@ -239,8 +255,6 @@ TRACKED_RUN = (
 
 
 def _with_seconds(ledger: Ledger, seconds: float) -> Ledger:
-    from dataclasses import replace
-
     return replace(ledger, seconds=seconds)
 
 
@@ -366,8 +380,6 @@ COUNTED = "cpu_allocator_count: every CPU allocation on every thread, per step"
 def _plain_counted(spec: TrainingSpec) -> dict[int, int]:
     """A plain CPU run counted by the allocator wrapper (``cpu_allocator_count``), step by
     step, from before the model is built."""
-    from . import cpu_allocator_count
-
     cpu_allocator_count.install()
     base = cpu_allocator_count.live()
     peaks: dict[int, int] = {}

@@ -10,7 +10,7 @@ Read:
 - ``num_processes``: the total over all machines (accelerate launch runs
   ``num_processes // num_machines`` per machine) -> world_size;
 - ``mixed_precision``: ``bf16`` -> bf16-master under FSDP (FSDP2's MixedPrecisionPolicy with
-  accelerate's dtypes, ``fsdp_units.mixed_precision_policy``), bf16-mixed otherwise (accelerate's
+  accelerate's dtypes, ``parallel/fsdp_units.py: mixed_precision_policy``), bf16-mixed otherwise (accelerate's
   native autocast); ``fp16`` -> 16-mixed without FSDP; ``no`` -> fp32;
 - ``use_cpu: true`` -> target cpu;
 - ``fsdp_config``: ``fsdp_auto_wrap_policy`` ``TRANSFORMER_BASED_WRAP`` (the classes of
@@ -19,7 +19,7 @@ Read:
   launch's) -> shard_min_params; ``NO_WRAP`` -> no policy units. ``fsdp_offload_params`` ->
   offload both (FSDP2's CPUOffloadPolicy); ``fsdp_reshard_after_forward`` ->
   reshard_after_forward; ``fsdp_activation_checkpointing`` -> checkpoint_modules of the wrapped
-  classes. The model is then wrapped as accelerate wraps it (``fsdp_units.py``).
+  classes. The model is then wrapped as accelerate wraps it (``parallel/fsdp_units.py``).
 
 Keys that only affect launching, checkpoint files or loading are accepted and ignored; any
 other key, or a setting that changes memory and is not modelled (FP8, tensor/context
@@ -33,8 +33,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from ..spec import TrainingSpec
+from .errors import InputError
+from .recipe import resolve
+from .spec import TrainingSpec
 
 ACCELERATE_MODELLED = "1.15"
 """The accelerate version whose config format and FSDP2 wrapping are modelled here."""
@@ -322,8 +323,6 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
     if wrap["policy"] == "TRANSFORMER_BASED_WRAP":
         classes = wrap["classes"]
         if classes is None:  # accelerate's default: the model's own _no_split_modules
-            from ..recipe import resolve
-
             model = resolve(spec).build_model("meta")
             classes = tuple(getattr(model, "_no_split_modules", None) or ())
         fields["shard_modules"] = classes

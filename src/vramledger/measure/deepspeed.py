@@ -1,0 +1,93 @@
+"""A real run of DeepSpeed's engine (``zero1``, ``zero2``) as one rank of a process group, built
+by the same code as the estimate's (``parallel/deepspeed_engine.py``)."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..deepspeed_config import apply_deepspeed
+from ..errors import InputError
+from ..parallel.deepspeed_engine import build_run
+from ..parallel.deepspeed_runtime import real_deepspeed
+from ..parallel.strategy import DEEPSPEED_STRATEGIES
+from ..recipe import count_parameters, module_names, resolve
+from ..spec import TrainingSpec
+from ..trace.tracker import StorageTracker, TrackerObserver
+from .counting import PlainCountingObserver, RankMeasurement, allocator_counter, rank_measurement
+
+
+def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:
+    """Run ``spec`` (``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
+    process group, twice: a plain run (no dispatch mode, no tensor subclass active: the
+    tracker changes what autograd allocates, ``trace/plain_autograd.py``) counted by the
+    allocator, then a tracked run of the same step for the ledger's categories.
+
+    On CPU the allocator count is ``cpu_allocator_count`` (installed here, so it counts from
+    before the model is built); DeepSpeed's shared-memory collectives, which serve only its
+    ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
+    """
+    spec, _ = apply_deepspeed(spec)
+    if spec.strategy not in DEEPSPEED_STRATEGIES:
+        raise InputError(f"measure_deepspeed runs zero1 or zero2, not {spec.strategy}")
+    if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
+        raise InputError(f"measure_deepspeed needs a process group of {spec.world_size} ranks")
+    cuda = device == "cuda"
+    count_start, count_end = allocator_counter(cuda)
+    counted: dict[tuple[int, str], int] = {}
+    recipe = resolve(spec)
+    torch_device = torch.device(device)
+    with real_deepspeed(skip_shared_memory_ops=not cuda):
+        plain = PlainCountingObserver(count_start, count_end, counted)
+        _deepspeed_steps(spec, recipe, torch_device, plain, None)
+        plain.close()
+        gc.collect()
+        tracker: Any = None
+
+        def tracked_observer(model: nn.Module) -> TrackerObserver:
+            nonlocal tracker
+            tracker = StorageTracker(
+                module_names=module_names(model), device_type=torch_device.type
+            )
+            return TrackerObserver(tracker)
+
+        notes, counts = _deepspeed_steps(spec, recipe, torch_device, None, tracked_observer)
+    return rank_measurement(tracker.close(), counted, spec, device, counts, ["measured", *notes])
+
+
+def _deepspeed_steps(
+    spec: TrainingSpec,
+    recipe: Any,
+    torch_device: torch.device,
+    observer: Any,
+    make_observer: Callable[[nn.Module], TrackerObserver] | None,
+) -> tuple[list[str], tuple[int, int]]:
+    """Build the model and DeepSpeed's run (same seed each time) and run ``spec.steps`` steps:
+    plainly with ``observer``, or under the tracker ``make_observer(model)`` makes."""
+    torch.manual_seed(spec.seed)
+    model = recipe.build_model(torch_device)
+    counts = count_parameters(model)
+    if make_observer is not None:
+        observer = make_observer(model)
+    batch = recipe.make_batch(torch_device)
+    mode = observer.tracker if make_observer is not None else contextlib.nullcontext()
+    with mode:
+        run, notes = build_run(
+            model=model,
+            batch=batch,
+            loss_fn=recipe.loss_fn,
+            optimizer=recipe.optimizer,
+            precision=recipe.precision,
+            spec=spec,
+            observer=observer,
+            fake=False,
+        )
+        for step in range(1, spec.steps + 1):
+            run.step(step, observer)
+    return notes, counts
