@@ -201,12 +201,11 @@ def test_item_returns_a_stand_in_listed_in_the_notes(capsys):
 
 
 def test_checkpoint_save_is_skipped(tmp_path, capsys):
-    path = Path("/tmp/vramledger_saves_checkpoint.pt")
-    path.unlink(missing_ok=True)
-    report = run_program(_spec("saves"), target="cpu")
+    path = tmp_path / "checkpoint.pt"
+    report = run_program(_spec("saves", args=(str(path),)), target="cpu")
     assert not path.exists()
     [note] = [n for n in report.notes if "saves skipped" in n]
-    assert "torch.save at saves.py:17" in note
+    assert "torch.save at saves.py:22" in note
 
 
 def test_module_program(monkeypatch):
@@ -261,15 +260,16 @@ def test_the_process_is_restored():
     assert after == before
 
 
-def test_resume_from_a_checkpoint(capsys):
+def test_resume_from_a_checkpoint(tmp_path, capsys):
     """torch.load(..., map_location="cuda") reads the checkpoint into host memory and moves it
     to the emulated device, as a GPU run's load would."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
-    torch.save({"model": model.state_dict()}, "/tmp/vramledger_resume_checkpoint.pt")
-    predicted = run_program(_spec("resume"), target="cpu")
+    path = tmp_path / "checkpoint.pt"
+    torch.save({"model": model.state_dict()}, path)
+    predicted = run_program(_spec("resume", args=(str(path),)), target="cpu")
     printed = _printed(capsys.readouterr().out)
-    measured = measure_program(_spec("resume"))
+    measured = measure_program(_spec("resume", args=(str(path),)))
     printed_measured = _printed(capsys.readouterr().out)
     assert predicted.steps == 3
     assert printed == printed_measured

@@ -2,12 +2,17 @@
 the model is trained on, and the new checkpoint save is skipped under vramledger run."""
 
 import os
+import sys
 import tempfile
 
 import torch
 from torch import nn
 
-path = os.path.join(tempfile.gettempdir(), "vramledger_resume_checkpoint.pt")
+path = (
+    sys.argv[1]
+    if len(sys.argv) > 1
+    else os.path.join(tempfile.gettempdir(), "vramledger_resume_checkpoint.pt")
+)
 model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).cuda()
 optimizer = torch.optim.Adam(model.parameters())
 checkpoint = torch.load(path, map_location="cuda", weights_only=True)

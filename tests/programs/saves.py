@@ -1,6 +1,7 @@
 """A loop that saves a checkpoint after training."""
 
 import os
+import sys
 import tempfile
 
 import torch
@@ -13,6 +14,10 @@ for _ in range(2):
     optimizer.zero_grad()
     loss.backward()
     optimizer.step()
-path = os.path.join(tempfile.gettempdir(), "vramledger_saves_checkpoint.pt")
+path = (
+    sys.argv[1]
+    if len(sys.argv) > 1
+    else os.path.join(tempfile.gettempdir(), "vramledger_saves_checkpoint.pt")
+)
 torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict()}, path)
 print("saved", path)
