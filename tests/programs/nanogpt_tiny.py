@@ -1,5 +1,7 @@
 # ruff: noqa
-# A tiny configuration for tests/test_run_program.py (data made by the test in data/tiny).
+# A tiny configuration of karpathy/nanoGPT's train.py for tests/test_run_program.py and
+# benchmarks/programs.py (data made by them in data/tiny). nanoGPT itself is not shipped here: set
+# VRAMLEDGER_NANOGPT to a checkout of it (train.py, model.py, configurator.py).
 out_dir = "out-tiny"
 dataset = "tiny"
 n_layer = 2
