@@ -8,8 +8,8 @@ rank's partition, and reduces gradients through its bucket. Each step is DeepSpe
 handling (loss scaling, master weights, norms), so nothing of ``training.py``'s step runs.
 
 The same code builds the step of an estimate (fake tensors, a fake process group: one rank of
-``world_size`` in this process) and of a real run (``real.py``). A fake run needs what
-DeepSpeed cannot do by itself, each the least that lets its code run:
+``world_size`` in this process) and of a real run (``measure/deepspeed.py``). A fake run needs
+what DeepSpeed cannot do by itself, each the least that lets its code run:
 
 1. ``DeepSpeedEngine(..., dont_change_device=True)``: ``module.to(device)`` cannot run on fake
    parameters (they already are on the traced device);
