@@ -261,9 +261,11 @@ class PlainBranches:
         self._hidden_live = 0
         self._hidden_peak = 0
         self._hidden_refs: dict[int, Any] = {}
-        self._ignore: tuple[int, torch.Tensor, bool] | None = None
+        self._ignore: tuple[int, weakref.ref[torch.Tensor], bool] | None = None
         """(ignore mask's key, target, the smoothed loss was masked with it)"""
-        self._filtered: tuple[int, torch.Tensor, torch.Tensor] | None = None
+        self._filtered: tuple[int, weakref.ref[torch.Tensor], weakref.ref[torch.Tensor]] | None = (
+            None
+        )
         self.replay: list[tuple[Any, Callable[[], tuple[Any, ...]]]] = []
         """Plain-run operators the tracker runs (and records) after the current one:
         (operator, its arguments when run); each output is appended to :attr:`held`."""
@@ -334,7 +336,9 @@ class PlainBranches:
         (:attr:`replay`, through the tracker, so that their kernels' scratch and the number
         of kept labels, known from the batch, count); they live to the division."""
         if func is aten.eq.Scalar:
-            self._ignore = (out.untyped_storage()._cdata, args[0], False)
+            # weakly: remembering the operands must not keep them alive (an `eq` anywhere, the
+            # labels' `== ignore_index` of every loss, would hold the labels to the next one)
+            self._ignore = (out.untyped_storage()._cdata, weakref.ref(args[0]), False)
             return None
         if func is aten.masked_fill_.Scalar:  # smooth_loss.masked_fill_(ignore_mask, 0.0)
             mask = args[1]
@@ -354,14 +358,18 @@ class PlainBranches:
             if (
                 self._ignore is not None
                 and self._ignore[2]
-                and target is self._ignore[1]
+                and target is self._ignore[1]()
                 and isinstance(mask, torch.Tensor)
                 and mask.untyped_storage()._cdata == self._ignore[0]
                 and not target.is_floating_point()
                 and _readable(target, self._values)
                 and _readable(mask, self._values)
             ):
-                self._filtered = (out.untyped_storage()._cdata, target, mask)
+                self._filtered = (
+                    out.untyped_storage()._cdata,
+                    weakref.ref(target),
+                    weakref.ref(mask),
+                )
                 return Action.HIDE
             return None
         # gather(weight, 0, filtered_target.flatten())
@@ -373,8 +381,11 @@ class PlainBranches:
             and index.untyped_storage()._cdata == self._filtered[0]
             and args[0].dim() == 1
         ):
-            _, target, mask = self._filtered
+            _, target_ref, mask_ref = self._filtered
             self._filtered = None
+            target, mask = target_ref(), mask_ref()
+            if target is None or mask is None:
+                return None
             weight = args[0]
             self.replay = [
                 (aten.bitwise_not.default, lambda: (mask,)),
