@@ -47,6 +47,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
+from .values import KNOWN_VALUE_CAP_BYTES
 
 CUDA_MODULES = ("torch.cuda", "torch.cuda.memory")
 """Where ``torch.cuda``'s functions are looked up (``torch.cuda.memory_allocated`` is
@@ -167,6 +168,13 @@ class FakeCuda:
     def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         if isinstance(t, FakeTensor):
             return t if dtype is None or dtype == t.dtype else t.to(dtype)
+        if t.nbytes > KNOWN_VALUE_CAP_BYTES:
+            # values this large are never kept (trace/values.py), and the copy under the mode
+            # would run for real (FakeTensorMode propagates constants through ``_to_copy``),
+            # reading every page: a checkpoint read as shapes (checkpoint_shapes.py) has none
+            out = self._fake(t, dtype)
+            self.register([out], Category.INPUTS)
+            return out
         with self.mode:
             out = t.to("cpu", dtype=dtype, copy=True)
         self.register([out], Category.INPUTS)

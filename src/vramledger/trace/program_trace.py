@@ -48,7 +48,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import AllocatorModel
 from ..categories import Category, Phase
+from ..checkpoint_shapes import weights_without_data
 from ..errors import TraceError
+from ..offline_hub import offline_hub
 from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from ..timeline import Timeline
 from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
@@ -326,11 +328,15 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             phases.hooks(),
             emulation,
             foreach as decided,
+            weights_without_data() as shapes,
+            offline_hub() as hub,
         ):
             # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
             run = launch(spec, phases)
     except ProgramFailed as failed:
+        if (refused := hub.refusal(failed.exception)) is not None:
+            raise refused from None
         if isinstance(failed.exception, _FAKE_LIMITS):
             exc = failed.exception
             raise TraceError(
@@ -349,6 +355,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
         notes.append(
             "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
         )
+    notes += shapes.notes()
     notes += stand_ins.notes()
     if values.routed_ops:
         notes.append(
