@@ -100,7 +100,7 @@ def _tiny_llama_config():
 
 
 MMAP_WEIGHTS = 558_336
-"""The tiny Llama's parameters (139,584 fp32): a real CPU run of from_pretrained keeps them in
+"""The tiny Llama's parameters (``TINY_LLAMA_PARAMETERS`` in fp32): a real CPU run of from_pretrained keeps them in
 the memory-mapped safetensors file (transformers maps it), which the CPU allocator never
 counts, and `.to("cuda")` is no copy there; a GPU run holds them on the device."""
 
@@ -130,6 +130,25 @@ def test_from_pretrained_of_a_local_folder(tmp_path, capsys):
     measured = measure_program(_spec("hf_from_pretrained", str(weights)))
     capsys.readouterr()
     assert {k: v + MMAP_WEIGHTS for k, v in measured.step_peaks.items()} == loaded.step_peaks
+
+
+TINY_LLAMA_PARAMETERS = 139_584
+
+
+def test_from_pretrained_onto_the_device_in_bf16(tmp_path):
+    """device_map="cuda" with dtype=bfloat16: transformers loads in its thread pool unless told
+    not to, where the emulation (thread-local) is not active; the weights land on the emulated
+    device in bf16."""
+    from transformers import LlamaForCausalLM
+
+    from vramledger.categories import Category
+
+    weights = tmp_path / "llama"
+    LlamaForCausalLM(_tiny_llama_config()).save_pretrained(weights)
+    report = run_program(_spec("hf_device_map", str(weights)))
+    assert report.steps == 2
+    assert report.ledger is not None
+    assert report.at_peak[Category.PARAMETERS] == TINY_LLAMA_PARAMETERS * torch.bfloat16.itemsize
 
 
 def test_a_download_is_refused_in_one_line():

@@ -56,6 +56,12 @@ SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
 }
 """safetensors' dtype names (its ``Dtype`` enum) and torch's."""
 
+SYNCHRONOUS_LOADING = "HF_DEACTIVATE_ASYNC_LOAD"
+"""transformers (``core_model_loading.convert_and_load_state_dict_in_model``) loads weights in a
+thread pool unless this is set; the CUDA emulation is a thread-local TorchFunctionMode, so a
+worker's ``.to("cuda")`` would reach the real (absent) CUDA backend. Shapes need no parallel
+reads."""
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 """Files in a model folder that hold weights; a folder with none is built from its config."""
 
@@ -252,9 +258,15 @@ def weights_without_data() -> Iterator[CheckpointShapes]:
         methods.append((cls, "from_pretrained", original))
         cls.from_pretrained = _from_pretrained(shapes, original)
     replaced = replace_everywhere(replacements)
+    synchronous = os.environ.get(SYNCHRONOUS_LOADING)
+    os.environ[SYNCHRONOUS_LOADING] = "1"
     try:
         yield shapes
     finally:
+        if synchronous is None:
+            os.environ.pop(SYNCHRONOUS_LOADING, None)
+        else:
+            os.environ[SYNCHRONOUS_LOADING] = synchronous
         fakes = {id(fake): (fake, original) for original, fake in replacements.values()}
         replace_everywhere(fakes)
         for module, attr, value in reversed(replaced):
