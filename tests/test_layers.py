@@ -53,6 +53,7 @@ LAYERS: dict[str, list[str]] = {
         "jsonfile",
         "offline_hub",
         "optimizers",
+        "parallelism",
         "precision",
         "program",
         "recipe",

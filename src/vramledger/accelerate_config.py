@@ -342,7 +342,7 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
                 hint="give the units in one place",
             )
     updated = replace(spec, **fields)
-    if updated.strategy != "fsdp" and (
+    if not updated.parallelism.shards_params and (
         spec.shard_modules
         or spec.shard_min_params is not None
         or spec.reshard_after_forward is not None
@@ -356,7 +356,7 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
         f"from {Path(spec.accelerate_config).name}: {read}; wrapped as accelerate "
         f"{ACCELERATE_MODELLED} wraps FSDP2"
     ]
-    if updated.strategy == "fsdp" and updated.precision == "bf16-master":
+    if updated.parallelism.shards_params and updated.precision == "bf16-master":
         notes.append(
             "accelerate bf16 under FSDP2: MixedPrecisionPolicy(param, reduce and output dtype "
             "bf16); accelerate's autocast around the forward is not traced (parameters are "

@@ -26,7 +26,7 @@ def request_warnings(recipe: Recipe) -> list[str]:
                 f"the estimate runs it as asked — pass --seq-len {limit} or less for its own range"
             )
     single = spec.world_size == 1 and spec.offload == "none"
-    if spec.strategy not in (None, "none", "ddp") and single:
+    if spec.parallelism.shards_optimizer_state and single:
         out.append(
             f"--strategy {spec.strategy} on 1 rank shards nothing (the rank holds everything); "
             "pass --world-size N (or --nodes and --gpus-per-node) for the ranks it shards over"

@@ -22,6 +22,7 @@ from typing import Any
 
 from .errors import InputError
 from .jsonfile import read_json_object
+from .parallelism import Parallelism
 from .spec import TrainingSpec
 
 STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -181,12 +182,13 @@ def apply_deepspeed(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
     fields, notes = read_deepspeed_config(spec.deepspeed)
     config = read_json_object(spec.deepspeed, "DeepSpeed config", hint=DEEPSPEED_HINT)
     total = config.get("train_batch_size")
-    if fields["strategy"] == STAGES[0] and spec.world_size == 1:
+    without_zero = Parallelism(strategy=fields["strategy"]).is_ddp  # stage 0
+    if without_zero and spec.world_size == 1:
         # DeepSpeed without ZeRO wraps no DDP: on one process nothing reduces the gradients (its
         # engine's allreduce runs only over several ranks; engine.py: allreduce_gradients)
         fields["strategy"] = "none"
         notes.append("zero_optimization.stage 0 on one process: no gradient reduction")
-    elif fields["strategy"] == STAGES[0]:
+    elif without_zero:
         notes.append(
             "zero_optimization.stage 0 over several ranks is modelled as PyTorch DDP, whose "
             "gradient buckets persist; DeepSpeed's engine flattens each bucket only while it "

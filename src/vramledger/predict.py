@@ -21,7 +21,6 @@ from .parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
 from .parallel.engines import DataParallel, zero1_partition
 from .parallel.mesh import MeshParallel, mesh_coords, mesh_rank_groups, uses_mesh
 from .parallel.pipeline import PipelineParallel, pipeline_rank_groups
-from .parallel.strategy import DEEPSPEED_STRATEGIES
 from .recipe import resolve
 from .spec import TrainingSpec
 from .trace.fake import trace
@@ -94,11 +93,11 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
         return pipeline_rank_groups(spec)
     if uses_mesh(spec):
         return mesh_rank_groups(spec)
-    if spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"}:
+    if not spec.parallelism.partitions_optimizer:
         return [everyone]
     model = resolve(spec).build_model("meta")
     params = [p for p in model.parameters() if p.requires_grad]
-    if spec.strategy in DEEPSPEED_STRATEGIES:
+    if spec.parallelism.is_deepspeed:
         zero = deepspeed_config(spec)["zero_optimization"]
         return deepspeed_rank_groups(
             [p.numel() for p in params],
@@ -123,7 +122,7 @@ def _engine(spec: TrainingSpec, rank: int = 0) -> Any:
         return PipelineParallel(spec, rank)
     if uses_mesh(spec):
         return MeshParallel(spec)
-    return DeepSpeedZero(spec) if spec.strategy in DEEPSPEED_STRATEGIES else DataParallel(spec)
+    return DeepSpeedZero(spec) if spec.parallelism.is_deepspeed else DataParallel(spec)
 
 
 def _estimate_rank(
@@ -161,7 +160,7 @@ def _trace_ledger(
         spec,
         policy,
         rank=rank,
-        extend_blocks=spec.strategy not in DEEPSPEED_STRATEGIES | {"zero1-torch"},
+        extend_blocks=not spec.parallelism.partitions_optimizer,
         routing=routing,
         engine=_engine(spec, rank),
         blocks_verified=blocks_verified,

@@ -13,6 +13,7 @@ from .adapters import QUANTIZE, parse_lora
 from .attention import check_implementation
 from .errors import InputError
 from .gpus import Gpu, modelled_compute_capability, resolve_gpu
+from .parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
 from .precision import Precision, canonical_precision
 from .tasks import TASKS
 from .units import parse_bytes
@@ -20,9 +21,6 @@ from .verdict import DEFAULT_MARGIN, check_margin
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 
-Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch"]
-STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
-"""How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
 PpSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PP_SCHEDULES: tuple[str, ...] = PpSchedule.__args__  # type: ignore[attr-defined]
 """torch.distributed.pipelining schedules: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B."""
@@ -238,13 +236,13 @@ class TrainingSpec:
             raise InputError(
                 f"unknown strategy {strategy!r}", hint=f"use one of {', '.join(STRATEGIES[1:])}"
             )
-        if strategy == "none" and dp * self.cp > 1:
+        if Parallelism(strategy=strategy).is_single and dp * self.cp > 1:
             raise InputError(
                 f"world-size {self.world_size} needs a --strategy (data-parallel and "
                 "context-parallel ranks reduce their gradients)",
                 hint=f"use one of {', '.join(STRATEGIES[1:])}",
             )
-        if self.model_split > 1 and strategy not in ("none", "ddp", "fsdp", "zero3"):
+        if self.model_split > 1 and not Parallelism(strategy=strategy).models_split_model:
             raise InputError(
                 f"--strategy {strategy} with tensor/pipeline/context parallelism is not modelled",
                 hint="use fsdp (zero3) or ddp over the data-parallel axis",
@@ -255,6 +253,20 @@ class TrainingSpec:
                 f"unknown offload {self.offload!r}", hint=f"use one of {', '.join(OFFLOADS)}"
             )
         self._check_shard_units()
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The strategy and the parallel axes as one value to ask (``parallelism.py``)."""
+        return Parallelism(
+            strategy=self.strategy,
+            world_size=self.world_size,
+            dp_shard=self.dp_shard,
+            tp=self.tp,
+            pp=self.pp,
+            cp=self.cp,
+            ep=self.ep,
+            offload=self.offload,
+        )
 
     @property
     def model_split(self) -> int:
@@ -315,7 +327,7 @@ class TrainingSpec:
         ]
         if not given:
             return
-        if self.strategy not in ("zero3", "fsdp") and self.accelerate_config is None:
+        if not self.parallelism.shards_params and self.accelerate_config is None:
             raise InputError(
                 f"{' and '.join(given)} set FSDP units, and the strategy is {self.strategy}",
                 hint="add --strategy fsdp (or zero3)",

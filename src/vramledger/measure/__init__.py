@@ -44,7 +44,6 @@ from ..errors import InputError
 from ..ledger import Ledger, build_ledger
 from ..parallel.engines import adapt_recipe
 from ..parallel.real import in_step_context, real_optimizer, wrap_real
-from ..parallel.strategy import DEEPSPEED_STRATEGIES
 from ..predict import as_spec
 from ..predict import estimate as predict
 from ..recipe import count_parameters, module_names, resolve
@@ -174,7 +173,7 @@ def measure(
     # the measured steps: on CPU its frees would be subtracted, on CUDA it is counted until then.
     gc.collect()
     measured_run, ledger_run = PLAIN_RUN, TRACKED_RUN
-    if spec.world_size > 1 and (spec.pp > 1 or spec.strategy in DEEPSPEED_STRATEGIES):
+    if spec.world_size > 1 and (spec.pp > 1 or spec.parallelism.is_deepspeed):
         # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
         # (a plain run counted, then a tracked run for the ledger)
         run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
@@ -231,7 +230,7 @@ def check_world(spec: TrainingSpec) -> None:
         raise InputError(
             f"--world-size {spec.world_size} but the process group has {dist.get_world_size()} ranks"
         )
-    if spec.precision.endswith("-mixed") and spec.strategy == "zero1-torch":
+    if spec.precision.endswith("-mixed") and spec.parallelism.is_zero_redundancy:
         raise InputError(
             "measuring zero1-torch with master weights is not supported", hint="use fsdp, or fp32"
         )

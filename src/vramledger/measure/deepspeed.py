@@ -16,7 +16,6 @@ from ..deepspeed_config import apply_deepspeed
 from ..errors import InputError
 from ..parallel.deepspeed_engine import build_run
 from ..parallel.deepspeed_runtime import real_deepspeed
-from ..parallel.strategy import DEEPSPEED_STRATEGIES
 from ..recipe import count_parameters, module_names, resolve
 from ..spec import TrainingSpec
 from ..trace.tracker import StorageTracker, TrackerObserver
@@ -34,7 +33,7 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasuremen
     ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
     """
     spec, _ = apply_deepspeed(spec)
-    if spec.strategy not in DEEPSPEED_STRATEGIES:
+    if not spec.parallelism.is_deepspeed:
         raise InputError(f"measure_deepspeed runs zero1 or zero2, not {spec.strategy}")
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
         raise InputError(f"measure_deepspeed needs a process group of {spec.world_size} ranks")

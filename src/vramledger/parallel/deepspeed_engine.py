@@ -54,8 +54,6 @@ from ..training import MASTER_GRADIENT, StepObserver, cast_floating
 from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world, quiet, version
 from .engines import DataParallel, fake_world
 
-DEEPSPEED_STAGES = {"zero1": 1, "zero2": 2}
-"""Strategies run with DeepSpeed's engine, and their ZeRO stage."""
 DEEPSPEED_PRECISIONS = {
     "fp32": {},
     "bf16-master": {"bf16": {"enabled": True}},
@@ -91,7 +89,8 @@ temporaries."""
 def deepspeed_config(spec: TrainingSpec) -> dict[str, Any]:
     """The DeepSpeed config the engine is built with: the spec's stage, precision, micro-batch and
     accumulation, plus the memory-relevant keys of the user's ``--deepspeed`` config."""
-    stage = DEEPSPEED_STAGES[spec.strategy or "none"]
+    stage = spec.parallelism.deepspeed_stage
+    assert stage is not None, f"{spec.strategy} is not a DeepSpeed strategy"
     if spec.precision not in DEEPSPEED_PRECISIONS:
         raise InputError(
             f"DeepSpeed ZeRO-{stage} does not train in {spec.precision}",
@@ -220,7 +219,7 @@ def build_run(
     labels.watch(zero)
     notes.append(
         f"{spec.strategy}: DeepSpeed {version()}'s own engine (DeepSpeedEngine, "
-        f"DeepSpeedZeroOptimizer stage {DEEPSPEED_STAGES[spec.strategy or 'none']})"
+        f"DeepSpeedZeroOptimizer stage {spec.parallelism.deepspeed_stage})"
         + (f" on a fake process group of {spec.world_size} ranks" if fake else "")
         + f": flat partition of {zero.partition_size[0]:,} elements per rank, reduce bucket of "
         f"{zero.reduce_bucket_size:,} elements"

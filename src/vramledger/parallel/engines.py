@@ -17,14 +17,13 @@ from torch import nn
 
 from ..categories import Category
 from ..errors import InputError
+from ..parallelism import Parallelism
 from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from .fsdp_units import apply_fully_shard
 from .strategy import (
-    DDP_STRATEGIES,
-    FSDP_STRATEGIES,
     OFFLOADED,
     apply_offload,
     master_shard_fraction,
@@ -68,7 +67,7 @@ def adapt_recipe(recipe: Recipe) -> Recipe:
     """FSDP keeps fp32 shards and computes in half precision through its own
     MixedPrecisionPolicy: no separate master weights, the model built in fp32."""
     spec = recipe.spec
-    if spec.strategy not in FSDP_STRATEGIES or not recipe.precision.master_weights:
+    if not spec.parallelism.shards_params or not recipe.precision.master_weights:
         return recipe
     if recipe.precision.loss_scaling:
         raise InputError("fp16-master with FSDP is not supported", hint="use bf16-master")
@@ -96,7 +95,7 @@ class DataParallel:
 
     @contextlib.contextmanager
     def rank(self, rank: int) -> Iterator[RankEngine]:
-        if self.spec.strategy in (None, "none"):
+        if self.spec.parallelism.is_single:
             yield RankEngine(spec=self.spec, rank=rank)
             return
         with fake_world(rank, self.spec.world_size) as mesh:
@@ -109,7 +108,7 @@ class DataParallel:
         if not offloaded:
             return []
         notes = []
-        fraction = master_shard_fraction(spec.strategy, recipe.precision)
+        fraction = master_shard_fraction(spec.parallelism, recipe.precision)
         apply_offload(timeline, spec.offload, half_shard_fraction=fraction)
         if fraction is not None and spec.offload == "optimizer":
             notes.append(
@@ -141,20 +140,24 @@ class RankEngine:
         return self.spec.strategy or "none"
 
     @property
+    def parallelism(self) -> Parallelism:
+        return self.spec.parallelism
+
+    @property
     def op_categories(self) -> dict[str, Category]:
-        return FSDP_OP_CATEGORIES if self.strategy in FSDP_STRATEGIES else {}
+        return FSDP_OP_CATEGORIES if self.parallelism.shards_params else {}
 
     @property
     def resize_category(self) -> Category | None:
         """FSDP2 allocates and frees unsharded parameters by resizing their storage: gathered
         for a layer's compute, then freed — all-gather buffers."""
-        return Category.ALL_GATHER_BUFFERS if self.strategy in FSDP_STRATEGIES else None
+        return Category.ALL_GATHER_BUFFERS if self.parallelism.shards_params else None
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
         """FSDP2 ``fully_shard`` on each unit and the root (``fsdp_units.py``: the traced block
         stack, else the largest stack of identical blocks, else the units the spec names;
         named units that are not the traced ``blocks`` raise NotExtensible)."""
-        if self.strategy not in FSDP_STRATEGIES:
+        if not self.parallelism.shards_params:
             return model
 
         units = apply_fully_shard(model, self.spec, self.mesh, precision_name, blocks)
@@ -167,14 +170,14 @@ class RankEngine:
     def owned(self, params: list[nn.Parameter]) -> list[nn.Parameter]:
         """The parameters this rank's optimizer steps (``zero1-torch``: its partition, by
         ZeroRedundancyOptimizer's own partitioning)."""
-        if self.strategy != "zero1-torch":
+        if not self.parallelism.is_zero_redundancy:
             return params
         return [params[i] for i in zero1_partition(params, self.spec.world_size)[self.rank]]
 
     def add_buckets(self, model: nn.Module, track: Any) -> None:
         """DDP's gradient buckets: one flat buffer per bucket of its own bucket assignment,
         allocated when DDP wraps the model (``gradient_as_bucket_view=False``, the default)."""
-        if self.strategy not in DDP_STRATEGIES:
+        if not self.parallelism.is_ddp:
             return
         params = [p for p in model.parameters() if p.requires_grad]
         for dtype in dict.fromkeys(p.dtype for p in params):

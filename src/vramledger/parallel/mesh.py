@@ -44,7 +44,6 @@ from .context import check_context_parallel, context_parallel_step
 from .engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
 from .experts import apply_expert_parallel, symmetric_count_exchange
 from .fsdp_units import apply_fully_shard, mixed_precision_policy
-from .strategy import DDP_STRATEGIES, FSDP_STRATEGIES
 from .tp_plans import tp_plan
 
 MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -56,7 +55,7 @@ COORD_AXES: tuple[str, ...] = ("dp", "tp", "pp", "cp", "ep")
 def dp_dim_name(spec: TrainingSpec) -> str:
     """The data-parallel dimension's name: ``dp_replicate`` under DDP (or no strategy),
     ``dp_shard`` under FSDP2."""
-    return "dp_shard" if spec.strategy in ("fsdp", "zero3") else "dp_replicate"
+    return "dp_shard" if spec.parallelism.dp_shard_enabled else "dp_replicate"
 
 
 def mesh_dims(spec: TrainingSpec) -> list[tuple[str, int]]:
@@ -96,7 +95,7 @@ def check_expert_parallel(spec: TrainingSpec) -> None:
             f"({spec.dp_degree * spec.cp})",
             hint="expert parallelism borrows all context-parallel ranks and some data-parallel ones",
         )
-    if spec.ep > spec.cp and spec.strategy not in FSDP_STRATEGIES:
+    if spec.ep > spec.cp and not spec.parallelism.shards_params:
         raise InputError(
             f"expert parallelism borrows data-parallel ranks from FSDP2's, and the strategy is "
             f"{spec.strategy}",
@@ -218,7 +217,7 @@ def applied(model: nn.Module) -> Applied:
 def fsdp_degree(spec: TrainingSpec) -> int:
     """Ranks FSDP2 shards parameters over: data-parallel x context-parallel (torchtitan's
     ``dp_shard_cp``) under ``fsdp``/``zero3``; 1 otherwise."""
-    return spec.dp_degree * spec.cp if spec.strategy in FSDP_STRATEGIES else 1
+    return spec.dp_degree * spec.cp if spec.parallelism.shards_params else 1
 
 
 def _fsdp_mesh(mesh: Any, spec: TrainingSpec) -> Any | None:
@@ -378,7 +377,7 @@ class MeshRankEngine:
         its own bucket assignment, over this rank's local parameter pieces (what DDP holds
         after ``_pre_dp_module_transform`` makes the tensor-parallel parameters local)."""
         spec = self.spec
-        if spec.strategy not in DDP_STRATEGIES or spec.dp_degree * spec.cp == 1:
+        if not spec.parallelism.is_ddp or spec.dp_degree * spec.cp == 1:
             return
         import torch
         from torch.distributed.tensor import DTensor

@@ -33,21 +33,20 @@ from ..spec import TrainingSpec
 from .fsdp_units import apply_fully_shard
 from .mesh import applied, apply_inner_parallelism, build_mesh, uses_mesh
 from .mesh import in_step_context as mesh_step_context
-from .strategy import DDP_STRATEGIES
 
 
 def wrap_real(model: nn.Module, spec: TrainingSpec, precision_name: str) -> nn.Module:
     if uses_mesh(spec):  # tensor / context / expert parallel (and FSDP2 over data parallel)
-        if spec.strategy in DDP_STRATEGIES and spec.dp_degree * spec.cp > 1:
+        if spec.parallelism.is_ddp and spec.dp_degree * spec.cp > 1:
             raise InputError(
                 "measuring DDP over a tensor/context/expert-parallel model is not supported",
                 hint="measure it with --strategy fsdp over the data-parallel ranks",
             )
         device = "cuda" if next(model.parameters()).is_cuda else "cpu"
         return apply_inner_parallelism(model, build_mesh(spec, device), spec, [], precision_name)
-    if spec.strategy in DDP_STRATEGIES:
+    if spec.parallelism.is_ddp:
         return DistributedDataParallel(model)
-    if spec.strategy in ("zero3", "fsdp"):
+    if spec.parallelism.shards_params:
         device = "cuda" if next(model.parameters()).is_cuda else "cpu"
         mesh = init_device_mesh(device, (spec.world_size,))
         apply_fully_shard(model, spec, mesh, precision_name)  # as the estimate wraps it
@@ -63,7 +62,7 @@ def in_step_context(run: Any, model: nn.Module) -> Any:
 
 def real_optimizer(choice: OptimizerChoice, spec: TrainingSpec) -> OptimizerChoice:
     """zero1-torch: the user's optimizer inside a ZeroRedundancyOptimizer."""
-    if spec.strategy != "zero1-torch":
+    if not spec.parallelism.is_zero_redundancy:
         return choice
 
     def build(params: list[torch.Tensor], c: OptimizerChoice) -> Any:

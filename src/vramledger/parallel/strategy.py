@@ -45,13 +45,11 @@ from __future__ import annotations
 from collections import defaultdict
 
 from ..categories import Category, Phase
+from ..parallelism import Parallelism
 from ..precision import PrecisionPolicy
 from ..timeline import Timeline
 
 FP32_ITEMSIZE = 4
-FSDP_STRATEGIES = frozenset({"zero3", "fsdp"})
-DDP_STRATEGIES = frozenset({"ddp", "zero1-torch"})
-DEEPSPEED_STRATEGIES = frozenset({"zero1", "zero2"})
 
 OFFLOADED: dict[str, frozenset[Category]] = {
     "none": frozenset(),
@@ -75,10 +73,10 @@ STEP_ON_HOST = frozenset({"optimizer", "both"})
 CPUOffloadPolicy): the step's temporaries (and fp32 copies of the gradients) are host memory."""
 
 
-def master_shard_fraction(strategy: str | None, precision: PrecisionPolicy) -> float | None:
+def master_shard_fraction(parallelism: Parallelism, precision: PrecisionPolicy) -> float | None:
     """Under ZeRO-3/FSDP with master-weight precision: the bytes of a half-precision copy of a
     shard per byte of its fp32 shard (``apply_offload``'s ``half_shard_fraction``); else None."""
-    if strategy not in FSDP_STRATEGIES or not precision.master_weights:
+    if not parallelism.shards_params or not precision.master_weights:
         return None
     return half_shard_fraction(precision.param_dtype.itemsize)
 

@@ -200,8 +200,8 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
                 description="the fused kernel updates in place: no multi-tensor step scratch",
             )
         )
-    if spec.world_size > 1 and spec.strategy in ("ddp", "zero1"):
-        nxt = {"ddp": "zero1", "zero1": "zero2"}[spec.strategy]
+    nxt = spec.parallelism.next_deepspeed_strategy
+    if spec.world_size > 1 and nxt is not None:
         changes.append(
             Change(
                 name=f"ZeRO sharding ({nxt})",
@@ -209,7 +209,7 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
                 description="shard optimizer state (and gradients) over the ranks",
             )
         )
-    if spec.world_size > 1 and spec.strategy in ("ddp", "zero1", "zero2"):
+    if spec.world_size > 1 and spec.parallelism.upgrades_to_zero3:
         changes.append(
             Change(
                 name="ZeRO-3 / FSDP",
@@ -363,9 +363,9 @@ def advise(
 def _more_gpus(spec: TrainingSpec, budget: _Budget, max_gpus: int) -> Change | None:
     """The fewest GPUs on which the step fits with ZeRO-3 (FSDP2), nothing else changed, found
     by doubling and bisecting with re-estimates (memory per GPU does not grow with the count)."""
-    if spec.offload != "none" and spec.strategy in (None, "none"):
+    if spec.offload != "none" and spec.parallelism.is_single:
         return None
-    start = max(2, spec.world_size * 2 if spec.strategy in ("zero3", "fsdp") else 2)
+    start = max(2, spec.world_size * 2 if spec.parallelism.shards_params else 2)
     tried: dict[int, Ledger] = {}
 
     def at(n: int) -> Ledger:

@@ -6,7 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from ..spec import STRATEGIES, TrainingSpec
+from ..parallelism import Parallelism
+from ..spec import TrainingSpec
 
 DEFAULT_GPUS_PER_NODE = 8
 """GPUs sharing one host's memory when offloading (an 8-GPU node: DGX/HGX)."""
@@ -14,7 +15,7 @@ RECOMPUTE_FRACTION = 1 / 3
 """Activation checkpointing recomputes the forward pass: about a third more compute."""
 NUMERICS = {"bf16-true": "bf16 weights and optimizer state, no fp32 master copy"}
 """Precision modes that change what training computes beyond mixed precision's usual rounding."""
-PLANNED_STRATEGIES = tuple(s for s in STRATEGIES if s not in ("fsdp", "zero1-torch"))
+PLANNED_STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3")
 """Strategies the plan searches: fsdp is zero3's layout under another name, and PyTorch's
 whole-parameter ZeroRedundancyOptimizer (zero1-torch) never holds less than DeepSpeed's even
 ZeRO-1 partition."""
@@ -40,6 +41,11 @@ class Configuration:
 
     def to_dict(self) -> dict[str, Any]:
         return dict(vars(self))
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The strategy as a value to ask (the GPU count aside: the derived layouts take it)."""
+        return Parallelism(strategy=self.strategy)
 
     def spec(self, base: TrainingSpec) -> TrainingSpec:
         """The TrainingSpec ``estimate`` takes for this configuration."""

@@ -47,6 +47,7 @@ from ..parallel.deepspeed_layout import (
     reduction_order,
 )
 from ..parallel.strategy import FP32_ITEMSIZE, apply_offload, half_shard_fraction
+from ..parallelism import Parallelism
 from ..timeline import Timeline
 from ..training import MASTER_GRADIENT
 
@@ -69,16 +70,13 @@ class ModelFacts:
     empty: read from the timeline's parameters in the order they were registered."""
 
 
-RANK_INDEPENDENT_STRATEGIES = frozenset({"none", "ddp", "zero1-torch", "zero3", "fsdp"})
-"""Strategies whose derived events, categories and host placement are the same at every rank
-count, only the sizes of what is divided over the ranks change (``DerivedLayout``); not
-DeepSpeed's ZeRO-1/2, whose partition cuts the flat buffer at other parameters."""
-
-
 @dataclass(frozen=True)
 class DerivedLayout:
     """A strategy applied to a traced timeline, at any rank count where it does not change the
-    events (``RANK_INDEPENDENT_STRATEGIES``): the planner asks for a dozen counts of each."""
+    events (``Parallelism.rank_independent``: the derived events, categories and host placement
+    are the same at every rank count, only the sizes of what is divided over the ranks change;
+    not DeepSpeed's ZeRO-1/2, whose partition cuts the flat buffer at other parameters): the
+    planner asks for a dozen counts of each."""
 
     timeline: Timeline
     """The derived timeline with the divided storages whole."""
@@ -112,7 +110,8 @@ def derive_layout(
     """``strategy`` and ``offload`` applied to the single-GPU trace ``tl``; ``world_size`` is
     needed (and the layout valid only there) for DeepSpeed's ZeRO-1/2."""
     n = world_size
-    if strategy not in RANK_INDEPENDENT_STRATEGIES and n is None:
+    parallelism = Parallelism(strategy=strategy)
+    if not parallelism.rank_independent and n is None:
         raise ValueError(f"{strategy}'s layout depends on the rank count: give world_size")
     out = Timeline(
         nbytes=list(tl.nbytes),
@@ -143,13 +142,14 @@ def derive_layout(
 
     extra: list[tuple[int, Category]] = []
     copy_fraction = None
-    if strategy in ("ddp", "zero1-torch"):
+    if parallelism.is_ddp:
         extra.append((facts.parameter_bytes, Category.GRADIENT_BUCKETS))
-    if strategy == "zero1-torch":
+    if parallelism.is_zero_redundancy:
         shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE}, {})
-    if strategy in ("zero1", "zero2") and n is not None and n > 1:
-        extra += _deepspeed_layout(out, facts, 1 if strategy == "zero1" else 2, n)
-    if strategy in ("zero3", "fsdp"):
+    stage = parallelism.deepspeed_stage
+    if stage is not None and n is not None and n > 1:
+        extra += _deepspeed_layout(out, facts, stage, n)
+    if parallelism.shards_params:
         if Category.MASTER_WEIGHTS in out.tags:
             _fsdp_master_layout(out, facts)
             copy_fraction = half_shard_fraction(facts.parameter_itemsize)

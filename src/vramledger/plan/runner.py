@@ -50,13 +50,14 @@ def traced_timeline(spec: TrainingSpec) -> Timeline:
     return trace(spec, policy_for(spec)).timeline
 
 
-EXTENSIBLE_ALIKE_STRATEGIES = frozenset({None, "none", "ddp", "fsdp", "zero3"})
-"""Strategies whose traced step has the same events at every data-parallel and tensor-parallel
-degree, only other shard sizes (DDP, FSDP2 on a 1-D mesh or the data-parallel axis of the N-D
-one; ``parallelize_module``'s plan on the tensor-parallel axis): whether its identical blocks
-extend exactly does not depend on the degree. Not ZeRO-1/2 (DeepSpeed's partitions cut its flat
-buffers at other parameters on other degrees; never extended anyway) nor pipelines (stages
-change)."""
+def _extensible_alike(spec: TrainingSpec) -> bool:
+    """Whether the traced step has the same events at every data-parallel and tensor-parallel
+    degree, only other shard sizes (none, DDP, FSDP2 on a 1-D mesh or the data-parallel axis of
+    the N-D one; ``parallelize_module``'s plan on the tensor-parallel axis): whether its identical
+    blocks extend exactly does not depend on the degree. Not ZeRO-1/2 (DeepSpeed's partitions cut
+    its flat buffers at other parameters on other degrees; never extended anyway), nor
+    zero1-torch, nor pipelines (stages change)."""
+    return not spec.parallelism.partitions_optimizer and spec.pp == 1
 
 
 def extension_family(spec: TrainingSpec) -> str | None:
@@ -65,7 +66,7 @@ def extension_family(spec: TrainingSpec) -> str | None:
     or in their offload (the engines mark what it keeps in host memory on the finished
     timeline, ``trace.engine.Engine.finish``: the traced events are the same), or None when
     the block extension must be checked on every such run."""
-    if spec.strategy not in EXTENSIBLE_ALIKE_STRATEGIES or spec.pp > 1:
+    if not _extensible_alike(spec):
         return None
     alike = {
         "world_size": min(spec.world_size, 2),

@@ -37,6 +37,7 @@ from ..errors import InputError
 from ..gpus import Gpu
 from ..ledger import EventTotals, steady_peaks, steady_tensor_peak
 from ..optimizers import resolve_optimizer
+from ..parallelism import Parallelism
 from ..recipe import resolve
 from ..spec import TrainingSpec
 from ..timeline import Timeline
@@ -57,7 +58,6 @@ from .candidates import (
     preference,
 )
 from .derive import (
-    RANK_INDEPENDENT_STRATEGIES,
     DerivedLayout,
     ModelFacts,
     derive,
@@ -93,10 +93,6 @@ WORKERS_AT_ONCE_PARAMETERS = 1_000_000_000
 decides it, ``runner.py``): their traces take seconds each, so the workers always repay their
 start-up (``benchmarks/results/README-startup.md``).
 """
-WHOLE_PARAMETER_STRATEGIES = frozenset({"none", "ddp", "zero1", "zero2"})
-"""Strategies that keep every trainable parameter on each GPU whatever the count (ZeRO-1/2
-partition only the optimizer's side; no planned offload moves parameters): a model whose
-parameters alone exceed a GPU cannot fit under them, which is known before deriving any count."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -200,7 +196,7 @@ class DerivedPeaks:
     def _derive(self, n: int) -> tuple[Timeline, EventTotals | None]:
         """The derived timeline at ``n`` GPUs, and its events' totals when they are shared by
         every count (rank-independent strategies: derived once, resized per count)."""
-        if self._strategy not in RANK_INDEPENDENT_STRATEGIES:
+        if not Parallelism(strategy=self._strategy).rank_independent:
             return derive(self._base, self.facts, self._strategy, n, self._offload), None
         if self._layout is None:
             layout = derive_layout(self._base, self.facts, self._strategy, self._offload)
@@ -269,7 +265,7 @@ def _likely_counts(config: Configuration | None, max_gpus: int) -> list[Configur
     it would hold a worker the others need)."""
     if config is None:
         return []
-    if config.strategy in ("none", "ddp"):
+    if not config.parallelism.shards_optimizer_state:  # the count does not change its memory
         return [config]
     counts = (config.gpus, config.gpus - 1)
     return [replace(config, gpus=n) for n in counts if 2 <= n <= max_gpus]
@@ -355,11 +351,16 @@ class _Planner:
                     gpus=1,
                 )
                 self.derived[_derived_key(cfg)] = peaks
-                if strategy in WHOLE_PARAMETER_STRATEGIES and facts.parameter_bytes > self.capacity:
+                parallelism = cfg.parallelism
+                # Strategies that keep every trainable parameter on each GPU whatever the count
+                # (ZeRO-1/2 partition only the optimizer's side; no planned offload moves
+                # parameters): a model whose parameters alone exceed a GPU cannot fit under them,
+                # which is known before deriving any count.
+                if not parallelism.shards_params and facts.parameter_bytes > self.capacity:
                     continue
                 # One GPU runs without a strategy; strategies start at two.
-                lo, hi = (1, 1) if strategy == "none" else (2, self.max_gpus)
-                if strategy == "ddp":
+                lo, hi = (1, 1) if parallelism.is_single else (2, self.max_gpus)
+                if not parallelism.shards_optimizer_state:
                     hi = lo  # DDP's memory does not depend on the GPU count
                 n = fewest(peaks.reserved, self.capacity, lo, hi, peaks.tensors)
                 while n is not None and n <= hi and not self.host_fits(peaks.host(n), n):
@@ -384,7 +385,7 @@ class _Planner:
             return self.verified[c.configuration]
         cfg = c.configuration
         peaks = self.derived[_derived_key(cfg)]
-        scalable = cfg.strategy not in ("none", "ddp")
+        scalable = cfg.parallelism.shards_optimizer_state
         lowest = 2 if scalable else 1
         known: dict[int, tuple[int, int]] = {}
 

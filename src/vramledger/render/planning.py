@@ -20,7 +20,7 @@ FRONT_ROWS = 25
 def _configuration(c: Candidate) -> str:
     cfg = c.configuration
     parts = [cfg.precision]
-    if cfg.gpus > 1 or cfg.strategy != "none":
+    if cfg.gpus > 1 or cfg.parallelism.is_data_parallel:
         parts.append(cfg.strategy)
     parts.append(
         f"micro-batch {cfg.micro_batch}" + (f"×{cfg.grad_accum}" if cfg.grad_accum > 1 else "")

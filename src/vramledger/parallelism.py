@@ -1,0 +1,172 @@
+"""Parallelism: how ranks share the work, as one value the code asks questions of.
+
+torchtitan's ``ParallelDims`` is the model: the strategy name and the axes (world size, dp_shard,
+tp, pp, cp, ep) go in, and the rest of the package asks properties (``shards_params``,
+``is_deepspeed``, ``dp_shard_enabled``, ...) instead of comparing strategy names. The names stay
+the user-facing values (``--strategy``, the JSON ``strategy`` field); this module is the one place
+that knows what each name means (``parallel/strategy.py`` says what each keeps on a rank).
+
+=============  =========  ==========  ============  ===========  ==================
+strategy       engine     parameters  gradients     optimizer    optimizer over
+=============  =========  ==========  ============  ===========  ==================
+``none``       -          whole       whole         whole        -
+``ddp``        DDP        whole       whole         whole        -
+``zero1``      DeepSpeed  whole       whole         partition    flat even slices
+``zero2``      DeepSpeed  whole       partition     partition    flat even slices
+``zero3``      FSDP2      sharded     sharded       sharded      parameter shards
+``fsdp``       FSDP2      sharded     sharded       sharded      parameter shards
+``zero1-       DDP        whole       whole         partition    whole parameters
+torch``                                                          (ZeroRedundancyOptimizer)
+=============  =========  ==========  ============  ===========  ==================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch"]
+STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
+"""How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
+
+_FSDP = frozenset({"zero3", "fsdp"})
+_DDP = frozenset({"ddp", "zero1-torch"})
+_DEEPSPEED_STAGE = {"zero1": 1, "zero2": 2}
+_NEXT_DEEPSPEED = {"ddp": "zero1", "zero1": "zero2"}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Parallelism:
+    """A strategy name and the parallel axes; ``None`` reads as ``"none"`` (one rank)."""
+
+    strategy: str | None = "none"
+    """One of ``STRATEGIES``."""
+    world_size: int = 1
+    """Ranks: data-parallel x tp x pp x cp."""
+    dp_shard: int | None = None
+    """Ranks of the FSDP axis when given (``--dp-shard``)."""
+    tp: int = 1
+    """Tensor-parallel ranks."""
+    pp: int = 1
+    """Pipeline stages."""
+    cp: int = 1
+    """Context-parallel ranks."""
+    ep: int = 1
+    """Expert-parallel ranks (borrowed from dp x cp)."""
+    offload: str = "none"
+    """What is kept in host memory: none, optimizer, params, both."""
+
+    def __post_init__(self) -> None:
+        if self.strategy is not None and self.strategy not in STRATEGIES:
+            raise ValueError(f"unknown strategy {self.strategy!r}; use one of {STRATEGIES}")
+
+    @property
+    def name(self) -> str:
+        """The strategy's user-facing name (``"none"`` for ``None``)."""
+        return self.strategy or "none"
+
+    # --- which engine ---------------------------------------------------------------------
+
+    @property
+    def is_single(self) -> bool:
+        """No data-parallel strategy: each rank keeps the whole model and reduces nothing."""
+        return self.name == "none"
+
+    @property
+    def is_data_parallel(self) -> bool:
+        """A data-parallel strategy that reduces gradients over ranks (anything but none)."""
+        return not self.is_single
+
+    @property
+    def is_ddp(self) -> bool:
+        """Runs under DistributedDataParallel's reducer: ddp and zero1-torch."""
+        return self.name in _DDP
+
+    @property
+    def is_fsdp(self) -> bool:
+        """Runs under FSDP2 ``fully_shard``: zero3 and fsdp (two names for one engine)."""
+        return self.name in _FSDP
+
+    @property
+    def is_deepspeed(self) -> bool:
+        """Runs under DeepSpeed's ZeRO optimizer: zero1 and zero2."""
+        return self.name in _DEEPSPEED_STAGE
+
+    @property
+    def deepspeed_stage(self) -> int | None:
+        """DeepSpeed's ZeRO stage (1 or 2), else None."""
+        return _DEEPSPEED_STAGE.get(self.name)
+
+    @property
+    def is_zero_redundancy(self) -> bool:
+        """zero1-torch: DDP with ``torch.distributed.optim.ZeroRedundancyOptimizer``."""
+        return self.name == "zero1-torch"
+
+    # --- what is sharded --------------------------------------------------------------------
+
+    @property
+    def shards_params(self) -> bool:
+        """Parameters are sharded over the data-parallel ranks (FSDP)."""
+        return self.is_fsdp
+
+    @property
+    def shards_grads(self) -> bool:
+        """Gradients are sharded or partitioned over the data-parallel ranks (zero2, FSDP)."""
+        return self.is_fsdp or self.deepspeed_stage == 2
+
+    @property
+    def shards_optimizer_state(self) -> bool:
+        """Optimizer state is split over the data-parallel ranks (every ZeRO stage, FSDP)."""
+        return self.is_fsdp or self.is_deepspeed or self.is_zero_redundancy
+
+    @property
+    def partitions_optimizer(self) -> bool:
+        """A ZeRO optimizer splits the state while parameters stay whole (zero1, zero2,
+        zero1-torch): a rank's optimizer step and its state depend on which rank it is."""
+        return self.is_deepspeed or self.is_zero_redundancy
+
+    @property
+    def next_deepspeed_strategy(self) -> str | None:
+        """The strategy that shards one more thing with DeepSpeed's ZeRO: zero1 after ddp,
+        zero2 after zero1; else None."""
+        return _NEXT_DEEPSPEED.get(self.name)
+
+    @property
+    def upgrades_to_zero3(self) -> bool:
+        """ddp, zero1 or zero2: every rank holds the whole parameters under DDP's or DeepSpeed's
+        engine, and ZeRO-3/FSDP would shard them (the advice's next step; zero1-torch is left
+        out, as ``plan`` leaves it out)."""
+        return self.is_data_parallel and not self.shards_params and not self.is_zero_redundancy
+
+    @property
+    def rank_independent(self) -> bool:
+        """Every rank's events are the same up to the world size (DeepSpeed's flat partition
+        makes them differ by rank)."""
+        return not self.is_deepspeed
+
+    @property
+    def models_split_model(self) -> bool:
+        """Modelled with tensor, pipeline or context parallelism: none, ddp, fsdp, zero3."""
+        return not self.partitions_optimizer
+
+    # --- axes ------------------------------------------------------------------------------
+
+    @property
+    def dp_shard_enabled(self) -> bool:
+        """The data-parallel axis is FSDP's ``dp_shard`` (else DDP's ``dp_replicate``)."""
+        return self.is_fsdp
+
+    @property
+    def model_split(self) -> int:
+        """Ranks one copy of the model is split over: tp x pp x cp."""
+        return self.tp * self.pp * self.cp
+
+    @property
+    def data_parallel_degree(self) -> int:
+        """Ranks of the data-parallel axis (replicas or FSDP shards)."""
+        return self.world_size // self.model_split
+
+    @property
+    def offloads(self) -> bool:
+        """Something is kept in host memory."""
+        return self.offload != "none"

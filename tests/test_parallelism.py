@@ -1,0 +1,162 @@
+"""Parallelism: what each strategy name means, asked as properties; and no module under src/
+compares a strategy with a name any more."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from vramledger.errors import InputError
+from vramledger.parallelism import STRATEGIES, Parallelism
+from vramledger.spec import TrainingSpec
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "vramledger"
+
+# What each strategy is (the table in parallelism.py's docstring), one row per name.
+EXPECTED = {
+    #              single ddp   fsdp   deepspeed stage zero-red. params grads  optimizer
+    "none": (True, False, False, False, None, False, False, False, False),
+    "ddp": (False, True, False, False, None, False, False, False, False),
+    "zero1": (False, False, False, True, 1, False, False, False, True),
+    "zero2": (False, False, False, True, 2, False, False, True, True),
+    "zero3": (False, False, True, False, None, False, True, True, True),
+    "fsdp": (False, False, True, False, None, False, True, True, True),
+    "zero1-torch": (False, True, False, False, None, True, False, False, True),
+}
+
+
+def test_every_strategy_has_a_row():
+    assert set(EXPECTED) == set(STRATEGIES)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_properties(strategy):
+    p = Parallelism(strategy=strategy)
+    single, ddp, fsdp, deepspeed, stage, zero_redundancy, params, grads, optimizer = EXPECTED[
+        strategy
+    ]
+    assert p.name == strategy
+    assert p.is_single is single
+    assert p.is_data_parallel is not single
+    assert p.is_ddp is ddp
+    assert p.is_fsdp is fsdp
+    assert p.is_deepspeed is deepspeed
+    assert p.deepspeed_stage == stage
+    assert p.is_zero_redundancy is zero_redundancy
+    assert p.shards_params is params
+    assert p.dp_shard_enabled is params
+    assert p.shards_grads is grads
+    assert p.shards_optimizer_state is optimizer
+    # ZeRO-1/2 and ZeroRedundancyOptimizer split the optimizer while parameters stay whole
+    assert p.partitions_optimizer is (optimizer and not params)
+    assert p.models_split_model is not p.partitions_optimizer
+    # only DeepSpeed's flat partition makes the derived events depend on the rank
+    assert p.rank_independent is not deepspeed
+    # the advice's ladder: ddp -> zero1 -> zero2, and ZeRO-3 after any of them
+    assert p.next_deepspeed_strategy == {"ddp": "zero1", "zero1": "zero2"}.get(strategy)
+    assert p.upgrades_to_zero3 is (strategy in ("ddp", "zero1", "zero2"))
+    # exactly one engine runs each data-parallel strategy
+    assert single or [ddp, fsdp, deepspeed].count(True) == 1
+
+
+def test_none_reads_as_one_rank():
+    assert Parallelism(strategy=None) == Parallelism(strategy=None)
+    assert Parallelism(strategy=None).is_single
+    assert Parallelism(strategy=None).name == "none"
+
+
+def test_unknown_name_is_refused():
+    with pytest.raises(ValueError, match="unknown strategy"):
+        Parallelism(strategy="zero4")
+
+
+def test_axes():
+    p = Parallelism(strategy="fsdp", world_size=16, tp=2, pp=2, cp=1, offload="optimizer")
+    assert p.model_split == 4
+    assert p.data_parallel_degree == 4
+    assert p.offloads
+    assert not Parallelism().offloads
+
+
+@pytest.mark.parametrize(
+    ("fields", "strategy"),
+    [
+        ({}, "none"),
+        ({"world_size": 4}, "ddp"),
+        ({"world_size": 4, "strategy": "zero2"}, "zero2"),
+        ({"dp_shard": 2, "tp": 2}, "fsdp"),
+        ({"world_size": 2, "cp": 2}, "fsdp"),
+    ],
+)
+def test_spec_parallelism(fields, strategy):
+    spec = TrainingSpec(model="gpt2", **fields)
+    p = spec.parallelism
+    assert p.name == spec.strategy == strategy
+    assert (p.world_size, p.tp, p.pp, p.cp, p.ep) == (
+        spec.world_size,
+        spec.tp,
+        spec.pp,
+        spec.cp,
+        spec.ep,
+    )
+    assert p.data_parallel_degree == spec.dp_degree
+    assert p.model_split == spec.model_split
+
+
+def test_spec_refuses_what_parallelism_says_is_not_modelled():
+    with pytest.raises(InputError, match="not modelled"):
+        TrainingSpec(model="gpt2", world_size=4, tp=2, strategy="zero1")
+    with pytest.raises(InputError, match="set FSDP units"):
+        TrainingSpec(model="gpt2", world_size=2, strategy="ddp", shard_min_params=10)
+
+
+DEFINED_IN = "parallelism.py"
+"""The one module that knows what each strategy name means."""
+VALIDATION = {("spec.py", "strategy not in STRATEGIES")}
+"""The one comparison elsewhere: ``spec.py`` checks the user's ``--strategy`` is a known name."""
+
+
+def _mentions_strategy(node: ast.AST) -> bool:
+    if isinstance(node, ast.Name):
+        return "strateg" in node.id.lower()
+    if isinstance(node, ast.Attribute):
+        return "strateg" in node.attr.lower()
+    if isinstance(node, ast.Subscript):
+        key = node.slice
+        return isinstance(key, ast.Constant) and "strateg" in str(key.value).lower()
+    if isinstance(node, ast.BoolOp):
+        return any(_mentions_strategy(v) for v in node.values)
+    return False
+
+
+def _names(node: ast.AST) -> bool:
+    """A string literal, a tuple/set/list of them, or a ``*_STRATEGIES`` set of names."""
+    if isinstance(node, ast.Constant):
+        return isinstance(node.value, str)
+    if isinstance(node, ast.Tuple | ast.Set | ast.List):
+        return any(_names(e) for e in node.elts)
+    if isinstance(node, ast.Name | ast.Attribute):
+        name = node.id if isinstance(node, ast.Name) else node.attr
+        return name.endswith("STRATEGIES")
+    if isinstance(node, ast.BinOp):
+        return _names(node.left) or _names(node.right)
+    return False
+
+
+def test_no_module_compares_a_strategy_with_a_name():
+    found = []
+    for path in sorted(SRC.rglob("*.py")):
+        where = path.relative_to(SRC).as_posix()
+        if where == DEFINED_IN:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not isinstance(node, ast.Compare):
+                continue
+            sides = [node.left, *node.comparators]
+            if (where, ast.unparse(node)) in VALIDATION:
+                continue
+            if any(_mentions_strategy(s) for s in sides) and any(_names(s) for s in sides):
+                found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, "ask spec.parallelism (parallelism.py) instead:\n" + "\n".join(found)
