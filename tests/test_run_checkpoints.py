@@ -151,6 +151,25 @@ def test_from_pretrained_onto_the_device_in_bf16(tmp_path):
     assert report.at_peak[Category.PARAMETERS] == TINY_LLAMA_PARAMETERS * torch.bfloat16.itemsize
 
 
+@pytest.mark.slow
+def test_peft_adapter_is_read_as_shapes(tmp_path):
+    """PeftModel.from_pretrained reads adapter_model.safetensors through the same readers."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    weights, adapter = tmp_path / "llama", tmp_path / "adapter"
+    model = LlamaForCausalLM(_tiny_llama_config())
+    model.save_pretrained(weights)
+    lora = LoraConfig(r=8, target_modules=["q_proj", "v_proj"])
+    get_peft_model(model, lora).save_pretrained(adapter)
+    predicted = run_program(_spec("peft_adapter", str(weights), str(adapter)), target="cpu")
+    assert (
+        f"weights read as shapes from {adapter / 'adapter_model.safetensors'} (no data read)"
+        in predicted.notes
+    )
+    assert predicted.steps == 3
+
+
 def test_a_download_is_refused_in_one_line():
     with pytest.raises(InputError) as raised:
         run_program(_spec("hf_download", "some-org/not-cached"))

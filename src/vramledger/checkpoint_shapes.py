@@ -151,6 +151,9 @@ def _safe_open_class(shapes: CheckpointShapes) -> type:
         def get_tensor(self, name: str) -> torch.Tensor:
             return _empty(self._header[name], self._device)
 
+        def get_tensors(self) -> dict[str, torch.Tensor]:
+            return {name: self.get_tensor(name) for name in self.offset_keys()}
+
         def get_slice(self, name: str) -> _Slice:
             return _Slice(self._header[name], self._device)
 
@@ -158,7 +161,7 @@ def _safe_open_class(shapes: CheckpointShapes) -> type:
 
 
 def _load_file(shapes: CheckpointShapes) -> Callable[..., dict[str, torch.Tensor]]:
-    def load_file(filename: Any, device: Any = "cpu") -> dict[str, torch.Tensor]:
+    def load_file(filename: Any, device: Any = "cpu", **_: Any) -> dict[str, torch.Tensor]:
         header, _ = read_header(filename)
         shapes.saw(filename)
         return {name: _empty(entry, device) for name, entry in header.items()}
