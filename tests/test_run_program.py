@@ -238,36 +238,25 @@ def test_the_process_is_restored():
     entry points, torch.save, the optimizer step hooks."""
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
 
-    before = (
-        torch.cuda.is_available,
-        torch.cuda.Event,
-        torch.cuda.nvtx.range_push,
-        torch.cuda.max_memory_allocated,
-        torch.cuda.memory.memory_allocated,
-        nn.Module.to,
-        nn.Module.cuda,
-        torch.amp.autocast_mode.autocast.__init__,
-        torch.autograd.backward,
-        torch.save,
-        len(_global_optimizer_pre_hooks),
-        len(_global_optimizer_post_hooks),
-    )
+    def patched() -> tuple:
+        return (
+            torch.cuda.is_available,
+            torch.cuda.Event,
+            torch.cuda.nvtx.range_push,
+            torch.cuda.max_memory_allocated,
+            torch.cuda.memory.memory_allocated,
+            nn.Module.to,
+            nn.Module.cuda,
+            torch.amp.autocast_mode.autocast.__init__,
+            torch.autograd.backward,
+            torch.save,
+            len(_global_optimizer_pre_hooks),
+            len(_global_optimizer_post_hooks),
+        )
+
+    before = patched()
     run_program(_spec("saves"), target="cuda")
-    after = (
-        torch.cuda.is_available,
-        torch.cuda.Event,
-        torch.cuda.nvtx.range_push,
-        torch.cuda.max_memory_allocated,
-        torch.cuda.memory.memory_allocated,
-        nn.Module.to,
-        nn.Module.cuda,
-        torch.amp.autocast_mode.autocast.__init__,
-        torch.autograd.backward,
-        torch.save,
-        len(_global_optimizer_pre_hooks),
-        len(_global_optimizer_post_hooks),
-    )
-    assert after == before
+    assert patched() == before
 
 
 def test_resume_from_a_checkpoint(tmp_path, capsys):
