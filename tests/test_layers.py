@@ -6,7 +6,7 @@ a function-level import hides an upward import or a cycle from the interpreter, 
 test. Function-level imports stay only for optional heavy packages (deepspeed, transformers,
 peft, torchao, ...), which are not vramledger modules and are not checked here.
 
-The floors, bottom to top (the README's "Layout of the code" section shows the same table):
+The floors, bottom to top (docs/how-it-works.md's "Layout of the code" section shows the same table):
 
 ``inputs``    what to run: the spec, the readers of foreign configs (DeepSpeed, accelerate,
               Hub configs, users' programs), recipe, sources, GPUs, precision, optimizers, the
@@ -217,7 +217,7 @@ def test_every_module_has_a_floor():
     missing = sorted(set(_modules()) - set(floor))
     assert not missing, (
         f"{', '.join(map(_shown, missing))}: not in tests/test_layers.py's LAYERS; add each to "
-        "the floor it belongs to (and to the README's 'Layout of the code' table if it starts a "
+        "the floor it belongs to (and to docs/how-it-works.md's 'Layout of the code' table if it starts a "
         "new kind)"
     )
     gone = sorted(set(floor) - set(_modules()))
