@@ -145,6 +145,40 @@ def test_hf_trainer(capsys):
     assert any("stand-in" in n for n in predicted.notes)
 
 
+LIGHTNING_HOST_DATASET = 2 * (64 * 32 * 8)
+"""lightning_transformer.py's TensorDataset (tokens and targets, 64 x 32 int64 each) in host
+memory: counted by the real CPU run's allocator, never by a GPU's."""
+
+
+@pytest.mark.slow
+def test_lightning_trainer(capsys):
+    """Lightning's own demo model and Trainer (accelerator="gpu", Lightning's bf16-mixed): under
+    the CUDA target the program sees a GPU and prints the ledger's peak; under --target cpu the
+    prediction is the real CPU run's count less the host dataset, to within a few host scalars
+    (Lightning's bookkeeping: 16 and 20 bytes in two runs)."""
+    on_gpu = run_program(_spec("lightning_transformer"), target="cuda", gpu="h100-80gb")
+    printed_gpu = _printed(capsys.readouterr().out)
+    assert on_gpu.steps == 4
+    assert printed_gpu == {"lightning": on_gpu.windows[0].peak_bytes}
+    assert on_gpu.windows[0].optimizer == "SGD"  # Lightning holds it in a list, unnamed
+    # what ran, not what was asked: Lightning's precision plugin entered CUDA autocast
+    assert any("torch.autocast('cuda') to bfloat16" in n for n in on_gpu.notes)
+    predicted = run_program(_spec("lightning_transformer"), target="cpu")
+    printed = _printed(capsys.readouterr().out)
+    measured = measure_program(_spec("lightning_transformer"))
+    printed_measured = _printed(capsys.readouterr().out)
+    assert predicted.steps == measured.steps == 4
+    extra = printed_measured["lightning"] - printed["lightning"]
+    assert LIGHTNING_HOST_DATASET <= extra <= LIGHTNING_HOST_DATASET + HOST_SCALARS
+
+
+def test_autocast_without_a_dtype_is_cudas_float16(capsys):
+    """CUDA autocast's default dtype is float16 (CPU autocast's, which runs it, is bfloat16)."""
+    report = run_program(_spec("autocast_default_dtype"), target="cuda", gpu="a100-80gb")
+    assert "autocast dtype: torch.float16" in capsys.readouterr().out
+    assert any("torch.autocast('cuda') to float16" in n for n in report.notes)
+
+
 def test_seed_snippet_prints_the_prediction_on_cuda(capsys):
     """Under the CUDA target the figures printed are the ledger's: the SGD and Adam windows as
     the caching allocator counts them (cuBLAS workspaces included)."""

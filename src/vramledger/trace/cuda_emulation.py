@@ -421,6 +421,8 @@ class CudaEmulation:
         self.gpu = gpu
         self.counter = counter
         self.mapping = mapping
+        self.autocasts: dict[str, None] = {}
+        """The dtypes the program asked ``torch.autocast("cuda")`` for, in order (notes)."""
         self._stack = contextlib.ExitStack()
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
@@ -548,11 +550,23 @@ class CudaEmulation:
 
             self._patch(safetensors_torch, "load_file", mapped_load_file)
         autocast_init = torch.amp.autocast_mode.autocast.__init__
+        autocasts = self.autocasts
 
-        def init(autocast: Any, device_type: str, *args: Any, **kwargs: Any) -> None:
-            autocast_init(
-                autocast, "cpu" if device_type == "cuda" else device_type, *args, **kwargs
-            )
+        def init(
+            autocast: Any,
+            device_type: str,
+            dtype: torch.dtype | None = None,
+            enabled: bool = True,
+            cache_enabled: bool | None = None,
+        ) -> None:
+            if device_type == "cuda":
+                # CUDA's own default (float16, or what torch.set_autocast_dtype("cuda") set),
+                # not CPU autocast's bfloat16
+                dtype = torch.get_autocast_dtype("cuda") if dtype is None else dtype
+                if enabled:
+                    autocasts[str(dtype).removeprefix("torch.")] = None
+                device_type = "cpu"
+            autocast_init(autocast, device_type, dtype, enabled, cache_enabled)
 
         self._patch(torch.amp.autocast_mode.autocast, "__init__", init)
         self._stack.enter_context(_DeviceMode(mapping))

@@ -355,6 +355,11 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
         notes.append(
             "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
         )
+    if emulation.autocasts:
+        notes.append(
+            f"the program ran torch.autocast('cuda') to {' and '.join(emulation.autocasts)} "
+            f"(as CPU autocast over the emulated tensors, with {policy.name}'s operator lists)"
+        )
     notes += shapes.notes()
     notes += stand_ins.notes()
     if values.routed_ops:
