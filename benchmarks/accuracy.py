@@ -18,9 +18,7 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
 import warnings
 from pathlib import Path
@@ -28,6 +26,7 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
+from benchkit import provenance  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -161,7 +160,8 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     args = parser.parse_args()
     cases = CASES[:4] if args.quick else CASES
-    commit = _commit()  # the code this run loads: read before it runs, others may commit meanwhile
+    # the code this run loads: read before it runs, others may commit meanwhile
+    commit = provenance.commit()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     console = Console(width=130)
     table = Table(
@@ -203,15 +203,14 @@ def main() -> int:
         f"median |error| {100 * median:.4f} % (target 0.05 %), worst {100 * worst:.4f} % (target 0.5 %): "
         + ("[green]targets met[/green]" if ok else "[red]TARGET MISSED[/red]")
     )
-    host = platform.node() or "host"
-    out = HERE / "results" / f"accuracy-{datetime.date.today()}-{host}-{commit[:7]}.json"
+    out = provenance.result_path("accuracy", commit)
     out.write_text(
         json.dumps(
             {
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "started": started,
                 "commit": commit,
-                "machine": _machine(),
+                "machine": provenance.machine(),
                 "measured_run": m.measured_run,
                 "cases": rows,
                 "median_abs_error": median,
@@ -223,30 +222,6 @@ def main() -> int:
     )
     console.print(f"[dim]wrote {out}[/dim]")
     return 0 if ok else 1
-
-
-def _commit() -> str:
-    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
-    git = ["git", "-C", str(HERE)]
-    head = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-    ).stdout
-    return head.strip() + ("+dirty" if dirty.strip() else "")
-
-
-def _machine() -> dict[str, object]:
-    import torch
-
-    return {
-        "host": platform.node(),
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 if __name__ == "__main__":

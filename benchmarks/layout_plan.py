@@ -16,15 +16,14 @@ benchmarks/results/layout-plan-<date>-<host>-<commit>.json.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from benchkit import provenance
 from rich.console import Console
 from rich.table import Table
 
@@ -106,19 +105,21 @@ def main() -> None:
         console.print(
             f"answers {'the same as' if before == answers[0] else 'DIFFERENT FROM'} {args.compare}"
         )
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
-    ).stdout.strip()
-    out = ROOT / "benchmarks" / "results"
-    out.mkdir(parents=True, exist_ok=True)
-    name = f"layout-plan-{datetime.date.today()}-{platform.node() or 'host'}-{commit}.json"
-    (out / name).write_text(
+    commit = provenance.commit()
+    path = provenance.result_path("layout-plan", commit)
+    path.write_text(
         json.dumps(
-            {"commit": commit, "runs": rows, "same_answers": same, "answers": answers[0]},
+            {
+                "commit": commit,
+                "machine": provenance.machine(),
+                "runs": rows,
+                "same_answers": same,
+                "answers": answers[0],
+            },
             indent=1,
         )
     )
-    console.print(f"results: benchmarks/results/{name}")
+    console.print(f"results: {path.relative_to(ROOT)}")
 
 
 if __name__ == "__main__":

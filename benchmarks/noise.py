@@ -31,8 +31,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -44,39 +42,9 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
+from benchkit import provenance  # noqa: E402
+
 GROUPS = ("gloo-2", "gloo-4", "deepspeed-2", "deepspeed-4", "library")
-
-
-def _machine() -> dict[str, Any]:
-    import torch
-
-    cpu = ""
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-            break
-    return {
-        "cpu": cpu,
-        "cores": len(__import__("os").sched_getaffinity(0)),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "note": "a 2-core VM shared with other work while measuring",
-    }
-
-
-def _commit() -> str:
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
-    ).stdout.strip()
-    dirty = subprocess.run(
-        ["git", "status", "--porcelain", "--", "src", "tests", "benchmarks/noise.py"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    ).stdout.strip()
-    return head + ("+uncommitted" if dirty else "")
 
 
 def _run_spawn(
@@ -198,7 +166,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", type=Path, default=HERE / "results" / f"noise-{today}-vm.json")
     args = parser.parse_args(argv)
     data = json.loads(args.json.read_text()) if args.json.exists() else {"groups": {}}
-    data.update(date=today, machine=_machine())
+    data.update(
+        date=today,
+        machine=provenance.machine(note="a 2-core VM shared with other work while measuring"),
+    )
     if args.merge:
         # invocations that ran in parallel, each on some cases of a group: a group's runs are
         # theirs together, its summary made again over all of them
@@ -237,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                 for run in runs[group]
             ]
             data["groups"][group] = {
-                "commit": _commit(),
+                "commit": provenance.commit(),
                 "measured_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                 "spawns_x_repeats": [args.spawns, args.repeats],
                 "seconds_per_spawn": seconds[group],

@@ -20,13 +20,13 @@ import argparse
 import datetime
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
+from benchkit import provenance
 from rich.console import Console
 from rich.table import Table
 
@@ -106,7 +106,7 @@ def main() -> int:
     if not os.environ.get(NANOGPT_CHECKOUT) and "nanogpt" in cases:
         cases = [c for c in cases if c != "nanogpt"]
         print(f"nanogpt left out: set {NANOGPT_CHECKOUT} to a checkout of karpathy/nanoGPT")
-    commit = _commit()
+    commit = provenance.commit()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     console = Console(width=140)
     table = Table(title="vramledger run --target cpu vs --measure: each optimizer's steady peak")
@@ -152,15 +152,14 @@ def main() -> int:
     unexplained = [r for r in rows if r["difference_bytes"] and not r["host_memory_named"]]
     for name, why in HOST.items():
         console.print(f"[dim]host: {name}: {why}[/dim]")
-    host = platform.node() or "host"
-    out = HERE / "results" / f"programs-{datetime.date.today()}-{host}-{commit[:7]}.json"
+    out = provenance.result_path("programs", commit)
     out.write_text(
         json.dumps(
             {
                 "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 "started": started,
                 "commit": commit,
-                "machine": _machine(),
+                "machine": provenance.machine(),
                 "cases": rows,
                 "host_memory": HOST,
                 "unexplained_differences": len(unexplained),
@@ -170,28 +169,6 @@ def main() -> int:
     )
     console.print(f"[dim]wrote {out}[/dim]")
     return 1 if unexplained else 0
-
-
-def _commit() -> str:
-    """The checkout's commit, with ``+dirty`` when tracked files differ from it."""
-    git = ["git", "-C", str(HERE)]
-    commit = subprocess.run([*git, "rev-parse", "HEAD"], capture_output=True, text=True).stdout
-    if not commit.strip():  # an exported tree (git archive): its commit is given
-        return os.environ.get("VRAMLEDGER_COMMIT", "unknown")
-    dirty = subprocess.run([*git, "diff", "--quiet", "HEAD"], check=False).returncode
-    return commit.strip() + ("+dirty" if dirty else "")
-
-
-def _machine() -> dict:
-    import torch
-
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "cpus": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-    }
 
 
 if __name__ == "__main__":

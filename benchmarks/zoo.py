@@ -418,8 +418,17 @@ def enumerate_cases(tasks: set[str] | None = None) -> list[Case]:
 
 
 def select_cases(
-    cases: list[Case], only: set[str] | None = None, sample: int | None = None
+    cases: list[Case],
+    only: set[str] | None = None,
+    sample: int | None = None,
+    names: list[str] | None = None,
 ) -> list[Case]:
+    if names:
+        by_name = {c.name: c for c in cases}
+        unknown = [n for n in names if n not in by_name]
+        if unknown:
+            raise SystemExit(f"--cases: no such (architecture:head) case: {unknown}")
+        cases = [by_name[n] for n in names]
     if only:
         unknown = only - {c.arch for c in cases}
         if unknown:
@@ -1872,6 +1881,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--sample", type=int, help="a deterministic sample of N cases")
     p.add_argument(
+        "--cases", help="these cases only, comma-separated ARCH:HEAD (e.g. llama:causal-lm)"
+    )
+    p.add_argument(
         "--precisions",
         default=",".join(PRECISIONS),
         help=f"comma-separated vramledger precisions (default {','.join(PRECISIONS)})",
@@ -1928,7 +1940,7 @@ def main(argv: list[str] | None = None) -> int:
         return retriage(args.retriage, args.out)
     from vramledger.precision import PRECISIONS as KNOWN_PRECISIONS
 
-    tasks = set(_csv(args.tasks))
+    tasks = set(_csv(args.tasks)) | {n.split(":", 1)[-1] for n in _csv(args.cases)}
     for option, given, known in (
         ("--tasks", tasks, {h.task for h in HEADS}),
         ("--precisions", set(_csv(args.precisions)), set(KNOWN_PRECISIONS)),
@@ -1936,7 +1948,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if given - known:
             raise SystemExit(f"{option}: unknown {sorted(given - known)}; use {sorted(known)}")
-    cases = select_cases(enumerate_cases(tasks), set(_csv(args.only)), args.sample)
+    cases = select_cases(
+        enumerate_cases(tasks), set(_csv(args.only)), args.sample, _csv(args.cases)
+    )
     if args.list:
         print("\n".join(c.name for c in cases))
         return 0
@@ -1950,7 +1964,7 @@ def main(argv: list[str] | None = None) -> int:
     records = [] if args.distributed_only else sweep(cases, options, args.workers)
     dist_results = []
     if not args.no_distributed:
-        chosen = args.only or args.tasks or args.sample is not None
+        chosen = args.only or args.tasks or args.cases or args.sample is not None
         wanted = {c.name for c in cases} if chosen else None
         dist_cases = [
             c
