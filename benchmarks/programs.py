@@ -47,6 +47,8 @@ CASES = [
     "data_loader",
     "hf_llama",
     "hf_trainer",
+    "lightning_bf16_mixed",
+    "lightning_bf16_true",
     "nanogpt",
 ]
 HOST = {
@@ -55,6 +57,10 @@ HOST = {
     "hf_trainer": "the next batch accelerate's DataLoaderShard fetches on the host (2,048 B) "
     "and Trainer's host scalars",
     "nanogpt": "the two mean losses estimate_loss keeps on the host (8 B)",
+    "lightning_bf16_mixed": "the TensorDataset in host memory (32,768 B) and Lightning's host "
+    "scalars",
+    "lightning_bf16_true": "the TensorDataset in host memory (32,768 B) and Lightning's host "
+    "scalars",
 }
 """Programs whose real CPU run counts host memory a GPU's allocator would not see."""
 
@@ -68,6 +74,9 @@ def _command(case: str, workdir: Path) -> list[str]:
     if case == "nanogpt":
         source = Path(os.environ[NANOGPT_CHECKOUT])
         return [str(source / "train.py"), str(PROGRAMS / "nanogpt_tiny.py")]
+    if case.startswith("lightning_"):  # Lightning's precision names: bf16-mixed, bf16-true
+        precision = case.removeprefix("lightning_").replace("_", "-")
+        return [str(PROGRAMS / "lightning_transformer.py"), precision]
     return [str(PROGRAMS / f"{case}.py")]
 
 

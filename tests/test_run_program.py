@@ -151,21 +151,24 @@ memory: counted by the real CPU run's allocator, never by a GPU's."""
 
 
 @pytest.mark.slow
-def test_lightning_trainer(capsys):
-    """Lightning's own demo model and Trainer (accelerator="gpu", Lightning's bf16-mixed): under
-    the CUDA target the program sees a GPU and prints the ledger's peak; under --target cpu the
-    prediction is the real CPU run's count less the host dataset, to within a few host scalars
-    (Lightning's bookkeeping: 16 and 20 bytes in two runs)."""
-    on_gpu = run_program(_spec("lightning_transformer"), target="cuda", gpu="h100-80gb")
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_lightning_trainer(precision, capsys):
+    """Lightning's own demo model and Trainer (accelerator="gpu", Lightning's precision names):
+    under the CUDA target the program sees a GPU and prints the ledger's peak; under --target cpu
+    the prediction is the real CPU run's count less the host dataset, to within a few host
+    scalars (Lightning's bookkeeping: 16 and 20 bytes in two runs)."""
+    spec = _spec("lightning_transformer", args=(precision,))
+    on_gpu = run_program(spec, target="cuda", gpu="h100-80gb")
     printed_gpu = _printed(capsys.readouterr().out)
     assert on_gpu.steps == 4
     assert printed_gpu == {"lightning": on_gpu.windows[0].peak_bytes}
     assert on_gpu.windows[0].optimizer == "SGD"  # Lightning holds it in a list, unnamed
-    # what ran, not what was asked: Lightning's precision plugin entered CUDA autocast
-    assert any("torch.autocast('cuda') to bfloat16" in n for n in on_gpu.notes)
-    predicted = run_program(_spec("lightning_transformer"), target="cpu")
+    # what ran, not what was asked: Lightning's precision plugin entered CUDA autocast or not
+    autocast = any("torch.autocast('cuda') to bfloat16" in n for n in on_gpu.notes)
+    assert autocast == (precision == "bf16-mixed")
+    predicted = run_program(spec, target="cpu")
     printed = _printed(capsys.readouterr().out)
-    measured = measure_program(_spec("lightning_transformer"))
+    measured = measure_program(spec)
     printed_measured = _printed(capsys.readouterr().out)
     assert predicted.steps == measured.steps == 4
     extra = printed_measured["lightning"] - printed["lightning"]

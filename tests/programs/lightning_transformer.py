@@ -1,6 +1,9 @@
 """Lightning's own demo transformer (lightning.pytorch.demos.LightningTransformer: Lightning's
-model code, its SGD from configure_optimizers) trained by Lightning's Trainer on one GPU under
-Lightning's bf16-mixed (autocast over fp32 weights), on batches of random tokens made here."""
+model code, its SGD from configure_optimizers) trained by Lightning's Trainer on one GPU, on
+batches of random tokens made here. The precision is Lightning's name, the first argument
+(default bf16-mixed: autocast over fp32 weights; bf16-true: bf16 weights)."""
+
+import sys
 
 import lightning as L
 import torch
@@ -22,7 +25,7 @@ trainer = L.Trainer(
     accelerator="gpu",
     devices=1,
     max_steps=4,
-    precision="bf16-mixed",
+    precision=sys.argv[1] if len(sys.argv) > 1 else "bf16-mixed",
     logger=False,
     enable_checkpointing=False,
     enable_progress_bar=False,
