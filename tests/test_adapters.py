@@ -96,3 +96,11 @@ def test_bad_lora_is_one_line(lora, message):
     with pytest.raises(InputError) as exc:
         estimate(model=TINY, seq_len=16, lora=lora, target="cpu")
     assert message in exc.value.one_line()
+
+
+def test_nothing_to_train_is_refused_in_one_line():
+    """--quantize without --lora leaves no parameter trainable (prepare_model_for_kbit_training
+    freezes the base): a one-line error that says to add --lora, not the optimizer's own."""
+    with pytest.raises(InputError, match="nothing to train") as refused:
+        estimate(model=str(FIXTURES / "tiny-llama.json"), seq_len=64, quantize="nf4")
+    assert "--lora" in refused.value.hint

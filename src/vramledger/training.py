@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from .categories import Category, Phase
+from .errors import InputError
 from .optimizers import OptimizerChoice
 from .precision import DynamicLossScaler, MasterWeights, PrecisionPolicy, autocast, is_fake
 from .sources import LossFn, iter_tensors
@@ -192,6 +193,13 @@ def assemble(
     observer.tensors(model.buffers(), Category.BUFFERS)
     observer.tensors(iter_tensors(batch), Category.INPUTS)
     params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise InputError(
+            "nothing to train: every parameter of the model has requires_grad=False",
+            hint="--quantize freezes the base weights as peft's prepare_model_for_kbit_training "
+            "does, so add --lora (QLoRA trains adapters over them); with --freeze, leave some "
+            "modules trainable",
+        )
     if owned is not None:  # ZeRO-1: this rank's optimizer steps only its partition
         params = owned(params)
     masters = None
