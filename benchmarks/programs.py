@@ -110,8 +110,13 @@ def _run(options: list[str], command: list[str], cwd: Path) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only", help=f"these programs, comma-separated: {', '.join(CASES)}")
     args = parser.parse_args()
     cases = CASES[:4] if args.quick else CASES
+    if args.only:
+        cases = [c.strip() for c in args.only.split(",") if c.strip()]
+        if unknown := sorted(set(cases) - set(CASES)):
+            raise SystemExit(f"--only: unknown {unknown}; use {', '.join(CASES)}")
     if not os.environ.get(NANOGPT_CHECKOUT) and "nanogpt" in cases:
         cases = [c for c in cases if c != "nanogpt"]
         print(f"nanogpt left out: set {NANOGPT_CHECKOUT} to a checkout of karpathy/nanoGPT")
