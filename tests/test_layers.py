@@ -21,7 +21,7 @@ The floors, bottom to top (docs/how-it-works.md's "Layout of the code" section s
               DeepSpeed, pipeline stages), and what compares them.
 ``plan``      ``plan/``: what would make a step fit.
 ``render``    ``render/``: terminal, HTML, plots.
-``cli``       the command line.
+``cli``       the command line, and ``serve/`` (its web page, beside it).
 """
 
 from __future__ import annotations
@@ -143,7 +143,16 @@ LAYERS: dict[str, list[str]] = {
         "render.snapshot",
         "render.terminal",
     ],
-    "cli": ["__main__", "cli"],
+    "cli": [
+        "__main__",
+        "cli",
+        "serve",
+        "serve.app",
+        "serve.dispatch",
+        "serve.page",
+        "serve.question",
+        "serve.worker",
+    ],
 }
 """Module (dotted, under ``vramledger``; ``""`` is the package's ``__init__``) by floor."""
 

@@ -640,6 +640,20 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
     return _report(args, result, rehearsal_table, rehearsal_plot)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from .serve.app import serve
+
+    return serve(
+        Path(args.dir) if args.dir else None,
+        host=args.host,
+        port=args.port,
+        code=Path(args.allow_code) if args.allow_code else None,
+        debug=args.debug,
+    )
+
+
 def _add_gpu_options(parser: argparse.ArgumentParser) -> None:
     """plan's and advise's own options beside the spec's --gpu, --gpu-memory and --margin."""
     parser.add_argument(
@@ -903,6 +917,31 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", metavar="FILE.png", help="write measured points and fitted lines")
     _add_output_options(p, html=False)
     p.set_defaults(func=cmd_rehearse)
+
+    p = sub.add_parser(
+        "serve",
+        help="a local web page to ask estimate, fit, plan and advise from (needs the serve extra)",
+    )
+    p.add_argument(
+        "dir",
+        nargs="?",
+        metavar="DIR",
+        help="the folder whose configs (.json files, folders with a config.json) the page may "
+        "read; nothing outside it is read (default: none, pasted configs only)",
+    )
+    p.add_argument("--port", type=int, default=8765, help="port (default 8765; 0: any free one)")
+    p.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to listen on (default 127.0.0.1: this machine only)",
+    )
+    p.add_argument(
+        "--allow-code",
+        metavar="DIR",
+        help="also build models from FILE.py:FUNCTION under DIR (runs that Python code)",
+    )
+    p.add_argument("--debug", action="store_true", help="show the server's and workers' logs")
+    p.set_defaults(func=cmd_serve)
     return parser
 
 

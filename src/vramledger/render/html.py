@@ -21,7 +21,7 @@ from ..ledger import Ledger, series
 from ..measure import Measurement
 from ..plan.advise import Advice
 from ..plan.candidates import DERIVED
-from ..plan.fit import Fit
+from ..plan.fit import Fit, NoFit
 from ..plan.search import Plan
 from ..units import format_bytes
 
@@ -174,6 +174,71 @@ def timeline_svg(ledger: Ledger) -> str:
     return "".join(parts) + f"<p>{legend}</p>"
 
 
+BAR_HEIGHT = 34
+BAR_TOP = 30
+RESERVE_COLOUR = "#e6e6e6"
+"""The bar's last segment: what the allocator reserves beyond the tensors at the peak."""
+
+
+def category_bar_svg(ledger: Ledger) -> str:
+    """One bar: the tensors at the steady-state peak stacked by category (``at_peak``, which
+    sums to ``peak_bytes``), then what the allocator reserves beyond them, so that the bar ends
+    at ``reserved_peak_bytes``; with a verdict, the GPU's budget (its memory less the margin)
+    marked on the same scale."""
+    reserve = max(0, ledger.reserved_peak_bytes - ledger.peak_bytes)
+    segments = [(c.value, ledger.at_peak[c], COLOURS[c]) for c in CATEGORY_PRIORITY]
+    segments = [s for s in segments if s[1] > 0]
+    if reserve:
+        segments.append(("allocator reserve", reserve, RESERVE_COLOUR))
+    total = sum(b for _, b, _ in segments)
+    assert total == ledger.peak_bytes + reserve
+    budget = ledger.verdict.budget_bytes if ledger.verdict is not None else None
+    top = max(total, budget or 0) or 1
+    span = WIDTH - LEFT - PAD
+    x = lambda b: LEFT + span * b / top  # noqa: E731
+    height = BAR_TOP + BAR_HEIGHT + 40
+    parts = [
+        f"<svg id='categories' xmlns='http://www.w3.org/2000/svg' width='{WIDTH}' "
+        f"height='{height}' viewBox='0 0 {WIDTH} {height}' role='img' "
+        "aria-label='memory at the peak by category'>",
+        f"<text x='{LEFT - 6}' y='{BAR_TOP + BAR_HEIGHT / 2 + 4:.1f}' text-anchor='end'>at the "
+        "peak</text>",
+    ]
+    start = 0
+    for name, size, colour in segments:
+        share = 100 * size / total
+        parts.append(
+            f"<rect class='segment' data-category='{_e(name)}' data-bytes='{size}' "
+            f"x='{x(start):.1f}' y='{BAR_TOP}' width='{max(0.5, x(start + size) - x(start)):.1f}' "
+            f"height='{BAR_HEIGHT}' fill='{colour}' stroke='#fff' stroke-width='0.5'>"
+            f"<title>{_e(name)}: {_e(format_bytes(size))} ({share:.1f} %)</title></rect>"
+        )
+        start += size
+    parts.append(
+        f"<text x='{x(0):.1f}' y='{BAR_TOP + BAR_HEIGHT + 16}'>0</text>"
+        f"<text id='bar-total' x='{x(total):.1f}' y='{BAR_TOP - 8}' text-anchor='end'>"
+        f"{_e(format_bytes(ledger.peak_bytes))} tensors, "
+        f"{_e(format_bytes(ledger.reserved_peak_bytes))} reserved</text>"
+    )
+    if budget is not None:
+        bx = x(budget)
+        anchor = "end" if bx > WIDTH / 2 else "start"
+        parts.append(
+            f"<g id='budget'><line x1='{bx:.1f}' x2='{bx:.1f}' y1='{BAR_TOP - 4}' "
+            f"y2='{BAR_TOP + BAR_HEIGHT + 4}' stroke='#b00' stroke-width='2' "
+            f"stroke-dasharray='4,3'/><text x='{bx:.1f}' y='{BAR_TOP + BAR_HEIGHT + 30}' "
+            f"fill='#b00' text-anchor='{anchor}'>budget {_e(format_bytes(budget))} "
+            f"({_e(ledger.verdict.gpu.name)} less the margin)</text>"
+            f"<title>budget {_e(format_bytes(budget))}</title></g>"
+        )
+    parts.append("</svg>")
+    legend = "".join(
+        f"<span><span class='swatch' style='background:{colour}'></span>{_e(name)}</span> "
+        for name, _, colour in segments
+    )
+    return "".join(parts) + f"<p>{legend}</p>"
+
+
 def _phase_label(name: str, left: float, right: float, avoid: float) -> tuple[float, str] | None:
     """Where a phase's name goes (its left edge) and which form: the full name, else its short
     form, whichever fits inside the phase without crossing the peak's line at ``avoid``; None
@@ -261,20 +326,22 @@ def ledger_html(ledger: Ledger, title: str = "vramledger estimate") -> str:
         f"{_e(format_bytes(ledger.allocated_peak_bytes))}, reserved "
         f"{_e(format_bytes(ledger.reserved_peak_bytes))})</p>"
     )
+    return _page(title, [head, *ledger_body(ledger)])
+
+
+def ledger_body(ledger: Ledger) -> list[str]:
+    """The parts of a ledger's report below its one-line summary (the page of ``serve`` shows
+    them too): warnings, verdict, timeline, breakdown at the peak, modules, notes."""
     warnings = "".join(f"<p class='bad'>warning: {_e(w)}</p>" for w in ledger.warnings)
-    return _page(
-        title,
-        [
-            head,
-            warnings,
-            _verdict(ledger),
-            "<h2>Live memory over the step</h2>",
-            timeline_svg(ledger),
-            _breakdown(ledger),
-            _modules(ledger),
-            _notes(ledger.notes),
-        ],
-    )
+    return [
+        warnings,
+        _verdict(ledger),
+        "<h2>Live memory over the step</h2>",
+        timeline_svg(ledger),
+        _breakdown(ledger),
+        _modules(ledger),
+        _notes(ledger.notes),
+    ]
 
 
 def measurement_html(m: Measurement) -> str:
@@ -311,7 +378,11 @@ def measurement_html(m: Measurement) -> str:
 
 
 def plan_html(p: Plan) -> str:
-    body = [
+    return _page("vramledger plan", plan_body(p))
+
+
+def plan_body(p: Plan) -> list[str]:
+    return [
         f"<p>{_e(p.gpu.name)}: {_e(format_bytes(p.gpu.memory_bytes))} per GPU, margin "
         f"{_e(format_bytes(p.margin_bytes))}</p>",
         "<h2>Fewest GPUs per optimizer</h2>",
@@ -345,7 +416,6 @@ def plan_html(p: Plan) -> str:
         front_svg(p),
         _notes(p.notes),
     ]
-    return _page("vramledger plan", body)
 
 
 def front_svg(p: Plan) -> str:
@@ -389,6 +459,10 @@ def front_svg(p: Plan) -> str:
 
 
 def advice_html(a: Advice) -> str:
+    return _page("vramledger advise", advice_body(a))
+
+
+def advice_body(a: Advice) -> list[str]:
     rows = [
         [
             _e(c.name),
@@ -412,42 +486,62 @@ def advice_html(a: Advice) -> str:
             f"({_e(format_bytes(a.first_fit_peak_bytes or 0))})</p>"
         )
     body.append(_notes(a.notes))
-    return _page("vramledger advise", body)
+    return body
 
 
 def fit_html(f: Fit) -> str:
-    rows = [
-        [
-            _e(a.optimizer),
-            "on" if a.checkpointing else "off",
-            str(a.batch_size),
-            str(a.seq_len),
-            _e(format_bytes(a.reserved_peak_bytes)),
-            _e(format_bytes(a.headroom_bytes)),
-            "fits" if a.fits_next else "does not fit",
-        ]
-        for a in f.answers
-    ]
-    return _page(
-        "vramledger fit",
-        [
-            f"<p>{_e(f.gpu.name)}, margin {_e(format_bytes(f.margin_bytes))}</p>",
-            _table(
+    return _page("vramledger fit", fit_body(f))
+
+
+def fit_body(f: Fit) -> list[str]:
+    """The answers, and as the terminal table does, each configuration whose smallest size does
+    not fit, with what that size needs."""
+    rows = []
+    for a in f.rows():
+        if isinstance(a, NoFit):
+            rows.append(
                 [
-                    "optimizer",
-                    "checkpointing",
-                    "micro-batch",
-                    "seq-len",
-                    "reserved peak",
-                    "headroom",
-                    "next size up",
-                ],
-                rows,
-                {2, 3, 4, 5},
-            ),
-            _notes(f.notes),
-        ],
-    )
+                    _e(a.optimizer),
+                    "on" if a.checkpointing else "off",
+                    "<span class='bad'>none fits</span>",
+                    "",
+                    _e(format_bytes(a.reserved_peak_bytes)),
+                    _e(format_bytes(a.headroom_bytes, signed=True)),
+                    _e(
+                        f"smallest, {a.batch_size}×{a.seq_len}, needs "
+                        f"{format_bytes(-a.headroom_bytes)} more"
+                    ),
+                ]
+            )
+            continue
+        rows.append(
+            [
+                _e(a.optimizer),
+                "on" if a.checkpointing else "off",
+                str(a.batch_size),
+                str(a.seq_len),
+                _e(format_bytes(a.reserved_peak_bytes)),
+                _e(format_bytes(a.headroom_bytes)),
+                "fits" if a.fits_next else "does not fit",
+            ]
+        )
+    return [
+        f"<p>{_e(f.gpu.name)}, margin {_e(format_bytes(f.margin_bytes))}</p>",
+        _table(
+            [
+                "optimizer",
+                "checkpointing",
+                "micro-batch",
+                "seq-len",
+                "reserved peak",
+                "headroom",
+                "next size up",
+            ],
+            rows,
+            {2, 3, 4, 5},
+        ),
+        _notes(f.notes),
+    ]
 
 
 def render_html(result: Any) -> str:
