@@ -176,6 +176,10 @@ def timeline_svg(ledger: Ledger) -> str:
 
 BAR_HEIGHT = 34
 BAR_TOP = 30
+BAR_BUDGET_SCALE = 4
+"""The bar is drawn to the GPU's budget when that is at most this many times its length; a
+budget further off is written, not drawn (a tiny model's bar on an 80 GiB GPU would be a
+sliver)."""
 RESERVE_COLOUR = "#e6e6e6"
 """The bar's last segment: what the allocator reserves beyond the tensors at the peak."""
 
@@ -193,7 +197,8 @@ def category_bar_svg(ledger: Ledger) -> str:
     total = sum(b for _, b, _ in segments)
     assert total == ledger.peak_bytes + reserve
     budget = ledger.verdict.budget_bytes if ledger.verdict is not None else None
-    top = max(total, budget or 0) or 1
+    on_scale = budget is not None and budget <= BAR_BUDGET_SCALE * total
+    top = max(total, budget if on_scale else 0) or 1
     span = WIDTH - LEFT - PAD
     x = lambda b: LEFT + span * b / top  # noqa: E731
     height = BAR_TOP + BAR_HEIGHT + 40
@@ -216,20 +221,27 @@ def category_bar_svg(ledger: Ledger) -> str:
         start += size
     parts.append(
         f"<text x='{x(0):.1f}' y='{BAR_TOP + BAR_HEIGHT + 16}'>0</text>"
-        f"<text id='bar-total' x='{x(total):.1f}' y='{BAR_TOP - 8}' text-anchor='end'>"
-        f"{_e(format_bytes(ledger.peak_bytes))} tensors, "
+        f"<text id='bar-total' x='{x(0):.1f}' y='{BAR_TOP - 8}'>"
+        f"{_e(format_bytes(ledger.peak_bytes))} of tensors at the peak, "
         f"{_e(format_bytes(ledger.reserved_peak_bytes))} reserved</text>"
     )
     if budget is not None:
-        bx = x(budget)
-        anchor = "end" if bx > WIDTH / 2 else "start"
+        label = f"budget {format_bytes(budget)} ({ledger.verdict.gpu.name} less the margin)"
+        if on_scale:
+            bx = x(budget)
+            anchor = "end" if bx > WIDTH / 2 else "start"
+            mark = (
+                f"<line x1='{bx:.1f}' x2='{bx:.1f}' y1='{BAR_TOP - 4}' "
+                f"y2='{BAR_TOP + BAR_HEIGHT + 4}' stroke='#b00' stroke-width='2' "
+                f"stroke-dasharray='4,3'/>"
+            )
+        else:
+            bx, anchor, mark = WIDTH - PAD, "end", ""
+            label += f", {budget / total:.0f}× the bar: off its scale"
         parts.append(
-            f"<g id='budget'><line x1='{bx:.1f}' x2='{bx:.1f}' y1='{BAR_TOP - 4}' "
-            f"y2='{BAR_TOP + BAR_HEIGHT + 4}' stroke='#b00' stroke-width='2' "
-            f"stroke-dasharray='4,3'/><text x='{bx:.1f}' y='{BAR_TOP + BAR_HEIGHT + 30}' "
-            f"fill='#b00' text-anchor='{anchor}'>budget {_e(format_bytes(budget))} "
-            f"({_e(ledger.verdict.gpu.name)} less the margin)</text>"
-            f"<title>budget {_e(format_bytes(budget))}</title></g>"
+            f"<g id='budget'>{mark}<text x='{bx:.1f}' y='{BAR_TOP + BAR_HEIGHT + 30}' "
+            f"fill='#b00' text-anchor='{anchor}'>{_e(label)}</text>"
+            f"<title>{_e(label)}</title></g>"
         )
     parts.append("</svg>")
     legend = "".join(

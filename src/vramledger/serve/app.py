@@ -38,6 +38,8 @@ MAX_ASKS_PER_SECOND = 20
 so a burst past this answers nothing more)."""
 MAX_BODY_BYTES = MAX_CONFIG_BYTES + (64 << 10)
 """A pasted config of the largest size read, and the rest of the form."""
+DRAIN_BYTES = 16 * MAX_BODY_BYTES
+"""The most of a refused request's body read so that its refusal reaches the client."""
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -67,6 +69,19 @@ def _error(status: int, message: str, **headers: str) -> Any:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
+async def _drain(receive: Any) -> None:
+    """Read what the client sends (up to ``DRAIN_BYTES``) before refusing it: a client still
+    sending when the connection closes sees a reset instead of the refusal."""
+    drained = 0
+    while drained <= DRAIN_BYTES:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        drained += len(message.get("body", b""))
+        if not message.get("more_body", False):
+            return
+
+
 class Limits:
     """Pure ASGI middleware: requests in flight, questions per second, body size, Host."""
 
@@ -82,6 +97,7 @@ class Limits:
             return
         refusal = self._refusal(scope)
         if refusal is not None:
+            await _drain(receive)
             await refusal(scope, receive, send)
             return
         self.in_flight += 1

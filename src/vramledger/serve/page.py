@@ -11,6 +11,7 @@ from typing import Any
 from ..render.html import CSS
 
 PAGE_CSS = """
+[hidden]{display:none!important}
 body{max-width:1200px}
 form{display:grid;grid-template-columns:repeat(4,minmax(0,1fr));gap:.5rem 1rem;align-items:end;
 background:#f7f7f7;padding:1rem;border-radius:6px}

@@ -21,6 +21,7 @@ from typing import Any, TextIO
 
 WARM_UP_CONFIG: dict[str, Any] = {
     "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
     "hidden_size": 32,
     "intermediate_size": 64,
     "num_hidden_layers": 1,
