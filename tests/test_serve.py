@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -335,3 +336,18 @@ def test_a_burst_of_50_requests(server):
     assert states <= {"done", "cancelled"}
     _, last = request(url + "api/ask", {**TINY, "form": {"seq_len": "48"}})
     assert wait(url, last["job"])["state"] == "done"
+
+
+def test_serve_refuses_a_missing_folder_and_a_busy_port(tmp_path, capsys):
+    assert main(["serve", str(tmp_path / "missing")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"vramledger: error: DIR {tmp_path / 'missing'} is not a folder; give a folder"
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        assert main(["serve", str(tmp_path), "--port", str(port)]) == 2
+    assert capsys.readouterr().err.strip() == (
+        f"vramledger: error: cannot listen on 127.0.0.1:{port}: Address already in use; pick "
+        "another --port"
+    )

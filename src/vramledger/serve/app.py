@@ -8,8 +8,8 @@ error in ``{"error": ...}``.
 Limits, each answered with a JSON ``error`` the page shows: at most ``MAX_IN_FLIGHT`` requests
 at once (503, with Retry-After), at most ``MAX_ASKS_PER_SECOND`` questions a second (429), a
 request body of at most ``MAX_BODY_BYTES`` (413), and only a Host of the address the server
-listens on (400: a web page elsewhere cannot reach it by a DNS name that resolves to
-localhost); a question must be sent as ``application/json`` (415), which a page of another
+listens on when that is this machine (400: a web page elsewhere cannot reach it by a DNS name
+that resolves to localhost); a question must be sent as ``application/json`` (415), which a page of another
 origin cannot send without the browser asking first, and this server never says yes.
 """
 
@@ -85,7 +85,7 @@ async def _drain(receive: Any) -> None:
 class Limits:
     """Pure ASGI middleware: requests in flight, questions per second, body size, Host."""
 
-    def __init__(self, app: Any, hosts: tuple[str, ...]):
+    def __init__(self, app: Any, hosts: tuple[str, ...] | None):
         self.app = app
         self.hosts = hosts
         self.in_flight = 0
@@ -110,7 +110,7 @@ class Limits:
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
         host = headers.get("host", "")
         name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if name.strip("[]") not in self.hosts:
+        if self.hosts is not None and name.strip("[]") not in self.hosts:
             return _error(
                 400,
                 f"vramledger serve answers on {', '.join(self.hosts)}, not {host!r}",
@@ -151,7 +151,10 @@ async def _closing(dispatcher: Dispatcher) -> Any:
         dispatcher.close()
 
 
-def create_app(sources: Sources, dispatcher: Dispatcher, hosts: tuple[str, ...] = LOCAL_HOSTS):
+def create_app(
+    sources: Sources, dispatcher: Dispatcher, hosts: tuple[str, ...] | None = LOCAL_HOSTS
+) -> Any:
+    """The ASGI app; ``hosts``: the Host names answered (None: any)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
     from starlette.responses import HTMLResponse, JSONResponse
@@ -229,7 +232,8 @@ def serve(
             f"cannot listen on {host}:{port}: {exc.strerror}", hint="pick another --port"
         ) from exc
     bound = sock.getsockname()[1]
-    hosts = LOCAL_HOSTS if host in LOCAL_HOSTS else (*LOCAL_HOSTS, host)
+    # another address was asked for to be reached from elsewhere, by names not known here
+    hosts = LOCAL_HOSTS if host in LOCAL_HOSTS else None
     with tempfile.TemporaryDirectory(prefix="vramledger-serve-") as private:
         sources = Sources(configs, code, Path(private))
         dispatcher = Dispatcher(debug=debug, warm_up=warm_up)

@@ -128,15 +128,14 @@ class Sources:
                 "under DIR",
             )
         path = self._inside(rel, self.configs, "config")
+        file = path
         if path.is_dir():
-            inner = self._inside(f"{rel.rstrip('/')}/config.json", self.configs, "config")
-            if not inner.is_file():
-                raise InputError(
-                    f"{rel} holds no config.json", hint="give a config.json or its folder"
-                )
-        elif path.suffix != ".json":
+            file = self._inside(f"{rel.rstrip('/')}/config.json", self.configs, "config")
+        if not file.is_file():
+            raise InputError(f"{rel} holds no config.json", hint="give a config.json or its folder")
+        if file.suffix != ".json":
             raise InputError(f"{rel} is not a .json file", hint="give a config.json or its folder")
-        elif path.stat().st_size > MAX_CONFIG_BYTES:
+        if file.stat().st_size > MAX_CONFIG_BYTES:
             raise InputError(f"{rel} is larger than {MAX_CONFIG_BYTES} bytes for a config.json")
         return str(path), rel
 

@@ -33,6 +33,11 @@ WARM_UP_CONFIG: dict[str, Any] = {
 first-call work of torch's dispatcher and transformers' lazy imports (a few seconds)."""
 
 
+PLAN_SEARCHES = ("world_size", "strategy", "tp", "pp")
+"""Form fields that ``plan`` answers rather than takes (cli.PARALLEL_OPTIONS, as the page has
+them)."""
+
+
 def error_line(exc: BaseException, shown: dict[str, str] | None = None) -> str:
     """The line ``vramledger`` prints for this exception (cli.main), with the server's private
     paths replaced by the names the page shows."""
@@ -59,8 +64,11 @@ def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
     from ..render import html
     from ..spec import TrainingSpec
 
-    spec = TrainingSpec(model=question["model"], **question["spec"])
     kind, options = question["kind"], question["options"]
+    fields = question["spec"]
+    if kind == "plan":  # plan searches the layout itself: the CLI's plan takes none of these
+        fields = {k: v for k, v in fields.items() if k not in PLAN_SEARCHES}
+    spec = TrainingSpec(model=question["model"], **fields)
     if kind == "estimate":
         ledger = estimate(spec)
         return {
