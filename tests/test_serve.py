@@ -351,3 +351,43 @@ def test_serve_refuses_a_missing_folder_and_a_busy_port(tmp_path, capsys):
         f"vramledger: error: cannot listen on 127.0.0.1:{port}: Address already in use; pick "
         "another --port"
     )
+
+
+def test_limits_refuse_in_json_when_full():
+    """The limits in front of the app, called as uvicorn calls them: past the requests in flight
+    a 503, past the questions a second a 429, each a JSON error with Retry-After."""
+    import asyncio
+
+    from vramledger.serve.app import MAX_ASKS_PER_SECOND, MAX_IN_FLIGHT, Limits
+
+    async def app(scope, receive, send):
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    async def call(limits, path, method="GET"):
+        sent = []
+        headers = [(b"host", b"127.0.0.1:1"), (b"content-type", b"application/json")]
+        scope = {"type": "http", "path": path, "method": method, "headers": headers}
+
+        async def receive():
+            return {"type": "http.request", "body": b"", "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await limits(scope, receive, send)
+        start = next(m for m in sent if m["type"] == "http.response.start")
+        body = b"".join(m.get("body", b"") for m in sent if m["type"] == "http.response.body")
+        return start["status"], dict(start["headers"]), json.loads(body)
+
+    limits = Limits(app, ("127.0.0.1",))
+    limits.in_flight = MAX_IN_FLIGHT
+    status, headers, body = asyncio.run(call(limits, "/api/jobs/1"))
+    assert status == 503 and headers[b"retry-after"] == b"1"
+    assert body["error"].startswith(f"vramledger serve is busy: {MAX_IN_FLIGHT} requests")
+    limits.in_flight = 0
+    answers = [
+        asyncio.run(call(limits, "/api/ask", "POST")) for _ in range(MAX_ASKS_PER_SECOND + 1)
+    ]
+    assert [a[0] for a in answers] == [200] * MAX_ASKS_PER_SECOND + [429]
+    assert answers[-1][2]["error"].startswith("too many questions")
