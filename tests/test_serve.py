@@ -391,3 +391,22 @@ def test_limits_refuse_in_json_when_full():
     ]
     assert [a[0] for a in answers] == [200] * MAX_ASKS_PER_SECOND + [429]
     assert answers[-1][2]["error"].startswith("too many questions")
+
+
+def test_a_pasted_config_is_answered(server):
+    url, _ = server
+    text = (FIXTURES / "tiny-llama.json").read_text()
+    form = {"seq_len": "32", "gpu": "l4"}
+    _, job = request(
+        url + "api/ask", {"kind": "estimate", "source": "paste", "model": text, "form": form}
+    )
+    done = wait(url, job["job"])
+    assert done["state"] == "done", done
+    assert done["answer"]["summary"].startswith("pasted config.json · batch 1×32")
+    status, answer = request(url + "api/ask", {**TINY, "source": "paste", "model": "{"})
+    assert status == 400
+    assert answer["error"] == (
+        "vramledger: error: pasted config.json is not valid JSON: Expecting property name "
+        "enclosed in double quotes at line 1 column 2; paste the contents of a Hugging Face "
+        "config.json"
+    )
