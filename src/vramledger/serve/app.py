@@ -175,8 +175,8 @@ def create_app(
             return _error(400, f"vramledger: error: the question is not JSON: {exc.msg}")
         except InputError as exc:
             return _error(400, f"vramledger: error: {exc.one_line()}")
-        job = await asyncio.to_thread(dispatcher.ask, question)
-        return JSONResponse(job.to_dict(), status_code=202)
+        state = await asyncio.to_thread(dispatcher.ask, question)
+        return JSONResponse(state, status_code=202)
 
     async def job(request: Request) -> JSONResponse:
         try:

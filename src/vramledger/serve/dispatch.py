@@ -143,39 +143,44 @@ class Dispatcher:
         with self.lock:
             self._fill()
 
-    def ask(self, question: Question) -> Job:
-        """A job for ``question``: answered from the cache, or run now, cancelling whatever
-        runs or waits."""
+    def ask(self, question: Question) -> dict[str, Any]:
+        """The state of a job for ``question``: answered from the cache, or run now, cancelling
+        whatever runs or waits."""
         to_kill: list[Worker] = []
         with self.lock:
-            same = self._asked(question)
-            if same is not None:  # asked again while it runs or waits: the same job
-                return same
-            job = Job(id=next(self.ids), question=question)
-            self._remember(job)
-            cached = self.answers.get(question.key())
-            if cached is not None:
-                self.answers.move_to_end(question.key())
-                job.state, job.answer, job.cached = "done", cached, True
-                job.started = job.finished = job.created
-                return job
-            if self.waiting is not None:
-                self._cancel(self.waiting)
-            for worker in self.workers:
-                if worker.job is not None:
-                    self._cancel(worker.job)
-                    worker.job = None
-                    to_kill.append(worker)
-            self.workers = [w for w in self.workers if w not in to_kill]
-            if self.broken:
-                job.state, job.error = "failed", self.broken
-                job.finished = time.monotonic()
-                return job
-            self.waiting = job
-            self._dispatch()
-            self._fill()
-        for worker in to_kill:
+            state = self._ask(question, to_kill).to_dict()
+        for worker in to_kill:  # outside the lock: their reader threads take it to report
             worker.kill()
+        return state
+
+    def _ask(self, question: Question, to_kill: list[Worker]) -> Job:
+        """Under the lock: the job, and the busy workers to kill into ``to_kill``."""
+        same = self._asked(question)
+        if same is not None:  # asked again while it runs or waits: the same job
+            return same
+        job = Job(id=next(self.ids), question=question)
+        self._remember(job)
+        cached = self.answers.get(question.key())
+        if cached is not None:
+            self.answers.move_to_end(question.key())
+            job.state, job.answer, job.cached = "done", cached, True
+            job.started = job.finished = job.created
+            return job
+        if self.waiting is not None:
+            self._cancel(self.waiting)
+        for worker in self.workers:
+            if worker.job is not None:
+                self._cancel(worker.job)
+                worker.job = None
+                to_kill.append(worker)
+        self.workers = [w for w in self.workers if w not in to_kill]
+        if self.broken:
+            job.state, job.error = "failed", self.broken
+            job.finished = time.monotonic()
+            return job
+        self.waiting = job
+        self._dispatch()
+        self._fill()
         return job
 
     def status(self, job_id: int) -> dict[str, Any] | None:
