@@ -53,6 +53,9 @@ MAX_LISTED = 500
 """Configs listed under the folder, at most (the page takes a typed path beyond these)."""
 MAX_DEPTH = 6
 """Folder levels searched for configs below the folder the server was started on."""
+MAX_FOLDERS = 5000
+"""Folders searched for configs at most (a server started on a home folder lists what it finds
+in these, and takes a typed path beyond them)."""
 PASTED = "pasted config.json"
 """What a pasted config is called in answers and errors."""
 FUNCTION = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
@@ -101,7 +104,9 @@ class Sources:
         if self.configs is None:
             return []
         found: list[str] = []
-        for here, dirs, files in os.walk(self.configs):
+        for walked, (here, dirs, files) in enumerate(os.walk(self.configs)):
+            if walked >= MAX_FOLDERS:
+                break
             rel = Path(here).relative_to(self.configs)
             dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
             if len(rel.parts) >= MAX_DEPTH:
