@@ -410,3 +410,23 @@ def test_a_pasted_config_is_answered(server):
         "enclosed in double quotes at line 1 column 2; paste the contents of a Hugging Face "
         "config.json"
     )
+
+
+@pytest.mark.slow
+def test_a_worker_that_dies_fails_its_question_and_is_replaced(server):
+    """A worker killed from outside (as the kernel's OOM killer would) fails its question with a
+    line that says so; a new worker takes its place."""
+    url, _ = server
+    code = {"source": "code", "form": {"inputs": "slow.py:batch", "loss": "slow.py:loss"}}
+    _, job = request(url + "api/ask", {**code, "kind": "estimate", "model": "slow.py:slow"})
+    wait(url, job["job"], states=("running",))
+    busy = [w["pid"] for w in request(url + "api/workers")[1]["workers"] if w["job"]]
+    os.killpg(busy[0], signal.SIGKILL)
+    failed = wait(url, job["job"])
+    assert failed["state"] == "failed"
+    assert failed["error"] == (
+        "vramledger: error: the worker answering this question stopped (exit code -9; out of "
+        "memory?); ask again"
+    )
+    workers = request(url + "api/workers")[1]["workers"]
+    assert len(workers) == 2 and busy[0] not in [w["pid"] for w in workers]
