@@ -28,7 +28,8 @@ button.primary{background:#4e79a7;color:#fff;border-color:#4e79a7}
 #error:empty{display:none}
 #error{background:#fdecec;border:1px solid #e9a6a6;padding:.5rem;border-radius:4px}
 section{margin-top:1rem}.stale{opacity:.45}
-.stale::before{content:'inputs changed since this answer';display:block;color:#b00;font-size:.8rem}
+.stale::before{content:'the inputs changed since this answer';display:block;color:#b00;
+font-size:.8rem}
 """
 
 SCRIPT = r"""
@@ -120,7 +121,9 @@ function show(data) {
 }
 
 function changed() {
-  for (const id of ['fit', 'plan', 'advice']) if ($(id).innerHTML) $(id).classList.add('stale');
+  for (const id of ['summary', 'bar', 'ledger', 'fit', 'plan', 'advice']) {
+    if ($(id).innerHTML) $(id).classList.add('stale');
+  }
   clearTimeout(debounce);
   if (model().trim()) debounce = setTimeout(() => ask('estimate'), 300);
 }
