@@ -299,6 +299,7 @@ def test_a_new_question_cancels_the_running_one(server):
     assert busy and not alive(busy[0])  # the cancelled question's worker was killed
 
 
+@pytest.mark.slow
 def test_bad_requests_get_the_clis_one_line_errors(server, capsys):
     url, _ = server
     status, answer = request(url + "api/ask", {**TINY, "model": "../pyproject.toml"})
@@ -393,6 +394,7 @@ def test_limits_refuse_in_json_when_full():
     assert answers[-1][2]["error"].startswith("too many questions")
 
 
+@pytest.mark.slow
 def test_a_pasted_config_is_answered(server):
     url, _ = server
     text = (FIXTURES / "tiny-llama.json").read_text()
