@@ -182,18 +182,26 @@ def server(tmp_path_factory):
     command = [sys.executable, "-m", "vramledger", "serve", str(FIXTURES)]
     command += ["--allow-code", str(code), "--port", "0"]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    line = proc.stdout.readline()
-    match = re.search(r"http://127\.0\.0\.1:\d+/", line)
-    assert match, line + proc.stderr.read()
-    url = match.group(0)
-    end = time.monotonic() + STARTUP_SECONDS
-    while not all(w["ready"] for w in request(url + "api/workers")[1]["workers"]):
-        assert time.monotonic() < end and proc.poll() is None
-        time.sleep(0.2)
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:\d+/", line)
+        assert match, line
+        url = match.group(0)
+        end = time.monotonic() + STARTUP_SECONDS
+        while not all(w["ready"] for w in request(url + "api/workers")[1]["workers"]):
+            assert time.monotonic() < end and proc.poll() is None
+            time.sleep(0.2)
+    except BaseException:
+        proc.terminate()  # the server takes its workers along
+        proc.wait(timeout=30)
+        raise
     yield url, proc
-    pids = [w["pid"] for w in request(url + "api/workers")[1]["workers"]]
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=30) in (0, -signal.SIGTERM)  # uvicorn ends by the signal it caught
+    try:
+        pids = [w["pid"] for w in request(url + "api/workers")[1]["workers"]]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+    assert code in (0, -signal.SIGTERM)  # uvicorn ends by the signal it caught
     time.sleep(0.5)
     assert [pid for pid in pids if alive(pid)] == []
 
