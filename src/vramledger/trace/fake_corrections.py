@@ -42,6 +42,33 @@ def _batch_norm_stats(args: Sequence[Any], out: Any) -> Any:
     return type(out)(fixed)
 
 
+LAYER_NORM_MIXED_STATS_DTYPE = torch.float32
+"""Layer-norm statistics of a half-precision input normalised with float32 weight or bias (a
+*mixed type*: autocast on CPU leaves ``layer_norm`` in bfloat16 over fp32 parameters) are kept
+in float32: ``layer_norm_cpu`` (aten/src/ATen/native/layer_norm.cpp) allocates ``mean`` and
+``rstd`` with ``param_scalar_type(input, mixed_type)``, which is ``toOpMathType`` of the
+input's dtype when ``is_mixed_type(input, weight, bias)`` (a defined parameter's dtype differs
+from the input's; aten/src/ATen/native/cpu/mixed_data_type.h). The reference that fake tensors run
+(``native_layer_norm`` in torch/_refs/__init__.py) converts them to the input's dtype on CPU."""
+
+
+def _layer_norm_stats(args: Sequence[Any], out: Any) -> Any:
+    x = args[0]
+    params = [p for p in args[2:4] if isinstance(p, torch.Tensor)]
+    if not isinstance(x, torch.Tensor) or x.dtype not in _HALF or not params:
+        return out
+    if params[0].dtype == x.dtype:  # is_mixed_type asks the first defined parameter
+        return out
+    fixed = list(out)
+    for i in (1, 2):
+        stat = fixed[i]
+        if isinstance(stat, torch.Tensor) and stat.dtype != LAYER_NORM_MIXED_STATS_DTYPE:
+            fixed[i] = torch.empty_strided(
+                stat.shape, stat.stride(), dtype=LAYER_NORM_MIXED_STATS_DTYPE, device=stat.device
+            )
+    return type(out)(fixed)
+
+
 def _layer_norm_grad_contiguous(args: Sequence[Any], out: Any) -> Any:
     """``native_layer_norm_backward``'s input gradient is contiguous: the CPU and CUDA kernels
     (``layer_norm_backward_cpu`` / ``layer_norm_backward_cuda`` in aten/src/ATen/native/
@@ -99,6 +126,7 @@ CORRECTIONS: dict[Any, Correction] = {
     aten._native_batch_norm_legit.no_stats: _batch_norm_stats,
     aten._native_batch_norm_legit_no_training.default: _batch_norm_stats,
     aten._native_batch_norm_legit_functional.default: _batch_norm_stats,
+    aten.native_layer_norm.default: _layer_norm_stats,
     aten.native_layer_norm_backward.default: _layer_norm_grad_contiguous,
 }
 

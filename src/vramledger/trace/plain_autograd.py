@@ -47,6 +47,16 @@ Three formulas need more than that rule (:class:`PlainBranches`, also applied by
   run through the tracker in their place (``PlainBranches._weight_sum_action``), on the
   labels' values the trace knows (without them it is traced as the mode runs it).
 
+One forward composite takes the out-of-place branch too: ``linear`` with a bias, when it
+neither calls ``addmm`` (a 2-D input) nor flattens a contiguous input into one
+(``_flatten_nd_linear``), computes ``output = at::matmul(input, weight.t())`` and then
+``output.add_(bias)`` in a plain run, ``at::add(output, bias)`` for a subclass bias (any bias
+under a mode) (aten/src/ATen/native/Linear.cpp). That happens for a non-contiguous input, as
+``nn.MultiheadAttention`` gives its key and value projections (transposed). The dispatch-level
+operators are those of Python's ``x @ w.t() + b``, which is out of place in a plain run too,
+so the rule needs to know that ``linear`` is running: :class:`LinearCalls`, entered by the
+tracker, keeps the bias of the call running.
+
 Not modelled (see the doc): forward-mode (jvp) formulas; double backward
 (``create_graph=True``: autograd then always sums out of place, as the trace does).
 """
@@ -62,6 +72,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 aten = torch.ops.aten
 
@@ -159,8 +170,67 @@ _SMOOTHED_WEIGHT_SUM = frozenset(
 """The operators of ``cross_entropy``'s label-smoothing weight sum (see
 ``PlainBranches._weight_sum_action``)."""
 
+LINEAR_BIAS_ADD = aten.add.Tensor
+"""The operator ``linear``'s matmul branch adds the bias with for a subclass bias or under a
+mode (``at::add(output, *bias)``); a plain run calls ``output.add_(*bias)``."""
+
 PROD_BACKWARD = frozenset({"ProdBackward0", "ProdBackward1"})
 """``prod_backward`` over the whole tensor (0) and along a dimension (1), FunctionsManual.cpp."""
+
+
+class LinearCalls:
+    """The ``linear`` calls running now: for each, the bias a plain run adds in place (None:
+    no bias, or a tensor subclass such as a DTensor, for which the plain run adds out of place
+    as well). While entered, ``torch.nn.functional.linear`` (what ``nn.Linear`` and
+    ``F.multi_head_attention_forward`` call) is a wrapper that keeps the bias of the running
+    call; a torch-function mode would not do, since it does not see the calls inside a Python
+    function that handles the torch function itself (``multi_head_attention_forward``).
+
+    ``linear`` (aten/src/ATen/native/Linear.cpp) is a composite: a 2-D input with a bias runs
+    ``addmm``; a contiguous input with a 1-D bias runs ``_flatten_nd_linear`` (``addmm`` on the
+    flattened input); otherwise::
+
+        auto output = at::matmul(input, weight.t());
+        if (bias->defined()) {
+          // for composite compliance use out-of-place version of `add`
+          if (isTensorSubclassLike(*bias) || bias->_fw_grad(/*level*/ 0).defined()) {
+            output = at::add(output, *bias);
+          } else {
+            output.add_(*bias);
+          }
+        }
+
+    Not seen: code that bound ``linear`` before the tracker was entered
+    (``from torch.nn.functional import linear`` at import) or calls ``torch._C._nn.linear``;
+    its bias adds stay out of place, as traced."""
+
+    def __init__(self) -> None:
+        self.biases: list[torch.Tensor | None] = []
+        self._original: list[Any] = []
+
+    def __enter__(self) -> LinearCalls:
+        functional = torch.nn.functional
+        original = functional.linear
+        self._original.append(original)
+
+        def linear(input: Any, weight: Any, bias: Any = None) -> Any:
+            plain = isinstance(bias, torch.Tensor) and not is_traceable_wrapper_subclass(bias)
+            self.biases.append(bias if plain else None)
+            try:
+                return original(input, weight, bias)
+            finally:
+                self.biases.pop()
+
+        functional.linear = linear
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        torch.nn.functional.linear = self._original.pop()
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        """The bias of the innermost ``linear`` running now, if a plain run adds it in place."""
+        return self.biases[-1] if self.biases else None
 
 
 class Action(Enum):
@@ -271,6 +341,8 @@ class PlainBranches:
         (operator, its arguments when run); each output is appended to :attr:`held`."""
         self.held: list[torch.Tensor] = []
         """Outputs of replayed operators, alive until the plain statement ends."""
+        self.linear_calls = LinearCalls()
+        """The ``linear`` calls running now (entered by the tracker)."""
 
     def forget(self, key: int) -> None:
         """A storage died: its key may be reused by a new one."""
@@ -279,6 +351,8 @@ class PlainBranches:
     def action(self, func: Any, args: tuple[Any, ...], out: torch.Tensor) -> Action | None:
         """How a plain run would have made ``out``, for the operators of these formulas (None:
         as traced, left to :func:`plain_writes_in_place`)."""
+        if func is LINEAR_BIAS_ADD and self.linear_calls.bias is not None:
+            return self._linear_bias_action(args, out)
         if func in _SMOOTHED_WEIGHT_SUM:
             return self._weight_sum_action(func, args, out)
         if torch.is_grad_enabled():
@@ -395,6 +469,27 @@ class PlainBranches:
             return Action.HIDE
         return None
 
+    def _linear_bias_action(self, args: tuple[Any, ...], out: torch.Tensor) -> Action | None:
+        """``linear``'s bias added to the matmul's output: in place in a plain run
+        (:class:`LinearCalls`), so the output is the matmul's buffer. The bias reaches the
+        operator as passed, or cast by autocast (a copy): matched by shape. ``add_`` keeps the
+        output's dtype where ``add`` promotes: with dtypes that differ the traced output is
+        not the plain one, and is left as traced."""
+        bias = self.linear_calls.bias
+        assert bias is not None
+        operand, added = args[0], args[1] if len(args) > 1 else None
+        if (
+            isinstance(operand, torch.Tensor)
+            and isinstance(added, torch.Tensor)
+            and added.shape == bias.shape
+            and operand.shape == out.shape
+            and operand.dtype == out.dtype
+            and operand.device == out.device
+            and operand.layout is torch.strided
+        ):
+            return Action.ALIAS
+        return None
+
     def _chain_action(
         self, name: str, func: Any, args: tuple[Any, ...], out: torch.Tensor
     ) -> Action | None:
@@ -470,8 +565,10 @@ __all__ = [
     "CHAINS",
     "INPUT_BUFFER_SUM",
     "IN_PLACE_TWINS",
+    "LINEAR_BIAS_ADD",
     "PROD_BACKWARD",
     "Action",
+    "LinearCalls",
     "PlainBranches",
     "ProdPlainBranch",
     "holds_zero",

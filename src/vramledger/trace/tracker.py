@@ -671,6 +671,8 @@ class StorageTracker(TorchDispatchMode):
                 self._post_forward, always_call=True
             ),
         ]
+        if self._plain_autograd:
+            self.plain_branches.linear_calls.__enter__()
         return super().__enter__()
 
     def label_blocks(self, modules: Iterable[torch.nn.Module]) -> None:
@@ -692,7 +694,10 @@ class StorageTracker(TorchDispatchMode):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-        return super().__exit__(*exc)
+        out = super().__exit__(*exc)
+        if self._plain_autograd:
+            self.plain_branches.linear_calls.__exit__(*exc)
+        return out
 
     def close(self) -> Timeline:
         """Stop recording (later frees are ignored) and return the Timeline."""
