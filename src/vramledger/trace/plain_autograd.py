@@ -63,6 +63,7 @@ Not modelled (see the doc): forward-mode (jvp) formulas; double backward
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -201,8 +202,9 @@ class LinearCalls:
         }
 
     Not seen: code that bound ``linear`` before the tracker was entered
-    (``from torch.nn.functional import linear`` at import) or calls ``torch._C._nn.linear``;
-    its bias adds stay out of place, as traced."""
+    (``from torch.nn.functional import linear`` at import) or calls ``torch._C._nn.linear``,
+    and calls on other threads than the one that entered (the tracker is a thread-local
+    dispatch mode; the patch is not); their bias adds stay out of place, as traced."""
 
     def __init__(self) -> None:
         self.biases: list[torch.Tensor | None] = []
@@ -212,8 +214,11 @@ class LinearCalls:
         functional = torch.nn.functional
         original = functional.linear
         self._original.append(original)
+        thread = threading.get_ident()
 
         def linear(input: Any, weight: Any, bias: Any = None) -> Any:
+            if threading.get_ident() != thread:
+                return original(input, weight, bias)
             plain = isinstance(bias, torch.Tensor) and not is_traceable_wrapper_subclass(bias)
             self.biases.append(bias if plain else None)
             try:
