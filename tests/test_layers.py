@@ -38,6 +38,7 @@ LAYERS: dict[str, list[str]] = {
     "inputs": [
         "accelerate_config",
         "adapters",
+        "cache",
         "attention",
         "categories",
         "chatter",
@@ -70,6 +71,7 @@ LAYERS: dict[str, list[str]] = {
         "trace",
         "trace.autocast_cuda",
         "trace.blocks",
+        "trace.cache",
         "trace.compiled",
         "trace.cpu_scratch",
         "trace.cuda_emulation",

@@ -6,7 +6,7 @@ initialisation, no memory), its parameters become fake CPU tensors, and the step
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -39,6 +39,9 @@ from .blocks import (
     same_timeline,
     truncate,
 )
+from .cache import load as load_trace
+from .cache import save as save_trace
+from .cache import trace_key
 from .compiled import compiled_regions
 from .dtensor_compat import untracked_sharding_propagation
 from .engine import Engine, RankEngine, SingleDevice
@@ -132,12 +135,41 @@ def trace(
     ``blocks_verified``: the extension was verified exact on this same run at another
     data-parallel or tensor-parallel degree or offload setting (a plan's re-estimates,
     ``plan/runner.py``): only ``SMALL`` blocks are traced and extended, without tracing
-    ``SMALL + 1`` to check it again.
+    ``SMALL + 1`` to check it again. A trace made before for the same key is read from the
+    cache (``trace/cache.py``) instead.
     """
     start = time.perf_counter()
     if routing is None:
         routing = spec.moe_routing if spec.moe_routing in CONCRETE_ROUTINGS else "balanced"
     engine = engine or SingleDevice()
+    key = trace_key(
+        spec,
+        policy,
+        engine,
+        extend_blocks=extend_blocks,
+        rank=rank,
+        routing=routing,
+        blocks_verified=blocks_verified,
+    )
+    gpu_notes = policy.notes()  # before the trace: what names the GPU (trace/cache.py)
+    cached = load_trace(key, {f.name for f in fields(TraceResult)}, gpu_notes)
+    if cached is not None:
+        return TraceResult(**{**cached, "seconds": time.perf_counter() - start})
+    result = _trace(spec, policy, extend_blocks, rank, routing, engine, blocks_verified, start)
+    save_trace(key, result, gpu_notes)
+    return result
+
+
+def _trace(
+    spec: TrainingSpec,
+    policy: DevicePolicy,
+    extend_blocks: bool,
+    rank: int,
+    routing: str,
+    engine: Engine,
+    blocks_verified: bool,
+    start: float,
+) -> TraceResult:
     resolved = resolve(spec)
     recipe = engine.adapt(resolved)
     log = TraceLog(notes=[recipe.dtype_note()])
