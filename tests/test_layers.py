@@ -147,6 +147,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "cli": [
         "__main__",
+        "answer_cache",
         "cli",
         "serve",
         "serve.app",

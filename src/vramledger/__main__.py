@@ -1,7 +1,8 @@
-"""``python -m vramledger``: the same command line as ``vramledger``."""
+"""``python -m vramledger``: the same command line as ``vramledger`` (a repeated question is
+answered from the cache before torch is imported: ``answer_cache.py``)."""
 
 import sys
 
-from .cli import main
+from .answer_cache import main
 
 sys.exit(main())

@@ -14,6 +14,7 @@ from typing import Any
 
 from rich.console import Console
 
+from . import cache
 from .adapters import QUANTIZE
 from .attention import IMPLEMENTATIONS
 from .chatter import quiet_import_chatter
@@ -22,6 +23,7 @@ from .plan.fit import MAXIMIZE, SEQ_STEP
 from .precision import PRECISIONS, canonical_precision
 from .spec import OFFLOADS, PP_SCHEDULES, ROUTINGS, STRATEGIES, TARGETS, TrainingSpec
 from .tasks import TASKS
+from .units import format_bytes
 from .version import __version__
 
 # Options that set TrainingSpec fields, shared by every command that runs a training step.
@@ -224,6 +226,12 @@ def _add_output_options(parser: argparse.ArgumentParser, *, html: bool = True) -
             help="also write a self-contained HTML report (charts, breakdown, notes)",
         )
     parser.add_argument("--debug", action="store_true", help="show tracebacks and library logs")
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="trace again: neither read nor write the cache of traces and answers "
+        "(`vramledger cache info`)",
+    )
 
 
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
@@ -610,6 +618,28 @@ def cmd_fit(args: argparse.Namespace) -> int:
     return _report(args, result, fit_table)
 
 
+def cmd_cache(args: argparse.Namespace) -> int:
+    if args.action == "clear":
+        deleted = cache.clear()
+        print(f"cache: {deleted} entries deleted from {cache.cache_dir()}")
+        return 0
+    about = cache.info()
+    if args.json:
+        print(json.dumps(about, indent=2))
+        return 0
+    state = "on" if about["enabled"] else f"off ({cache.NO_CACHE_VARIABLE}=1)"
+    print(
+        f"cache: {about['path']} ({state}; {format_bytes(about['bytes'])} of at most "
+        f"{format_bytes(about['max_bytes'])}, least recently used entries deleted beyond)"
+    )
+    for kind, held in about["kinds"].items():
+        print(
+            f"  {kind}: {held['entries']} entries, {format_bytes(held['bytes'])} "
+            f"({held['entries_this_version']} made by this version)"
+        )
+    return 0
+
+
 def cmd_rehearse(args: argparse.Namespace) -> int:
     from .plan.rehearse import rehearse
     from .render.planning import rehearsal_table
@@ -942,6 +972,19 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--debug", action="store_true", help="show the server's and workers' logs")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser(
+        "cache", help="where the cache of traces and answers is and what it holds; clear it"
+    )
+    p.add_argument(
+        "action",
+        choices=("info", "clear"),
+        help="info (default) or clear",
+        nargs="?",
+        default="info",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+    p.set_defaults(func=cmd_cache)
     return parser
 
 
@@ -962,6 +1005,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     debug = getattr(args, "debug", False)
+    if getattr(args, "no_cache", False):  # the planner's workers inherit it
+        os.environ[cache.NO_CACHE_VARIABLE] = "1"
     _quiet_libraries(debug)
     func: Callable[[argparse.Namespace], int] = args.func
     try:

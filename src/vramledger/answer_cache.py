@@ -1,0 +1,139 @@
+"""The command line's answer cache: a repeated ``estimate``, ``fit`` or ``plan`` answered from
+disk (``cache.py``) before torch is imported.
+
+Importing torch and transformers takes seconds, longer than reading an answer. So the command
+line's entry point (this module's :func:`main`) first makes the question's key from the command
+line as typed: its words, the working directory, the contents of every file or folder a word
+names (the model's config.json among them), the environment variables that change an answer
+or its look (:data:`ENVIRONMENT`) and whether standard output is a terminal and how wide. When
+the cache holds an answer for that key, made by this version (``cache.fingerprint``), it writes
+it and stops; else it runs the command (``cli.py``) and keeps what it wrote to standard output.
+The answer written is the earlier run's output byte for byte, its timings included.
+
+Questions that are not answered from here (the command runs as usual, and the trace cache
+still applies): other commands, ``--no-cache``, options that write files or logs
+(:data:`SIDE_EFFECTS`), a model that is not a local file or folder (a Hub name), and words that
+name Python code (``FILE.py:FUNCTION``: code can change under the same name).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .cache import CACHE_DIR_VARIABLE, NO_CACHE_VARIABLE, Store, enabled, path_fingerprint
+
+ANSWERED = ("estimate", "fit", "plan")
+"""Commands whose answers are kept: predictions from the files and options given."""
+NO_CACHE = "--no-cache"
+SIDE_EFFECTS = ("--html", "--memory-snapshot", "--plot", "--debug", "--help", "-h")
+"""Options that write files or logs (or help): such a run is never replaced by a replay."""
+ENVIRONMENT = (
+    "COLUMNS",
+    "LINES",
+    "TERM",
+    "COLORTERM",
+    "NO_COLOR",
+    "FORCE_COLOR",
+    "TTY_COMPATIBLE",
+    "TTY_INTERACTIVE",
+    "HF_HUB_OFFLINE",
+    "HF_HOME",
+)
+"""Environment variables that change an answer or how it is drawn (rich reads the terminal
+ones); every ``VRAMLEDGER_*`` variable but the cache's own is in the key too."""
+
+ANSWERS = Store("answers")
+
+
+def answer_key(argv: Sequence[str]) -> dict[str, Any] | None:
+    """The key of the question ``argv`` asks, or None when it is not answered from the cache."""
+    if not argv or argv[0] not in ANSWERED or len(argv) < 2:
+        return None
+    words = list(argv)
+    files: dict[str, Any] = {}
+    for word in words[1:]:
+        if (
+            word in SIDE_EFFECTS
+            or word == NO_CACHE
+            or any(word.startswith(option + "=") for option in SIDE_EFFECTS)
+        ):
+            return None
+        for part in (word, word.partition("=")[2]):
+            if part.endswith(".py") or ".py:" in part:
+                return None
+            if part and part not in files and len(part) < 4096:
+                found = path_fingerprint(part)
+                if found is not None:
+                    files[part] = found
+    if words[1] not in files:  # the model: a Hub name or code, whose contents are not here
+        return None
+    environment = {
+        name: value
+        for name, value in sorted(os.environ.items())
+        if name in ENVIRONMENT
+        or (name.startswith("VRAMLEDGER_") and name not in (CACHE_DIR_VARIABLE, NO_CACHE_VARIABLE))
+    }
+    terminal = sys.stdout.isatty()
+    return {
+        "argv": words,
+        "cwd": os.getcwd(),
+        "files": files,
+        "environment": environment,
+        "terminal": terminal,
+        "size": list(shutil.get_terminal_size()) if terminal else None,
+    }
+
+
+class _Tee:
+    """Standard output, kept as it is written: a terminal stays a terminal to rich (``isatty``,
+    ``fileno`` and the rest are the real stream's)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self.parts: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.parts.append(text)
+        return self._stream.write(text)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``vramledger`` command: a stored answer to this question, else ``cli.main``'s."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    key = answer_key(args) if enabled() and NO_CACHE not in args else None
+    if key is not None:
+        stored = ANSWERS.get(key)
+        if stored is not None:
+            sys.stdout.write(stored["stdout"])
+            sys.stdout.flush()
+            if sys.stderr.isatty():
+                print(
+                    "vramledger: answered from the cache (the earlier run's output; "
+                    f"{NO_CACHE} recomputes it)",
+                    file=sys.stderr,
+                )
+            return 0
+    from .cli import main as cli_main
+
+    if key is None:
+        return cli_main(args)
+    tee = _Tee(sys.stdout)
+    sys.stdout = tee  # type: ignore[assignment]
+    try:
+        code = cli_main(args)
+    finally:
+        sys.stdout = tee._stream
+    if code == 0:
+        ANSWERS.put(key, {"stdout": "".join(tee.parts)})
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
