@@ -1,4 +1,7 @@
+import atexit
 import os
+import shutil
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -8,6 +11,12 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
+# The suite never touches the user's cache, and traces unless a test turns the cache on
+# (tests/test_trace_cache.py): tests that patch the tracer must see it run.
+_CACHE = tempfile.mkdtemp(prefix="vramledger-test-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
+os.environ["VRAMLEDGER_CACHE_DIR"] = _CACHE
+os.environ["VRAMLEDGER_NO_CACHE"] = "1"
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

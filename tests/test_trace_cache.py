@@ -1,0 +1,292 @@
+"""The trace cache (``trace/cache.py``) and the command line's answer cache (``answer_cache.py``):
+a cached answer is the uncached one, field for field; an entry from another version is never
+used; the key changes with everything that changes a trace."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import fields, replace
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import fixture
+from vramledger import cache
+from vramledger.cli import main
+from vramledger.predict import _engine, estimate, policy_for
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace import cache as trace_cache
+
+TINY = fixture("tiny-llama.json")
+TIMINGS = {"seconds", "search_seconds", "workers"}
+"""Fields that say how long an answer took (or on how many processes), not what it is."""
+
+
+@pytest.fixture
+def cache_on(tmp_path, monkeypatch):
+    """The cache on, in a folder of this test's own (conftest turns it off for the suite)."""
+    monkeypatch.setenv(cache.CACHE_DIR_VARIABLE, str(tmp_path / "cache"))
+    monkeypatch.delenv(cache.NO_CACHE_VARIABLE, raising=False)
+    return tmp_path / "cache"
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+def entries(kind: str) -> int:
+    return cache.info()["kinds"][kind]["entries"]
+
+
+def key_of(spec: TrainingSpec, **overrides) -> dict | None:
+    args = {"extend_blocks": True, "rank": 0, "routing": "balanced", "blocks_verified": False}
+    args.update(overrides)
+    return trace_cache.trace_key(spec, policy_for(spec), _engine(spec), **args)
+
+
+# -- the key --------------------------------------------------------------------------------
+def test_every_spec_field_is_in_the_key_or_excluded_with_a_reason():
+    names = {f.name for f in fields(TrainingSpec)}
+    assert set(trace_cache.NOT_IN_KEY) <= names
+    assert all(reason.strip() for reason in trace_cache.NOT_IN_KEY.values())
+    key = key_of(TrainingSpec(model=TINY))
+    assert set(key["spec"]) == names - set(trace_cache.NOT_IN_KEY)
+
+
+TRACE_CHANGES = {
+    "task": "causal-lm",
+    "batch_size": 3,
+    "seq_len": 96,
+    "precision": "bf16-mixed",
+    "attn_implementation": "eager",
+    "lora": "r=8,targets=q_proj",
+    "quantize": "nf4",
+    "optimizer": "sgd",
+    "optimizer_kwargs": {"optimizer_kwargs": {"foreach": False}},
+    "grad_checkpointing": True,
+    "grad_accum": 2,
+    "world_size": {"world_size": 2, "strategy": "ddp"},
+    "strategy": {"world_size": 4, "strategy": "fsdp"},
+    "offload": "optimizer",
+    "tp": {"world_size": 4, "tp": 2, "strategy": "fsdp"},
+    "freeze": ("model.embed_tokens",),
+    "target": "cpu",
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRACE_CHANGES))
+def test_the_key_changes_with_each_trace_changing_option(name):
+    change = TRACE_CHANGES[name]
+    change = change if isinstance(change, dict) else {name: change}
+    base = {"world_size": 4, "strategy": "ddp"} if "world_size" in change else {}
+    before = TrainingSpec(model=TINY, **base)
+    assert key_of(before) != key_of(TrainingSpec(model=TINY, **{**base, **change}))
+
+
+def test_the_key_changes_with_the_config_contents_and_the_trace_switches(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(Path(TINY).read_text())
+    spec = TrainingSpec(model=str(config))
+    before = key_of(spec)
+    data = json.loads(config.read_text())
+    data["intermediate_size"] += 64
+    config.write_text(json.dumps(data))
+    assert key_of(spec) != before
+    assert key_of(spec, rank=1) != key_of(spec)
+    assert key_of(spec, routing="first") != key_of(spec)
+    assert key_of(spec, extend_blocks=False) != key_of(spec)
+    assert key_of(spec, blocks_verified=True) != key_of(spec)
+
+
+def test_gpus_of_one_compute_capability_share_a_key_and_others_do_not():
+    spec = TrainingSpec(model=TINY, gpu="h100-80gb")
+    assert key_of(spec) == key_of(replace(spec, gpu="h200", margin="1GiB", gpu_memory="70GiB"))
+    assert key_of(spec) != key_of(replace(spec, gpu="a100-80gb"))
+
+
+def test_code_is_not_cached():
+    assert key_of(TrainingSpec(model=fixture("models.py") + ":tiny_mlp")) is None
+    assert key_of(TrainingSpec(model=TINY, optimizer="mypackage.optim.Fancy")) is None
+    assert key_of(TrainingSpec(model=TINY, optimizer="torch.optim.AdamW")) is not None
+
+
+# -- what is stored --------------------------------------------------------------------------
+def test_a_timeline_is_read_back_field_for_field(cache_on):
+    timeline = estimate(TrainingSpec(model=TINY, seq_len=32)).timeline
+    assert {f.name for f in fields(Timeline)} <= set(trace_cache._CODECS)
+    coded = json.loads(json.dumps(trace_cache.encode_timeline(timeline)))
+    assert trace_cache.decode_timeline(coded) == timeline
+
+
+def test_cached_estimates_equal_uncached_ones_field_for_field(cache_on):
+    specs = [
+        TrainingSpec(model=TINY, seq_len=32, gpu="h100-80gb"),
+        TrainingSpec(model=TINY, seq_len=32, gpu="h200", margin="1GiB"),  # the H100's trace
+        TrainingSpec(model=TINY, seq_len=32, world_size=2, strategy="fsdp", offload="optimizer"),
+        TrainingSpec(model=TINY, seq_len=32, precision="bf16-mixed", target="cpu"),
+    ]
+    with cache.disabled():
+        uncached = [estimate(s) for s in specs]
+    assert entries("traces") == 0
+    cold = [estimate(s) for s in specs]
+    stored = entries("traces")
+    assert stored == 3  # the H200 question reused the H100's trace
+    warm = [estimate(s) for s in specs]
+    assert entries("traces") == stored
+    for a, b, c in zip(uncached, cold, warm, strict=True):
+        assert without_timings(a.to_dict()) == without_timings(b.to_dict())
+        assert without_timings(a.to_dict()) == without_timings(c.to_dict())
+        assert a.timeline == c.timeline
+
+
+def fit_args():
+    return ["fit", TINY, "--gpu-memory", "200MiB", "--margin", "0", "--seq-len", "32"]
+
+
+def plan_args():
+    return [
+        "plan",
+        TINY,
+        "--gpu-memory",
+        "100MiB",
+        "--margin",
+        "0",
+        "--max-gpus",
+        "8",
+        "--optimizers",
+        "adamw,sgd-momentum",
+        "--seq-len",
+        "32",
+        "--workers",
+        "1",
+    ]
+
+
+@pytest.mark.parametrize("args", [fit_args(), plan_args()], ids=["fit", "plan"])
+def test_cached_fit_and_plan_equal_uncached_ones_field_for_field(cache_on, capsys, args):
+    answers = []
+    for extra in (["--no-cache"], [], []):  # uncached, cold cache, warm cache
+        assert main([*args, *extra, "--json"]) == 0
+        answers.append(json.loads(capsys.readouterr().out))
+        if extra:
+            os.environ.pop(cache.NO_CACHE_VARIABLE, None)  # --no-cache set it for the workers
+            assert entries("traces") == 0
+    assert entries("traces") > 0
+    assert without_timings(answers[0]) == without_timings(answers[1])
+    assert without_timings(answers[0]) == without_timings(answers[2])
+
+
+# -- versions --------------------------------------------------------------------------------
+def test_an_entry_from_another_version_is_never_used(cache_on, monkeypatch):
+    spec = TrainingSpec(model=TINY, seq_len=32)
+    key = key_of(spec)
+    trace_cache.TRACES.put(key, {"result": "from this version"})
+    assert trace_cache.TRACES.get(key) == {"result": "from this version"}
+    # another version looks in its own folder, and never finds this entry
+    monkeypatch.setattr(cache, "fingerprint", lambda: "another-version")
+    assert trace_cache.TRACES.get(key) is None
+    # an entry in this version's place whose header names another version is deleted unread
+    monkeypatch.undo()
+    monkeypatch.setenv(cache.CACHE_DIR_VARIABLE, str(cache_on))
+    monkeypatch.delenv(cache.NO_CACHE_VARIABLE, raising=False)
+    path = trace_cache.TRACES._path(key)
+    monkeypatch.setattr(cache, "fingerprint", lambda: "another-version")
+    trace_cache.TRACES.put(key, {"result": "from another version"})
+    written = trace_cache.TRACES._path(key)
+    monkeypatch.undo()
+    monkeypatch.setenv(cache.CACHE_DIR_VARIABLE, str(cache_on))
+    monkeypatch.delenv(cache.NO_CACHE_VARIABLE, raising=False)
+    path.write_bytes(written.read_bytes())
+    assert trace_cache.TRACES.get(key) is None
+    assert not path.exists()
+
+
+def test_the_fingerprint_holds_every_versioned_package():
+    assert {"torch", "transformers", "peft", "bitsandbytes", "torchao"} <= set(
+        cache.VERSIONED_PACKAGES
+    )
+
+
+# -- bound, info, clear, --no-cache ----------------------------------------------------------
+def test_least_recently_used_entries_go_first(cache_on):
+    store = cache.Store("traces")
+    for n in range(4):
+        store.put({"n": n}, {"payload": "x" * 1000})
+        path = store._path({"n": n})
+        os.utime(path, (1000 + n, 1000 + n))
+    os.utime(store._path({"n": 0}), (2000, 2000))  # used last
+    size = store._path({"n": 0}).stat().st_size
+    assert cache.evict(limit=2 * size) == 2
+    assert store.get({"n": 0}) is not None and store.get({"n": 3}) is not None
+    assert store.get({"n": 1}) is None and store.get({"n": 2}) is None
+
+
+def test_cache_info_and_clear(cache_on, capsys):
+    estimate(TrainingSpec(model=TINY, seq_len=32))
+    assert main(["cache", "info", "--json"]) == 0
+    about = json.loads(capsys.readouterr().out)
+    assert about["path"] == str(cache_on) and about["kinds"]["traces"]["entries"] == 1
+    assert about["max_bytes"] == cache.MAX_CACHE_BYTES
+    assert main(["cache", "info"]) == 0
+    assert "traces: 1 entries" in capsys.readouterr().out
+    assert main(["cache", "clear"]) == 0
+    assert "1 entries deleted" in capsys.readouterr().out
+    assert entries("traces") == 0
+
+
+def test_no_cache_neither_reads_nor_writes(cache_on, capsys):
+    assert main(["estimate", TINY, "--seq-len", "32", "--json", "--no-cache"]) == 0
+    assert os.environ.pop(cache.NO_CACHE_VARIABLE) == "1"
+    assert entries("traces") == 0
+
+
+# -- the command line's answer cache ----------------------------------------------------------
+def run(args, env, **kw):
+    return subprocess.run(
+        [sys.executable, "-X", "importtime", "-m", "vramledger", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        **kw,
+    )
+
+
+def test_a_repeated_question_is_answered_before_torch_is_imported(cache_on):
+    env = {k: v for k, v in os.environ.items() if k != cache.NO_CACHE_VARIABLE}
+    env[cache.CACHE_DIR_VARIABLE] = str(cache_on)
+    args = ["estimate", TINY, "--seq-len", "32", "--json"]
+    first, second = run(args, env), run(args, env)
+    assert first.returncode == 0 and second.returncode == 0
+    assert second.stdout == first.stdout
+    imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines()}
+    assert "torch" not in imported and "transformers" not in imported
+    assert entries("answers") == 1
+    # another question, --no-cache and a file-writing option all run the command
+    again = run([*args, "--no-cache"], env)
+    assert "torch" in {line.split("|")[-1].strip() for line in again.stderr.splitlines()}
+    assert json.loads(again.stdout)["peak_bytes"] == json.loads(first.stdout)["peak_bytes"]
+    assert entries("answers") == 1
+
+
+def test_the_answer_key_sees_the_files_and_refuses_code(tmp_path):
+    from vramledger.answer_cache import answer_key
+
+    config = tmp_path / "config.json"
+    config.write_text(Path(TINY).read_text())
+    key = answer_key(["estimate", str(config), "--seq-len", "32"])
+    assert key is not None
+    config.write_text(Path(TINY).read_text().replace("{", '{"x": 1, ', 1))
+    assert answer_key(["estimate", str(config), "--seq-len", "32"]) != key
+    assert answer_key(["estimate", "meta-llama/Llama-3-8B"]) is None  # a Hub name
+    assert answer_key(["estimate", fixture("models.py") + ":tiny_mlp"]) is None
+    assert answer_key(["estimate", str(config), "--html", "x.html"]) is None
+    assert answer_key(["measure", str(config)]) is None
