@@ -326,10 +326,13 @@ def test_lora_target_hint_lists_every_layer_peft_adapts(capsys):
 def test_python_api_is_as_quiet_as_the_cli():
     """`import vramledger` and `estimate(...)` print nothing (torchao's failed kernel loads,
     torch's pytree registrations, transformers' advisories are the CLI's chatter too), and the
-    caller's logging levels and warning filters are as they were."""
+    caller's logging levels and warning filters are as they were. (``import vramledger`` imports
+    no torch; ``from vramledger import estimate`` does, and torch's import adds its own warning
+    filters, as importing torch does anywhere.)"""
     code = (
         "import logging, warnings\n"
         "import vramledger\n"
+        "from vramledger import estimate\n"
         "before = (list(warnings.filters), logging.getLogger('transformers').level)\n"
         f"vramledger.estimate(model={fixture('tiny-gpt2.json')!r}, seq_len=16, "
         "grad_checkpointing=True, optimizer='adamw8bit')\n"
