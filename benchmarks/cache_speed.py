@@ -1,0 +1,160 @@
+"""The cache's speed on Llama-3-70B: ``estimate``, ``fit`` and ``plan`` cold, repeated, and asked
+again for another GPU, each a fresh ``python -m vramledger`` process timed from start to exit.
+
+    python benchmarks/cache_speed.py                 # all three, ~10 minutes on 2 busy cores
+    python benchmarks/cache_speed.py --cases estimate,fit
+
+For each case, in a cache folder of its own (``VRAMLEDGER_CACHE_DIR``):
+
+- **cold**: the command with an empty cache (every trace made);
+- **warm**: the same command again: the answer is read from the cache (``answer_cache.py``)
+  before torch is imported; its output must be the cold run's, byte for byte;
+- **other GPU**: the command for an H200 instead of an H100 (same compute capability): a new
+  question, whose traces are read from the trace cache (``trace/cache.py``);
+- **other GPU, --no-cache**: that question with no cache at all; its JSON must equal the
+  cached one's field for field (timings aside).
+
+Targets (issue 22): a warm 70B estimate, fit or plan in at most 2 s of wall time, process start
+included; a cold 70B fit in at most 8 s; a cold 70B 64-GPU plan in at most 40 s. The machine's
+load average is recorded before each run (the development VM is shared). Results go to
+benchmarks/results/cache-speed-<date>-<host>-<commit>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = str(ROOT / "examples" / "configs" / "llama-3-70b.json")
+SPEC = ["--seq-len", "4096", "--precision", "bf16-master", "--world-size", "64"]
+CASES = {
+    "estimate": ["estimate", MODEL, *SPEC, "--strategy", "fsdp", "--grad-checkpointing"],
+    "fit": ["fit", MODEL, *SPEC, "--strategy", "fsdp", "--checkpointing", "on"],
+    "plan": ["plan", MODEL, "--gpus", "64", "--seq-len", "8192"],
+}
+"""The 70B questions: ``benchmarks/fit.py``'s FSDP2 run over 64 GPUs (estimate and fit, with
+activation checkpointing) and ``benchmarks/layout_plan.py``'s plan on up to 64 GPUs."""
+GPU, OTHER_GPU = "h100-80gb", "h200"
+TARGETS = {("estimate", "warm"): 2.0, ("fit", "warm"): 2.0, ("plan", "warm"): 2.0}
+TARGETS.update({("fit", "cold"): 8.0, ("plan", "cold"): 40.0})
+"""Issue 22's targets, seconds of wall time including process start."""
+TIMINGS = {"seconds", "search_seconds", "workers"}
+
+
+def without_timings(value):
+    if isinstance(value, dict):
+        return {k: without_timings(v) for k, v in value.items() if k not in TIMINGS}
+    if isinstance(value, list):
+        return [without_timings(v) for v in value]
+    return value
+
+
+def timed(args: list[str], cache: str) -> dict:
+    env = {**os.environ, "VRAMLEDGER_CACHE_DIR": cache}
+    env.pop("VRAMLEDGER_NO_CACHE", None)
+    load = os.getloadavg()[0]
+    start = time.perf_counter()
+    done = subprocess.run(
+        [sys.executable, "-m", "vramledger", *args, "--json"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=ROOT,
+        check=False,
+    )
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed:\n{done.stderr}")
+    return {"wall_seconds": round(wall, 2), "load_1min": load, "stdout": done.stdout}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(CASES))
+    args = parser.parse_args()
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
+    ).stdout.strip()
+    rows = []
+    for name in args.cases.split(","):
+        base = CASES[name]
+        with tempfile.TemporaryDirectory(prefix="vramledger-bench-cache-") as cache:
+            runs = {
+                "cold": timed([*base, "--gpu", GPU], cache),
+                "warm": timed([*base, "--gpu", GPU], cache),
+                "other GPU": timed([*base, "--gpu", OTHER_GPU], cache),
+                "other GPU, --no-cache": timed([*base, "--gpu", OTHER_GPU, "--no-cache"], cache),
+            }
+        same_replay = runs["warm"]["stdout"] == runs["cold"]["stdout"]
+        cached, uncached = (
+            without_timings(json.loads(runs[k]["stdout"]))
+            for k in ("other GPU", "other GPU, --no-cache")
+        )
+        row = {
+            "case": name,
+            "command": " ".join(["vramledger", *base, "--gpu", GPU, "--json"]).replace(
+                str(ROOT) + "/", ""
+            ),
+            "warm_output_is_cold_output": same_replay,
+            "cached_equals_uncached": cached == uncached,
+            "runs": {k: {x: v[x] for x in ("wall_seconds", "load_1min")} for k, v in runs.items()},
+        }
+        for (case, kind), target in TARGETS.items():
+            if case == name:
+                row.setdefault("targets", {})[kind] = {
+                    "seconds": target,
+                    "met": runs[kind]["wall_seconds"] <= target,
+                }
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    table = Table(title=f"cache speed, Llama-3-70B ({datetime.date.today()}, {platform.node()})")
+    for col in ("case", "cold", "warm", "other GPU", "other GPU, no cache", "targets", "same"):
+        table.add_column(col, justify="left" if col in ("case", "targets") else "right")
+    for row in rows:
+        r = row["runs"]
+        targets = ", ".join(
+            f"{kind} <= {t['seconds']:g} s: {'met' if t['met'] else 'MISSED'}"
+            for kind, t in row.get("targets", {}).items()
+        )
+        table.add_row(
+            row["case"],
+            *(
+                f"{r[k]['wall_seconds']:.2f} s (load {r[k]['load_1min']:.1f})"
+                for k in ("cold", "warm", "other GPU", "other GPU, --no-cache")
+            ),
+            targets,
+            "yes" if row["warm_output_is_cold_output"] and row["cached_equals_uncached"] else "NO",
+        )
+    Console().print(table)
+    out = ROOT / "benchmarks" / "results"
+    path = out / f"cache-speed-{datetime.date.today()}-{platform.node()}-{commit}.json"
+    path.write_text(
+        json.dumps(
+            {
+                "commit": commit,
+                "machine": f"{platform.node()}, {os.cpu_count()} CPUs, {platform.machine()}",
+                "python": platform.python_version(),
+                "rows": rows,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
