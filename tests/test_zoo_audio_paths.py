@@ -27,6 +27,7 @@ CASES = {
     "ctc-transposed": ("ctc_head", "ctc_inputs", "transposed_ctc_loss", "fp32", 8),
     "sdpa-math-mask": ("biased_attention", "attention_inputs", "attention_loss", "bf16-mixed", 2),
     "layernorm-mixed": ("narrow_norm", "norm_inputs", "norm_loss", "bf16-mixed", 8),
+    "saved-python-numbers": ("damped", "damped_inputs", "damped_loss", "fp32", 1),
 }
 
 
@@ -132,3 +133,10 @@ def test_ctc_gradient_is_contiguous_as_the_kernel_makes_it():
         args = (torch.ones(2), fake_lp, targets, lengths[0], list(lengths[1].tolist()))
         traced = _ctc_loss(KnownValues(mode), aten._ctc_loss_backward.default, args, {})
     assert traced.stride() == real.stride() != lp.stride()
+
+
+def test_without_the_saved_numbers_the_estimate_is_below(monkeypatch):
+    """Without registering the Python numbers autograd saves, the estimate is below."""
+    plain = _plain_peak("saved-python-numbers")
+    monkeypatch.setattr("vramledger.trace.tracker.saved_wrapped_numbers", lambda *_: [])
+    assert _estimate("saved-python-numbers").peak_bytes < plain * (1 - BOUND)

@@ -42,6 +42,7 @@ from .plain_autograd import (
     plain_writes_in_place,
 )
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
+from .wrapped_numbers import has_wrapped_number, saved_wrapped_numbers
 
 
 @dataclass(frozen=True)
@@ -169,6 +170,9 @@ class StorageTracker(TorchDispatchMode):
         # A twin whose operand died at once but whose fold waits for the next operator
         # (plain_autograd.CONFIRMED_TWINS): the twin, the operand's sid, its free event.
         self._confirm: tuple[int, int, int, int, Any, int, int] | None = None
+        # The output of the last call given a Python number for a Tensor argument, whose
+        # autograd node (attached after the call) may keep it (trace/wrapped_numbers.py).
+        self._wrapped_out: weakref.ref[torch.Tensor] | None = None
         self.twins_merged = 0
         """How many out-of-place autograd buffers were modelled as the plain run's in-place
         writes."""
@@ -185,6 +189,8 @@ class StorageTracker(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         if self._confirm is not None:
             self._confirm_twin(func, args)
+        if self._wrapped_out is not None:
+            self._see_wrapped_numbers()
         self._twin = None
         for t in types:
             if t not in _PLAIN_TYPES and is_traceable_wrapper_subclass_type(t):
@@ -247,6 +253,13 @@ class StorageTracker(TorchDispatchMode):
                     self._note_twin(args[0], out, first_event, confirm)
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
+        if (
+            isinstance(out, torch.Tensor)
+            and torch.is_grad_enabled()
+            and has_wrapped_number(func, args)
+            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        ):
+            self._wrapped_out = weakref.ref(out)
         self._op = None
         self._inherit = None
         if self._transients:
@@ -256,6 +269,14 @@ class StorageTracker(TorchDispatchMode):
         if self.plain_branches.replay:
             self._replay_plain()
         return out
+
+    def _see_wrapped_numbers(self) -> None:
+        """Register the Python numbers the last call's autograd node saved as tensors."""
+        out = self._wrapped_out()  # type: ignore[misc]
+        self._wrapped_out = None
+        if out is not None:
+            for saved in saved_wrapped_numbers(out, self._live.__contains__):
+                self._see(saved)
 
     def _replay_plain(self) -> None:
         """Run and record the plain run's operators in place of the hidden ones
@@ -646,6 +667,8 @@ class StorageTracker(TorchDispatchMode):
 
     def set_phase(self, step: int, phase: Phase) -> None:
         self._twin = None
+        if self._wrapped_out is not None:  # the forward's last call, before its region ends
+            self._see_wrapped_numbers()
         if self.phase is Phase.FORWARD:
             self._end_region()
         self.step, self.phase = step, phase
