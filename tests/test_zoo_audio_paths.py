@@ -27,6 +27,7 @@ CASES = {
     "ctc-transposed": ("ctc_head", "ctc_inputs", "transposed_ctc_loss", "fp32", 8),
     "sdpa-math-mask": ("biased_attention", "attention_inputs", "attention_loss", "bf16-mixed", 2),
     "layernorm-mixed": ("narrow_norm", "norm_inputs", "norm_loss", "bf16-mixed", 8),
+    "groupnorm-mixed": ("narrow_group_norm", "norm_inputs", "norm_loss", "bf16-mixed", 8),
     "saved-python-numbers": ("damped", "damped_inputs", "damped_loss", "fp32", 1),
 }
 
@@ -104,13 +105,20 @@ def test_without_the_sdpa_rule_the_estimate_is_above(monkeypatch):
     assert _estimate("sdpa-math-mask").peak_bytes > plain * (1 + BOUND)
 
 
-def test_without_the_layernorm_correction_the_estimate_is_below(monkeypatch):
+@pytest.mark.parametrize(
+    "name, op",
+    [
+        ("layernorm-mixed", torch.ops.aten.native_layer_norm.default),
+        ("groupnorm-mixed", torch.ops.aten.native_group_norm.default),
+    ],
+)
+def test_without_the_norm_correction_the_estimate_is_below(monkeypatch, name, op):
     """With the meta kernel's half-precision mean/rstd, the estimate is below the plain run."""
     from vramledger.trace.fake_corrections import CORRECTIONS
 
-    plain = _plain_peak("layernorm-mixed")
-    monkeypatch.delitem(CORRECTIONS, torch.ops.aten.native_layer_norm.default)
-    assert _estimate("layernorm-mixed").peak_bytes < plain * (1 - BOUND)
+    plain = _plain_peak(name)
+    monkeypatch.delitem(CORRECTIONS, op)
+    assert _estimate(name).peak_bytes < plain * (1 - BOUND)
 
 
 def test_ctc_gradient_is_contiguous_as_the_kernel_makes_it():
