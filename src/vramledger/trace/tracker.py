@@ -42,7 +42,7 @@ from .plain_autograd import (
     plain_writes_in_place,
 )
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
-from .wrapped_numbers import has_wrapped_number, saved_wrapped_numbers
+from .wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
 
 
 @dataclass(frozen=True)
@@ -172,7 +172,7 @@ class StorageTracker(TorchDispatchMode):
         self._confirm: tuple[int, int, int, int, Any, int, int] | None = None
         # The output of the last call given a Python number for a Tensor argument, whose
         # autograd node (attached after the call) may keep it (trace/wrapped_numbers.py).
-        self._wrapped_out: weakref.ref[torch.Tensor] | None = None
+        self._wrapped_out: tuple[weakref.ref[torch.Tensor], list[str]] | None = None
         self.twins_merged = 0
         """How many out-of-place autograd buffers were modelled as the plain run's in-place
         writes."""
@@ -256,10 +256,11 @@ class StorageTracker(TorchDispatchMode):
         if (
             isinstance(out, torch.Tensor)
             and torch.is_grad_enabled()
-            and has_wrapped_number(func, args)
             and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
         ):
-            self._wrapped_out = weakref.ref(out)
+            wrapped = wrapped_numbers(func, args)
+            if wrapped:
+                self._wrapped_out = (weakref.ref(out), [name for name, _ in wrapped])
         self._op = None
         self._inherit = None
         if self._transients:
@@ -272,10 +273,11 @@ class StorageTracker(TorchDispatchMode):
 
     def _see_wrapped_numbers(self) -> None:
         """Register the Python numbers the last call's autograd node saved as tensors."""
-        out = self._wrapped_out()  # type: ignore[misc]
+        ref, names = self._wrapped_out  # type: ignore[misc]
         self._wrapped_out = None
+        out = ref()
         if out is not None:
-            for saved in saved_wrapped_numbers(out, self._live.__contains__):
+            for saved in saved_wrapped_numbers(out, names, self._live.__contains__):
                 self._see(saved)
 
     def _replay_plain(self) -> None:

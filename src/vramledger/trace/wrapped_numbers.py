@@ -1,11 +1,13 @@
 """Python numbers that autograd keeps as tensors: a storage no dispatch-level tracker sees made.
 
 ``x * 0.5`` calls ``aten::mul.Tensor`` with a Python number where the schema wants a Tensor.
-PyTorch's argument parser wraps it in a 0-dim CPU tensor (``scalar_to_tensor`` /
-``wrapped_scalar_tensor`` in torch/csrc/utils/python_arg_parser.cpp and
-aten/src/ATen/ScalarOps.h: float64 for a float, int64 for an int, bool, complex128), made
-without a dispatched operator, and a ``TorchDispatchMode`` is handed the Python number back
-(``torch/_ops.py``'s Python dispatch unwraps wrapped numbers). While the call runs the CPU
+PyTorch's argument parser wraps it in a 0-dim CPU tensor (``PythonArgs::tensor_slow`` in
+torch/csrc/utils/python_arg_parser.cpp: ``scalar_to_tensor(scalar)`` then
+``set_wrapped_number(true)``; ``scalar_to_tensor``'s CPU fast path,
+``at::detail::scalar_tensor_static`` in aten/src/ATen/ScalarOps.h, dispatches no operator:
+float64 for a float, int64 for an int, bool, complex128), and a ``TorchDispatchMode`` is
+handed the Python number back (on torch 2.13 ``aten.mul.Tensor`` arrives as ``(x, 0.5)``).
+While the call runs the CPU
 scratch probe counts it (the probe's own call wraps the number the same way), but when the
 backward formula needs it autograd saves it (``MulBackward0``/``DivBackward0`` save ``other``
 when ``self`` needs a gradient: tools/autograd/derivatives.yaml) and the 8 bytes live until
@@ -20,6 +22,7 @@ likewise (docs/plain-run-paths.md, "Zoo audio cases").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -36,22 +39,17 @@ def _wrapped_dtype(value: Any) -> torch.dtype:
     return torch.complex128 if isinstance(value, complex) else torch.float64
 
 
-def wrapped_numbers(func: Any, args: tuple[Any, ...]) -> list[torch.dtype]:
-    """The dtypes of the positional Tensor arguments of ``func`` given as Python numbers."""
+def wrapped_numbers(func: Any, args: tuple[Any, ...]) -> list[tuple[str, torch.dtype]]:
+    """(name, dtype) of each positional Tensor argument of ``func`` given as a Python number."""
     schema = getattr(func, "_schema", None)
     if schema is None:
         return []
     return [
-        _wrapped_dtype(value)
+        (arg.name, _wrapped_dtype(value))
         for arg, value in zip(schema.arguments, args, strict=False)
         if isinstance(value, (bool, int, float, complex))
         and isinstance(arg.type, torch._C.TensorType)
     ]
-
-
-def has_wrapped_number(func: Any, args: tuple[Any, ...]) -> bool:
-    """Whether a positional Tensor argument of ``func`` was given as a Python number."""
-    return bool(wrapped_numbers(func, args))
 
 
 def held_wrapped_bytes(func: Any, args: tuple[Any, ...]) -> int:
@@ -63,23 +61,28 @@ def held_wrapped_bytes(func: Any, args: tuple[Any, ...]) -> int:
     of ``MulBackward0``/``DivBackward0``, registered by the tracker), not the kernel's."""
     if torch._C._current_autograd_node() is None:
         return 0
-    return sum(dtype.itemsize for dtype in wrapped_numbers(func, args))
+    return sum(dtype.itemsize for _, dtype in wrapped_numbers(func, args))
 
 
-def saved_wrapped_numbers(out: torch.Tensor, known: Any) -> list[torch.Tensor]:
-    """The wrapped numbers ``out``'s autograd node saved: 0-dim tensors of a wrapped dtype on
+def saved_wrapped_numbers(
+    out: torch.Tensor, names: list[str], known: Callable[[int], bool]
+) -> list[torch.Tensor]:
+    """The wrapped numbers ``out``'s autograd node saved, read by their argument names
+    (autograd's generated nodes expose a saved argument ``x`` as ``_saved_x``): those on
     ``out``'s device (a CUDA step's wrapped numbers are host memory) whose storage the tracker
-    never saw (``known(key)`` false). Empty when saved-tensor hooks are active: reading a
-    saved tensor would run their unpack hook (activation checkpointing recomputes), and a
-    checkpointed forward saves nothing anyway."""
+    never saw (``known(key)`` false). Reading one runs no saved-tensor hook: ``SavedVariable``
+    saves a wrapped number as it is, never through the hooks (torch/csrc/autograd/
+    saved_variable.cpp: ``if (maybe_hooks && !variable.unsafeGetTensorImpl()
+    ->is_wrapped_number())``), so activation checkpointing keeps them too."""
     node = out.grad_fn
-    if node is None or torch._C._autograd._top_saved_tensors_default_hooks(False) is not None:
+    if node is None:
         return []
     found = []
-    for name in dir(node):
-        if not name.startswith("_saved_"):
+    for name in names:
+        try:
+            saved = getattr(node, f"_saved_{name}", None)
+        except RuntimeError:  # not saved by this node (freed or never packed)
             continue
-        saved = getattr(node, name, None)
         if (
             isinstance(saved, torch.Tensor)
             and saved.dim() == 0
