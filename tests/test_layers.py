@@ -92,6 +92,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.tracker",
         "trace.value_stand_ins",
         "trace.values",
+        "trace.wrapped_numbers",
     ],
     "ledger": ["ledger"],
     "engines": [

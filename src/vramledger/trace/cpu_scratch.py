@@ -24,6 +24,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ..allocator_events import memory_events, peak_of, recording
 from .tracker import StorageTracker
+from .wrapped_numbers import held_wrapped_bytes
 
 aten = torch.ops.aten
 
@@ -125,8 +126,9 @@ class CpuScratchProbe:
         key = _key(func, args, kwargs)
         if key not in self.cache:
             self.cache[key] = self._probe(func, args, kwargs, out) if probed(func, args) else 0
-        if self.cache[key] > 0:
-            tracker.add_transient(self.cache[key], f"{func} CPU kernel scratch")
+        scratch = self.cache[key] - held_wrapped_bytes(func, args)
+        if scratch > 0:
+            tracker.add_transient(scratch, f"{func} CPU kernel scratch")
 
     def _probe(
         self,

@@ -53,8 +53,20 @@ from the input's; aten/src/ATen/native/cpu/mixed_data_type.h). The reference tha
 
 
 def _layer_norm_stats(args: Sequence[Any], out: Any) -> Any:
-    x = args[0]
-    params = [p for p in args[2:4] if isinstance(p, torch.Tensor)]
+    # native_layer_norm(input, normalized_shape, weight, bias, eps)
+    return _mixed_norm_stats(args[0], args[2:4], out)
+
+
+def _group_norm_stats(args: Sequence[Any], out: Any) -> Any:
+    """GroupNorm's the same way: ``native_group_norm`` (aten/src/ATen/native/group_norm.cpp)
+    allocates ``mean``/``rstd`` with ``param_scalar_type(X, mixed_type)`` (wav2vec2-conformer's
+    feature encoder under bf16 autocast); the meta kernel gives the input's dtype."""
+    # native_group_norm(input, weight, bias, N, C, HxW, group, eps)
+    return _mixed_norm_stats(args[0], args[1:3], out)
+
+
+def _mixed_norm_stats(x: Any, weights: Sequence[Any], out: Any) -> Any:
+    params = [p for p in weights if isinstance(p, torch.Tensor)]
     if not isinstance(x, torch.Tensor) or x.dtype not in _HALF or not params:
         return out
     if params[0].dtype == x.dtype:  # is_mixed_type asks the first defined parameter
@@ -127,6 +139,7 @@ CORRECTIONS: dict[Any, Correction] = {
     aten._native_batch_norm_legit_no_training.default: _batch_norm_stats,
     aten._native_batch_norm_legit_functional.default: _batch_norm_stats,
     aten.native_layer_norm.default: _layer_norm_stats,
+    aten.native_group_norm.default: _group_norm_stats,
     aten.native_layer_norm_backward.default: _layer_norm_grad_contiguous,
 }
 

@@ -145,6 +145,39 @@ def plain_writes_in_place(func: Any, args: tuple[Any, ...], out: Any) -> bool:
     return _dense_like(args[0], out)
 
 
+CONFIRMED_TWINS: dict[Any, Any] = {aten.add.Tensor: aten._safe_softmax.default}
+"""Forward composites that write into a fresh buffer in place in a plain run, out of place
+for subclasses or under a mode, recognised by the operator that follows: out-of-place operator
+-> the operator that must come next, on its output. ``_scaled_dot_product_attention_math``
+(aten/src/ATen/native/transformers/attention.cpp), the math path of SDPA with a mask::
+
+    auto attn = at::matmul(query, key_acc.transpose(-2, -1) * scaling_factor);
+    if (attn_mask.has_value()) {
+      if (at::areAnyTensorSubclassLike({attn, *attn_mask})) {
+        attn = attn.add(*attn_mask);
+      } else {
+        attn.add_(*attn_mask);
+      }
+    }
+    attn = at::_safe_softmax(attn, -1);
+
+The ``add``'s operand (the matmul's output) dies at once as the twin rule asks, but so does
+the operand of ``matmul(q, k) + bias`` in a model's own Python code, which a plain run does
+allocate: ``_safe_softmax``, which only this composite calls, tells them apart. Grad mode is
+on (a forward), so :func:`plain_writes_in_place` does not apply."""
+
+
+def confirming_operator(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> Any:
+    """The operator that must follow this call, on its output, for a plain run to have written
+    the output into ``args[0]`` (:data:`CONFIRMED_TWINS`); None when the call cannot be one
+    (another operator, a scaled ``add``, or an output the in-place ``add_`` would not write
+    into ``args[0]``: another shape or dtype, a view, a layout it does not keep)."""
+    confirm = CONFIRMED_TWINS.get(func)
+    if confirm is None or len(args) != 2 or kwargs.get("alpha", 1) != 1:
+        return None
+    return confirm if _dense_like(args[0], out) else None
+
+
 CHAINS: dict[str, tuple[Any, frozenset[Any]]] = {
     # binary_cross_entropy_with_logits_backward with pos_weight (FunctionsManual.cpp):
     #   plain: t.add(1).sub_(target).mul_(input.sigmoid()).sub_(t); grad_input.mul_(grad);
@@ -568,6 +601,7 @@ class PlainBranches:
 
 __all__ = [
     "CHAINS",
+    "CONFIRMED_TWINS",
     "INPUT_BUFFER_SUM",
     "IN_PLACE_TWINS",
     "LINEAR_BIAS_ADD",
@@ -576,6 +610,7 @@ __all__ = [
     "LinearCalls",
     "PlainBranches",
     "ProdPlainBranch",
+    "confirming_operator",
     "holds_zero",
     "plain_writes_in_place",
 ]

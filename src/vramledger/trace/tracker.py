@@ -33,13 +33,16 @@ from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
 from .plain_autograd import (
+    CONFIRMED_TWINS,
     IN_PLACE_TWINS,
     INPUT_BUFFER_SUM,
     Action,
     PlainBranches,
+    confirming_operator,
     plain_writes_in_place,
 )
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
+from .wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
 
 
 @dataclass(frozen=True)
@@ -75,6 +78,7 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
 _TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
 _TWIN_OPS = frozenset({INPUT_BUFFER_SUM}.union(*IN_PLACE_TWINS.values()))
 _PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
+_DEVICE_QUERY = torch.ops.prim.device.default
 
 
 def _grad_tensors(obj: Any) -> Iterable[torch.Tensor]:
@@ -162,7 +166,13 @@ class StorageTracker(TorchDispatchMode):
         self.plain_branches = PlainBranches(values)
         """Formulas written in place as a chain, and ``prod``'s value-dependent backward."""
         self._shared: dict[int, int] = {}  # sid -> how many live storages are that buffer
-        self._twin: tuple[int, int, int, int] | None = None
+        self._twin: tuple[int, int, int, int, Any] | None = None
+        # A twin whose operand died at once but whose fold waits for the next operator
+        # (plain_autograd.CONFIRMED_TWINS): the twin, the operand's sid, its free event.
+        self._confirm: tuple[int, int, int, int, Any, int, int] | None = None
+        # The output of the last call given a Python number for a Tensor argument, whose
+        # autograd node (attached after the call) may keep it (trace/wrapped_numbers.py).
+        self._wrapped_out: tuple[weakref.ref[torch.Tensor], list[str]] | None = None
         self.twins_merged = 0
         """How many out-of-place autograd buffers were modelled as the plain run's in-place
         writes."""
@@ -172,6 +182,15 @@ class StorageTracker(TorchDispatchMode):
 
     # -- the dispatch hook -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY:
+            # a fake tensor answers C++'s ``tensor.device()`` through the mode: no kernel runs
+            # and nothing is allocated (a real tensor never asks), so it neither ends a twin's
+            # "dies at once" window nor stands between a twin and its confirming operator
+            return func(*args, **(kwargs or {}))
+        if self._confirm is not None:
+            self._confirm_twin(func, args)
+        if self._wrapped_out is not None:
+            self._see_wrapped_numbers()
         self._twin = None
         for t in types:
             if t not in _PLAIN_TYPES and is_traceable_wrapper_subclass_type(t):
@@ -223,12 +242,25 @@ class StorageTracker(TorchDispatchMode):
                     and func in _TWIN_OPS
                     and plain_writes_in_place(func, args, out)
                 )
+                confirm = (
+                    confirming_operator(func, args, kwargs or {}, out)
+                    if self._plain_autograd and not twin and func in CONFIRMED_TWINS
+                    else None
+                )
                 first_event = len(self.timeline.events)
                 self._see(out)
-                if twin:
-                    self._note_twin(args[0], out, first_event)
+                if twin or confirm is not None:
+                    self._note_twin(args[0], out, first_event, confirm)
         elif isinstance(out, (tuple, list)):
             self._see_all(out)
+        if (
+            isinstance(out, torch.Tensor)
+            and torch.is_grad_enabled()
+            and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args)
+        ):
+            wrapped = wrapped_numbers(func, args)
+            if wrapped:
+                self._wrapped_out = (weakref.ref(out), [name for name, _ in wrapped])
         self._op = None
         self._inherit = None
         if self._transients:
@@ -238,6 +270,15 @@ class StorageTracker(TorchDispatchMode):
         if self.plain_branches.replay:
             self._replay_plain()
         return out
+
+    def _see_wrapped_numbers(self) -> None:
+        """Register the Python numbers the last call's autograd node saved as tensors."""
+        ref, names = self._wrapped_out  # type: ignore[misc]
+        self._wrapped_out = None
+        out = ref()
+        if out is not None:
+            for saved in saved_wrapped_numbers(out, names, self._live.__contains__):
+                self._see(saved)
 
     def _replay_plain(self) -> None:
         """Run and record the plain run's operators in place of the hidden ones
@@ -288,9 +329,13 @@ class StorageTracker(TorchDispatchMode):
             self._region.append(sid)
         return sid
 
-    def _note_twin(self, operand: torch.Tensor, out: torch.Tensor, event: int) -> None:
+    def _note_twin(
+        self, operand: torch.Tensor, out: torch.Tensor, event: int, confirm: Any = None
+    ) -> None:
         """Remember a call whose plain twin writes ``out`` into ``operand``
-        (``plain_autograd.plain_writes_in_place``), if ``out`` was a new storage."""
+        (``plain_autograd.plain_writes_in_place``), if ``out`` was a new storage. ``confirm``:
+        the operator that must run next, on ``out``, for the fold to hold
+        (``plain_autograd.CONFIRMED_TWINS``)."""
         tl = self.timeline
         if is_traceable_wrapper_subclass(operand) or is_traceable_wrapper_subclass(out):
             return
@@ -303,7 +348,7 @@ class StorageTracker(TorchDispatchMode):
             and event < len(tl.events)
             and tl.events[event] == out_sid
         ):
-            self._twin = (operand_key, out_key, out_sid, event)
+            self._twin = (operand_key, out_key, out_sid, event, confirm)
 
     def _alias(self, operand: torch.Tensor, out: torch.Tensor) -> bool:
         """``out`` is written into ``operand``'s buffer in a plain run (a chain link,
@@ -348,11 +393,40 @@ class StorageTracker(TorchDispatchMode):
         """The operand of the last call died at once: the plain run wrote the output into it.
         The output's storage becomes the operand's (one sid, never freed here) and the output's
         own allocation is taken back out of the timeline."""
-        operand_key, out_key, out_sid, event = self._twin  # type: ignore[misc]
+        operand_key, out_key, out_sid, event, _ = self._twin  # type: ignore[misc]
         self._twin = None
-        tl = self.timeline
         operand_sid = self._live.pop(operand_key)
         self._refs.pop(operand_key, None)
+        self._fold(out_key, out_sid, event, operand_sid)
+
+    def _confirm_twin(self, func: Any, args: tuple[Any, ...]) -> None:
+        """The operator after a twin that waits for confirmation: when it is the confirming
+        operator, run on the twin's output, and nothing but the operand's free was recorded
+        since, the plain run wrote the output into the operand: the operand's free is taken
+        back out and the output folded into it as ``_merge_twin`` does."""
+        _, out_key, out_sid, event, confirm, operand_sid, free_event = self._confirm  # type: ignore[misc]
+        self._confirm = None
+        tl = self.timeline
+        if (
+            func is not confirm
+            or not args
+            or not isinstance(args[0], torch.Tensor)
+            or args[0].untyped_storage()._cdata != out_key
+            or self._live.get(out_key) != out_sid
+            or tl.num_storages - 1 != out_sid
+            or free_event != len(tl.events) - 1
+            or tl.events[free_event] != ~operand_sid
+            or (tl.marks and tl.marks[-1][0] > event)
+        ):
+            return
+        del tl.events[free_event]
+        del tl.event_block[free_event]
+        self._alive.add(operand_sid)
+        self._fold(out_key, out_sid, event, operand_sid)
+
+    def _fold(self, out_key: int, out_sid: int, event: int, operand_sid: int) -> None:
+        """``out``'s storage becomes ``operand_sid`` and its allocation leaves the timeline."""
+        tl = self.timeline
         del tl.events[event]
         del tl.event_block[event]
         for column in (tl.nbytes, tl.tags, tl.on_host, tl.module, tl.op, tl.origin, tl.block):
@@ -368,8 +442,12 @@ class StorageTracker(TorchDispatchMode):
         self.plain_branches.forget(key)
         twin = self._twin
         if twin is not None and twin[0] == key and not self._closed:
-            self._merge_twin()
-            return
+            if twin[4] is None:
+                self._merge_twin()
+                return
+            self._twin = None
+        else:
+            twin = None
         sid = self._live.pop(key, None)
         self._refs.pop(key, None)
         if sid is None or self._closed:
@@ -382,6 +460,8 @@ class StorageTracker(TorchDispatchMode):
                 del self._shared[sid]
             return
         self._free(sid)
+        if twin is not None:  # the fold waits for the next operator
+            self._confirm = (*twin, sid, len(self.timeline.events) - 1)
 
     def _resize(self, storage: torch.UntypedStorage, size: int) -> Any:
         """``UntypedStorage.resize_`` frees or allocates memory without an operator (FSDP2)."""
@@ -478,6 +558,7 @@ class StorageTracker(TorchDispatchMode):
     def position(self) -> tuple[int, int, int]:
         """Where the timeline is now (events, storages, marks): the start of a recording."""
         self._twin = None  # no fold across a recording's edge (it would move its events)
+        self._confirm = None
         tl = self.timeline
         return len(tl.events), tl.num_storages, len(tl.marks)
 
@@ -524,6 +605,7 @@ class StorageTracker(TorchDispatchMode):
         """Append a recording's events again, for a call that would make exactly them, its
         block labels made ``block``'s."""
         self._twin = None
+        self._confirm = None
         tl = self.timeline
         base = tl.num_storages
         for nbytes, tag, on_host, module, op, own_block, same, label in recording.storages:
@@ -587,6 +669,8 @@ class StorageTracker(TorchDispatchMode):
 
     def set_phase(self, step: int, phase: Phase) -> None:
         self._twin = None
+        if self._wrapped_out is not None:  # the forward's last call, before its region ends
+            self._see_wrapped_numbers()
         if self.phase is Phase.FORWARD:
             self._end_region()
         self.step, self.phase = step, phase

@@ -479,7 +479,12 @@ def _ctc_loss(values: KnownValues, func: Any, args: tuple[Any, ...], kwargs: dic
     alpha = (batch, time_steps, 2 * max(lengths, default=0) + 1)
     if backward:
         values.pending_scratch += math.prod(alpha) * log_probs.element_size()
-        return torch.empty_like(log_probs)
+        # ``at::full_like(log_probs, neginf, LEGACY_CONTIGUOUS_MEMORY_FORMAT)`` in both
+        # templates: contiguous in (time, batch, labels) even when log_probs is a transposed
+        # view (a model's (batch, time, labels) log-softmax), so the log-softmax backward that
+        # follows gets a non-contiguous gradient and copies it (``grad.contiguous()``, a
+        # scratch buffer the CPU probe counts).
+        return torch.empty_like(log_probs, memory_format=torch.contiguous_format)
     return (
         torch.empty((batch,), dtype=log_probs.dtype, device=log_probs.device),
         torch.empty(alpha, dtype=log_probs.dtype, device=log_probs.device),
