@@ -52,7 +52,6 @@ CASES = [
     "nanogpt",
 ]
 HOST = {
-    "grad_scaler": "GradScaler's scale and growth tracker: two host scalars (8 B)",
     "data_loader": "the TensorDataset in host memory (33,792 B)",
     "hf_trainer": "the next batch accelerate's DataLoaderShard fetches on the host (2,048 B) "
     "and Trainer's host scalars",
