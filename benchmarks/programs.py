@@ -49,6 +49,8 @@ CASES = [
     "hf_trainer",
     "lightning_bf16_mixed",
     "lightning_bf16_true",
+    "trl_sft",
+    "trl_dpo",
     "nanogpt",
 ]
 HOST = {
@@ -56,6 +58,10 @@ HOST = {
     "hf_trainer": "the next batch accelerate's DataLoaderShard fetches on the host (2,048 B) "
     "and Trainer's host scalars",
     "nanogpt": "the two mean losses estimate_loss keeps on the host (8 B)",
+    "trl_sft": "activation checkpointing's saved CPU RNG states (2 x 5,056 B), the next batch "
+    "accelerate's DataLoaderShard fetches on the host (2,352 B) and Trainer's host scalars",
+    "trl_dpo": "activation checkpointing's saved CPU RNG states (2 x 5,056 B), the next batch "
+    "accelerate's DataLoaderShard fetches on the host (3,840 B) and Trainer's host scalars",
     "lightning_bf16_mixed": "the TensorDataset in host memory (32,768 B) and Lightning's host "
     "scalars",
     "lightning_bf16_true": "the TensorDataset in host memory (32,768 B) and Lightning's host "
