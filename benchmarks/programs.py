@@ -40,6 +40,7 @@ CASES = [
     "distill",
     "autocast_bf16",
     "device_of_input",
+    "custom_function_device",
     "accelerate_ema",
     "default_device",
     "cuda_timing",

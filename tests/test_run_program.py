@@ -52,6 +52,9 @@ run's allocator counts it (measure_program.py)."""
         # scalars, an 8-byte allowance, while a device taken from an emulated tensor was the CPU)
         ("grad_scaler", 0),
         ("data_loader", HOST_DATASET),
+        # buffers made with device=x.device in a custom Function's forward and backward
+        # (before the emulation followed them: 1,749,248 B predicted, 3,798,280 B measured)
+        ("custom_function_device", 0),
         pytest.param("hf_llama", 0, marks=pytest.mark.slow),
     ],
 )
