@@ -40,6 +40,7 @@ CASES = [
     "distill",
     "autocast_bf16",
     "device_of_input",
+    "custom_function_device",
     "accelerate_ema",
     "default_device",
     "cuda_timing",
@@ -49,14 +50,19 @@ CASES = [
     "hf_trainer",
     "lightning_bf16_mixed",
     "lightning_bf16_true",
+    "trl_sft",
+    "trl_dpo",
     "nanogpt",
 ]
 HOST = {
-    "grad_scaler": "GradScaler's scale and growth tracker: two host scalars (8 B)",
     "data_loader": "the TensorDataset in host memory (33,792 B)",
     "hf_trainer": "the next batch accelerate's DataLoaderShard fetches on the host (2,048 B) "
     "and Trainer's host scalars",
     "nanogpt": "the two mean losses estimate_loss keeps on the host (8 B)",
+    "trl_sft": "activation checkpointing's saved CPU RNG states (2 x 5,056 B), the next batch "
+    "accelerate's DataLoaderShard fetches on the host (2,352 B) and Trainer's host scalars",
+    "trl_dpo": "activation checkpointing's saved CPU RNG states (2 x 5,056 B), the next batch "
+    "accelerate's DataLoaderShard fetches on the host (3,840 B) and Trainer's host scalars",
     "lightning_bf16_mixed": "the TensorDataset in host memory (32,768 B) and Lightning's host "
     "scalars",
     "lightning_bf16_true": "the TensorDataset in host memory (32,768 B) and Lightning's host "

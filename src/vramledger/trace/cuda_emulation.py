@@ -18,7 +18,11 @@ While :class:`CudaEmulation` is active:
   ``Tensor.cuda()``, ``Module.to``/``Module.cuda``) goes to the mapping: :class:`FakeCuda`
   makes fake tensors (CPU device: a CPU-only PyTorch aborts on autograd with fake CUDA
   tensors; the CUDA target's decisions are the device policy's), :class:`CpuForCuda` makes
-  real CPU tensors. Tensors made without naming CUDA stay real CPU tensors;
+  real CPU tensors. Tensors made without naming CUDA stay real CPU tensors, but for a device
+  taken from an emulated tensor (``device=x.device``: :attr:`FakeCuda.device`, the very object
+  ``FakeTensor.device`` answers), which names the GPU in the program's GPU run. The same holds
+  inside a custom ``autograd.Function``'s backward (``BackwardCFunction.apply``), where
+  autograd runs Python with no ``TorchFunctionMode`` active;
 - ``torch.load`` reads CUDA tensors (saved on a GPU, or ``map_location="cuda"``) and
   ``safetensors.torch.load_file(device="cuda")`` its tensors into host memory and moves them as
   ``.to("cuda")`` would;
@@ -42,7 +46,8 @@ import torch
 import torch.utils._device
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.overrides import TorchFunctionMode
+from torch.autograd.function import BackwardCFunction
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_map_only
 
@@ -91,6 +96,11 @@ class DeviceMapping(Protocol):
 
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any: ...
 
+    def reported_device(self) -> tuple[FakeTensorMode, torch.device] | None:
+        """The fake mode whose CPU tensors stand for CUDA ones and the device object they
+        report (:class:`FakeCuda`), or None where "cuda" tensors report their own device."""
+        ...
+
 
 def _is_cuda(device: Any) -> bool:
     if device is None:
@@ -122,14 +132,16 @@ class _DeviceMode(TorchFunctionMode):
         if func in _TENSOR_TO:
             to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
             device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **to_kwargs)
-            if _is_cuda(device):
+            if _is_cuda(device) or self._emulated(*args[1:], *to_kwargs.values()):
                 return self.mapping.move(args[0], dtype)
         elif func in _TENSOR_CUDA:
             return self.mapping.move(args[0], None)
         elif func in _PINNING:
             # pinned host memory is the host's, and a CPU-only PyTorch cannot pin: unpinned
             return args[0] if func is torch.Tensor.pin_memory else False
-        elif "device" in kwargs and _is_cuda(kwargs["device"]):
+        elif "device" in kwargs and (
+            _is_cuda(kwargs["device"]) or self._emulated(kwargs["device"])
+        ):
             return self.mapping.factory(func, args, kwargs)
         elif (
             kwargs.get("device") is None
@@ -142,6 +154,14 @@ class _DeviceMode(TorchFunctionMode):
         elif self.mapping.handles(func, args):
             return self.mapping.answer(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _emulated(self, *devices: Any) -> bool:
+        """A device argument is the very object an emulated tensor reported
+        (``x.device``): CUDA in the program's GPU run (:meth:`FakeCuda.reported_device`)."""
+        reported = self.mapping.reported_device()
+        if reported is None:
+            return False
+        return any(d is reported[1] for d in devices)
 
 
 class FakeCuda:
@@ -160,6 +180,20 @@ class FakeCuda:
         self.mode = mode
         self.register = register
         self.values = values
+        self.device = torch.device("cpu")
+        """The device object ``mode``'s CPU tensors report while the emulation runs
+        (``FakeTensor.device``, patched by :class:`CudaEmulation`): equal to the CPU, which they
+        are, and by its identity the GPU they stand for. ``torch.empty(n, device=x.device)``
+        makes a CUDA tensor in the program's GPU run; here it is given this object, so it is
+        made by :meth:`factory` (a fake tensor), not as a real CPU tensor that the trace would
+        only see from its first use with a fake one (``program_trace.ProgramTracker``), with
+        every operator among such tensors before that unseen. TRL's chunked log-prob
+        (``trl/kernels/chunked_logprob.py``) makes its logit tiles, fp32 gradient accumulators
+        and statistics this way. A device rebuilt from the object (``torch.device(x.device)``,
+        ``x.device.type``) is a new object and is not recognised."""
+
+    def reported_device(self) -> tuple[FakeTensorMode, torch.device]:
+        return self.mode, self.device
 
     def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         with self.mode:
@@ -262,6 +296,9 @@ class CpuForCuda:
 
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def reported_device(self) -> None:
+        return None
 
 
 _IMPORTING = "<frozen importlib._bootstrap>"
@@ -411,6 +448,39 @@ def _memory_stats(counter: MemoryCounter) -> dict[str, int]:
             stats[f"{key}.{pool}.current"] = now if whole else 0
             stats[f"{key}.{pool}.peak"] = most if whole else 0
     return dict(sorted(stats.items()))
+
+
+_FAKE_DEVICE = FakeTensor.__dict__["device"]
+
+
+def _reporting(mode: FakeTensorMode, device: torch.device) -> property:
+    """``FakeTensor.device`` answering ``device`` (the same object each time) for ``mode``'s
+    CPU tensors, and as before for every other fake tensor (a ``torch.compile`` inside the
+    program has its own mode) and inside a fake kernel (``meta``)."""
+
+    def reported(t: FakeTensor) -> torch.device:
+        own = _FAKE_DEVICE.fget(t)
+        if own.type == "cpu" and t.fake_mode is mode:
+            return device
+        return own
+
+    return property(reported, _FAKE_DEVICE.fset)
+
+
+def _under(mode: TorchFunctionMode, apply: Callable[..., Any]) -> Callable[..., Any]:
+    """``BackwardCFunction.apply`` (how autograd's engine calls a custom
+    ``autograd.Function``'s ``backward``) with ``mode`` active: the engine runs it with no
+    ``TorchFunctionMode`` on the stack (measured on torch 2.13: the forward sees the program's
+    modes, the backward an empty stack), so without this ``torch.empty(n, device="cuda")`` or
+    ``device=x.device`` in a backward would miss the emulation."""
+
+    def under(ctx: Any, *args: Any) -> Any:
+        if any(m is mode for m in _get_current_function_mode_stack()):
+            return apply(ctx, *args)
+        with mode:
+            return apply(ctx, *args)
+
+    return under
 
 
 class CudaEmulation:
@@ -569,7 +639,12 @@ class CudaEmulation:
             autocast_init(autocast, device_type, dtype, enabled, cache_enabled)
 
         self._patch(torch.amp.autocast_mode.autocast, "__init__", init)
-        self._stack.enter_context(_DeviceMode(mapping))
+        reported = mapping.reported_device()
+        if reported is not None:
+            self._patch(FakeTensor, "device", _reporting(*reported))
+        device_mode = _DeviceMode(mapping)
+        self._patch(BackwardCFunction, "apply", _under(device_mode, BackwardCFunction.apply))
+        self._stack.enter_context(device_mode)
         return self
 
     def __exit__(self, *exc: Any) -> None:

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from .values import KnownValues
 
@@ -26,20 +27,41 @@ from .values import KnownValues
 @contextlib.contextmanager
 def hf_known_values(values: KnownValues) -> Iterator[None]:
     """transformers' ``is_tracing(tensor)`` is False for fake tensors whose values are known."""
-    utils = sys.modules.get("transformers.utils.import_utils")
-    original = getattr(utils, "is_fake_tensor", None)
-    if original is None:
+    with hf_known_values_once_imported(values) as install:
+        install()
         yield
-        return
 
-    def is_fake_tensor(x) -> bool:
-        return original(x) and not values.known(x)
 
-    utils.is_fake_tensor = is_fake_tensor
+@contextlib.contextmanager
+def hf_known_values_once_imported(values: KnownValues) -> Iterator[Callable[[], None]]:
+    """:func:`hf_known_values` for a program that imports transformers after the trace
+    begins: yields ``install``, which applies it if transformers is imported by then (and
+    only once); called at each forward the program starts. Restored on exit.
+
+    Seen with TRL's SFTTrainer (a Llama, no padding): without it, the trace built the 4-D
+    causal mask (``sdpa_mask``: ``_ignore_causal_mask_sdpa`` returns False for a fake
+    ``padding_mask``) and kept it for the backward, 4,802 bytes the real run never makes."""
+    patched: list[tuple[Any, Callable[[Any], bool]]] = []
+
+    def install() -> None:
+        if patched:
+            return
+        utils = sys.modules.get("transformers.utils.import_utils")
+        original = getattr(utils, "is_fake_tensor", None)
+        if original is None:
+            return
+
+        def is_fake_tensor(x) -> bool:
+            return original(x) and not values.known(x)
+
+        utils.is_fake_tensor = is_fake_tensor
+        patched.append((utils, original))
+
     try:
-        yield
+        yield install
     finally:
-        utils.is_fake_tensor = original
+        for utils, original in patched:
+            utils.is_fake_tensor = original
 
 
 ASSUMPTION = "assumed batches do not pack several sequences per row (transformers' packed-sequence check needs values)"

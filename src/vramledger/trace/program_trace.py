@@ -29,7 +29,7 @@ import contextlib
 import itertools
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,7 @@ from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_sa
 from ..timeline import Timeline
 from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
+from .hf_compat import hf_known_values_once_imported
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 from .value_stand_ins import ValueStandIns
@@ -201,6 +202,8 @@ class _Phases:
         self.completed = 0
         self.depth = 0
         self.in_step = False
+        self.on_forward: Callable[[], None] = lambda: None
+        """Called as each outermost module call begins (before its phase is set)."""
         self.parameters: dict[int, int] = {}
         """id -> elements of every fake parameter seen (no reference kept: a reference would
         keep it alive)."""
@@ -216,6 +219,7 @@ class _Phases:
 
     def forward_pre(self, module: nn.Module, _args: Any) -> None:
         if self.depth == 0:
+            self.on_forward()
             if id(module) not in self.names:
                 self.names.update(
                     {id(m): name or type(module).__name__ for name, m in module.named_modules()}
@@ -330,6 +334,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             foreach as decided,
             weights_without_data() as shapes,
             offline_hub() as hub,
+            hf_known_values_once_imported(values) as phases.on_forward,
         ):
             # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
