@@ -93,8 +93,11 @@ def _regions(tl: Timeline, blocks: int) -> list[_Region]:
     In forward and backward a block's events are everything while it runs, so a region runs
     to its last labelled event. Elsewhere (setup, optimizer) labels come from the storages, and
     two regions can meet on the same block (a multi-tensor operator's outputs allocated in block
-    order, then freed in reverse as the list is released); there the last block's events stop,
-    at an unlabelled event, once it has as many labelled events as the first block had.
+    order, then freed in reverse as the list is released; the last block's gradients freed,
+    then the first block's as ``zero_grad`` walks the parameters); there the last block's events
+    stop, at an unlabelled event or a free, once it has as many labelled events as the first
+    block had. When every parameter the optimizer steps is in a block (LoRA adapters, a frozen
+    embedding and head) no unlabelled event stands between such regions.
 
     Two kinds of events are taken for what they are rather than by their label: a free of the
     previous block's storage inside a block (a for-loop over parameters frees one parameter's
@@ -130,14 +133,17 @@ def _regions(tl: Timeline, blocks: int) -> list[_Region]:
             if sweep[j] != sweep[start]:
                 break  # a sweep of frees is a region of its own
             lab = labels[j]
+            complete = (
+                pos == len(order) - 1
+                and not timed[j]
+                and first_count is not None
+                and counted >= first_count
+            )
             if lab is None:
-                if (
-                    pos == len(order) - 1
-                    and not timed[j]
-                    and first_count is not None
-                    and counted >= first_count
-                ):
+                if complete:
                     break
+            elif complete and tl.events[j] < 0:
+                break  # the next region's first free (see the docstring)
             elif lab == order[pos]:
                 counted += 1
                 last_labelled = j

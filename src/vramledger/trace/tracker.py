@@ -599,6 +599,11 @@ class StorageTracker(TorchDispatchMode):
             )
         if phase is Phase.FORWARD:
             self._region = []
+            # A step's forward starts outside every block. The backward hook on block 0's input
+            # sets that too, but only when the input needs a gradient: under LoRA, QLoRA or a
+            # frozen embedding it does not, and the label of block 0 would last into the next
+            # forward's head and tail (trace/blocks.py would see regions that start at block 0).
+            self._block, self._block_stack = None, []
 
     def _end_region(self) -> None:
         region, self._region = self._region, None
