@@ -13,6 +13,7 @@ from torch import nn
 from .adapters import (
     apply_lora,
     freeze,
+    index_dependent_option,
     logical_numel,
     parse_lora,
     prepare_for_kbit_training,
@@ -98,6 +99,14 @@ class Recipe:
         if "seq_len" in self.make_inputs.uses:  # a default is checked only where it is used
             _check_positions(model, spec.seq_len)
         return model
+
+    def index_dependent_option(self, model: nn.Module, stack: str, indices: range) -> str | None:
+        """The model option (``--lora`` targets, ``--freeze`` patterns) that would make the
+        blocks at ``indices`` of ``stack`` unlike each other, judged on ``model``, a shallow
+        build of this recipe (``adapters.index_dependent_option``)."""
+        spec = self.spec
+        lora = parse_lora(spec.lora) if spec.lora is not None else None
+        return index_dependent_option(model, stack, indices, tuple(spec.freeze), lora)
 
     @property
     def compute_dtype(self) -> torch.dtype:
