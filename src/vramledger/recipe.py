@@ -4,6 +4,7 @@ optimizer choice."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -93,7 +94,11 @@ class Recipe:
             quantize_linears(model, spec.quantize, self.compute_dtype, torch.device(device))
             prepare_for_kbit_training(model)
         if spec.lora is not None:
-            model = apply_lora(model, parse_lora(spec.lora))
+            # On meta, peft makes the adapters there too: it would otherwise make and initialise
+            # real CPU tensors and then move them to the base layer's device (most of a shallow
+            # build's time on a 7B model).
+            with torch.device(device) if str(device) == "meta" else contextlib.nullcontext():
+                model = apply_lora(model, parse_lora(spec.lora))
         if spec.freeze:
             freeze(model, spec.freeze)
         if "seq_len" in self.make_inputs.uses:  # a default is checked only where it is used
