@@ -8,7 +8,9 @@ Each model is estimated three ways with everything else equal (bf16-mixed AdamW,
 sequence 512, target cuda): full fine-tuning, LoRA (``r=16,alpha=32`` on q/k/v/o_proj) and QLoRA
 (the same LoRA over an nf4 base). Each is timed as ``estimate`` (one ledger) and as ``fit`` on an
 H200 (the largest micro-batch, checkpointing off and on). Before timing, a tiny QLoRA estimate
-imports peft and bitsandbytes, so no row pays for an import. The targets: a LoRA or QLoRA
+imports peft and bitsandbytes, so no row pays for an import. Each is run ``--repeats`` (3)
+estimates and ``--fit-repeats`` (2) fits, the three variants taking turns; the fastest of each
+is compared and every sample is kept. The targets: a LoRA or QLoRA
 ``estimate`` in at most 2x the full fine-tuning estimate's time, and its ``fit`` in at most 2x
 the full fine-tuning ``fit``'s. Each row says whether the block extension was used.
 
@@ -72,38 +74,69 @@ def commit() -> str:
     return out.stdout.strip() or "unknown"
 
 
-def measure(model: Path, variant: str) -> dict:
+def timed_estimate(model: Path, variant: str) -> tuple[float, object]:
     spec = TrainingSpec(model=str(model), **BASE, **VARIANTS[variant])
     start = time.perf_counter()
     ledger = estimate(spec)
-    estimate_seconds = time.perf_counter() - start
+    return time.perf_counter() - start, ledger
+
+
+def timed_fit(model: Path, variant: str) -> tuple[float, object]:
+    spec = TrainingSpec(model=str(model), **BASE, **VARIANTS[variant])
     start = time.perf_counter()
     answer = fit(spec, resolve_gpu(FIT_GPU), maximize="batch-size")
-    fit_seconds = time.perf_counter() - start
-    return {
-        "variant": variant,
-        "estimate_seconds": round(estimate_seconds, 2),
-        "trace_seconds": round(ledger.seconds, 2),
-        "blocks_extended": ledger.blocks_extended,
-        "peak_bytes": ledger.peak_bytes,
-        "fit_seconds": round(fit_seconds, 2),
-        "fit_estimates": answer.estimates,
-        "fit_answers": [
-            {"checkpointing": a.checkpointing, "batch_size": a.batch_size} for a in answer.answers
-        ],
-        "block_notes": [n for n in ledger.notes if "block" in n],
-    }
+    return time.perf_counter() - start, answer
+
+
+def measure(model: Path, repeats: int, fit_repeats: int) -> dict[str, dict]:
+    """Each variant's estimate ``repeats`` times and fit ``fit_repeats`` times, the variants
+    taking turns in each round (so a burst of load from elsewhere falls on all of them); the
+    fastest of each is the one compared, the others are kept."""
+    samples: dict[str, dict[str, list[float]]] = {v: {"estimate": [], "fit": []} for v in VARIANTS}
+    last: dict[str, tuple[object, object]] = {}
+    for round_ in range(max(repeats, fit_repeats)):
+        for variant in VARIANTS:
+            ledger = answer = None
+            if round_ < repeats:
+                seconds, ledger = timed_estimate(model, variant)
+                samples[variant]["estimate"].append(round(seconds, 2))
+            if round_ < fit_repeats:
+                seconds, answer = timed_fit(model, variant)
+                samples[variant]["fit"].append(round(seconds, 2))
+            previous = last.get(variant, (None, None))
+            last[variant] = (ledger or previous[0], answer or previous[1])
+    out = {}
+    for variant, (ledger, answer) in last.items():
+        out[variant] = {
+            "variant": variant,
+            "estimate_seconds": min(samples[variant]["estimate"]),
+            "estimate_samples": samples[variant]["estimate"],
+            "trace_seconds": round(ledger.seconds, 2),
+            "blocks_extended": ledger.blocks_extended,
+            "peak_bytes": ledger.peak_bytes,
+            "fit_seconds": min(samples[variant]["fit"]),
+            "fit_samples": samples[variant]["fit"],
+            "fit_estimates": answer.estimates,
+            "fit_answers": [
+                {"checkpointing": a.checkpointing, "batch_size": a.batch_size}
+                for a in answer.answers
+            ],
+            "block_notes": [n for n in ledger.notes if "block" in n],
+        }
+    return out
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--repeats", type=int, default=3, help="estimates per variant")
+    parser.add_argument("--fit-repeats", type=int, default=2, help="fits per variant")
     args = parser.parse_args()
     load_before = load()
     estimate(model=str(WARM_UP), lora=LORA, quantize="nf4", precision="bf16-mixed", seq_len=64)
     rows = []
     for name in args.models.split(","):
-        results = {v: measure(MODELS[name], v) for v in VARIANTS}
+        results = measure(MODELS[name], args.repeats, args.fit_repeats)
         full = results["full"]
         for result in results.values():
             result["model"] = name
@@ -147,7 +180,8 @@ def main() -> None:
         "date": str(datetime.date.today()),
         "commit": sha,
         "machine": f"{platform.node()} ({platform.machine()}, {os.cpu_count()} cores, shared)",
-        "command": "python benchmarks/adapters_speed.py --models " + args.models,
+        "command": f"python benchmarks/adapters_speed.py --models {args.models} "
+        f"--repeats {args.repeats} --fit-repeats {args.fit_repeats}",
         "settings": {**BASE, "lora": LORA, "fit_gpu": FIT_GPU},
         "load_before": load_before,
         "load_after": load_after,
