@@ -133,3 +133,101 @@ def test_replayed_optimizer_steps_equal_running_every_step(name, monkeypatch):
     every = trace(spec, policy, engine=_engine(spec), extend_blocks=False)
     assert same_timeline(replayed.timeline, every.timeline)
     assert replayed.optimizer_state_bytes == every.optimizer_state_bytes
+
+
+# -- adapters, quantized layers and frozen parameters (issue 22) -----------------------------------
+LORA = "r=4,alpha=8,targets=q_proj,v_proj"
+QLORA = dict(lora=LORA, quantize="nf4", precision="bf16-mixed")
+ADAPTER_CASES = {
+    # on the 24-layer Llama
+    "lora-24": (24, dict(lora=LORA)),
+    "qlora-nf4-24": (24, QLORA),
+    "freeze-embedding-and-head-24": (24, dict(freeze=("model.embed_tokens.*", "lm_head.*"))),
+    # on the 7-layer tiny Llama
+    "lora-all-linear-ckpt": (7, dict(lora="r=4,alpha=8,targets=all-linear", grad_checkpointing=True)),
+    "qlora-nf4-bf16-master-accum": (7, {**QLORA, "precision": "bf16-master", "grad_accum": 2}),
+    "qlora-fp4": (7, {**QLORA, "quantize": "fp4"}),
+    "lora-fp32-cpu": (7, dict(lora=LORA, target="cpu")),
+    "lora-adamw8bit": (7, dict(lora=LORA, optimizer="adamw8bit")),
+    "lora-fsdp-2-ranks": (7, dict(lora=LORA, world_size=2, strategy="fsdp")),
+    "freeze-mlp": (7, dict(freeze=("*.mlp.*",))),
+}  # fmt: skip
+"""LoRA, QLoRA and ``--freeze``: every trainable parameter sits in a block, or block 0's input
+needs no gradient (a frozen embedding), which the extension once refused."""
+
+
+def llama_with(layers: int, **fields) -> TrainingSpec:
+    """``narrow-llama-24l.json`` at 24 layers, else ``tiny-llama.json`` at ``layers``."""
+    model = fixture("narrow-llama-24l.json") if layers == 24 else deep("tiny-llama.json", layers)
+    return TrainingSpec(model=model, seq_len=32, batch_size=2, **fields)
+
+
+def adapter_notes_of(result) -> list[str]:
+    return [n for n in result.notes if n.startswith(("adapters found", "quantized layers", "fp32"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(ADAPTER_CASES))
+def test_adapters_and_frozen_parameters_extend_exactly(name):
+    from vramledger.predict import _engine
+
+    spec = llama_with(*ADAPTER_CASES[name][:1], **ADAPTER_CASES[name][1])
+    policy = policy_for(spec.target)
+    extended = trace(spec, policy, engine=_engine(spec))
+    assert extended.extended, extended.notes
+    full = trace(spec, policy, engine=_engine(spec), extend_blocks=False)
+    assert same_timeline(extended.timeline, full.timeline)
+    assert (extended.parameters, extended.trainable_parameters) == (
+        full.parameters,
+        full.trainable_parameters,
+    )
+    assert extended.optimizer_state_bytes == full.optimizer_state_bytes
+    # the notes still name the classes peft and bitsandbytes put on the model (issue 19)
+    assert adapter_notes_of(extended) == adapter_notes_of(full)
+    if spec.lora is not None:
+        assert any("peft.tuners.lora" in n for n in adapter_notes_of(extended)), extended.notes
+    if spec.quantize is not None:
+        assert any("Linear4bit" in n for n in adapter_notes_of(extended)), extended.notes
+
+
+REFUSED_CASES = {
+    # named by index: a LoRA target or a frozen range deeper than the shallow builds reach
+    "lora-target-in-block-20": (
+        dict(lora="r=4,alpha=8,targets=q_proj,layers.20.self_attn.k_proj"),
+        "--lora targets q_proj, layers.20.self_attn.k_proj adapt other modules in block 20",
+    ),
+    "freeze-blocks-10-to-19": (dict(freeze=("model.layers.1?.*",)), "matches no parameter"),
+    "freeze-blocks-2-and-2x": (dict(freeze=("model.layers.2*",)), "alike in class"),
+    "freeze-block-12-and-embedding": (
+        dict(freeze=("model.embed_tokens.*", "model.layers.12.*")),
+        "freezes other parameters in block 12",
+    ),
+    # LLM.int8 keeps its inputs on ctx: the graph released after backward frees them in an
+    # order that changes past 16 layers (measured: the loss is freed after layer 0's tensors at
+    # 8 and 12 layers, after layer 8's at 24)
+    "lora-int8": (
+        dict(lora=LORA, quantize="int8", precision="bf16-mixed"),
+        "in an order that depends on the depth",
+    ),
+}
+"""Runs whose blocks are not all alike, or whose order of events is not: never extended, and the
+notes say why."""
+
+
+@pytest.mark.parametrize("name", list(REFUSED_CASES))
+def test_runs_the_extension_cannot_copy_trace_every_block(name):
+    fields, why = REFUSED_CASES[name]
+    spec = llama_with(24, **fields)
+    result = trace(spec, policy_for(spec.target))
+    assert not result.extended
+    assert any(n.startswith("traced every block") and why in n for n in result.notes), result.notes
+
+
+def test_a_python_model_with_one_frozen_block_is_traced_in_full():
+    """A Python model is built in full and cut short: a block frozen alone makes the blocks
+    unlike each other (``find_block_stack`` compares trainability)."""
+    spec = TrainingSpec(model=f"{MODELS_PY}:deep_mlp", freeze=("blocks.5.*",), **PLAIN)
+    result = trace(spec, policy_for("cuda"))
+    full = trace(spec, policy_for("cuda"), extend_blocks=False)
+    assert not result.extended
+    assert same_timeline(result.timeline, full.timeline)

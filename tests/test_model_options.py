@@ -125,12 +125,8 @@ def test_shallow_build_is_the_full_build_cut_short(name):
 def test_extended_trace_equals_full_trace(name):
     spec = spec_of(name)
     extended = trace(spec, policy_for(spec))
-    if not extended.extended:
-        # LoRA and quantized layers: the extension refuses them today (issue 22) and traces every
-        # block, which is the full trace; the shallow build is checked above all the same
-        assert name in ("lora", "quantize"), extended.notes
-        assert any(n.startswith("traced every block") for n in extended.notes), extended.notes
-        return
+    # every option extends, LoRA and quantized layers included (issue 22)
+    assert extended.extended, extended.notes
     full = trace(spec, policy_for(spec), extend_blocks=False)
     assert same_timeline(extended.timeline, full.timeline)
     assert (extended.parameters, extended.trainable_parameters) == (

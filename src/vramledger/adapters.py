@@ -296,6 +296,71 @@ def freeze(model: nn.Module, patterns: tuple[str, ...]) -> int:
     return count
 
 
+def index_dependent_option(
+    model: nn.Module,
+    stack: str,
+    indices: range,
+    freeze_patterns: tuple[str, ...],
+    lora: LoraSettings | None,
+) -> str | None:
+    """The option that picks modules or parameters by a block's index, so that the blocks at
+    ``indices`` of the ModuleList ``stack`` would not all be alike in a model that deep
+    (``--freeze 'model.layers.1?.*'``, a LoRA target ``layers.20.self_attn.k_proj``); None when
+    both options treat every one of them as the first. ``model`` is a shallow build (the block
+    extension's): its block 0 gives the names inside a block, and the names of the deeper blocks
+    are written from them, so the full model is never built. The matching is the options' own:
+    ``fnmatch`` for ``--freeze`` (on the names after LoRA, as ``freeze`` runs last), peft's
+    ``check_target_module_exists`` for LoRA targets (on the base model's names, as peft matches
+    them)."""
+    block = model.get_submodule(f"{stack}.0")
+    first = indices[0]
+    if lora is not None and isinstance(lora.targets, list):
+        from peft.tuners.tuners_utils import check_target_module_exists
+
+        config = lora.config()
+        base = stack.removeprefix("base_model.model.") if hasattr(model, "peft_config") else stack
+        rests = [
+            rest
+            for rest, _ in block.named_modules()
+            if not any(part == "base_layer" or part.startswith("lora_") for part in rest.split("."))
+        ]
+
+        def adapted(index: int) -> frozenset[str]:
+            return frozenset(
+                rest
+                for rest in rests
+                if check_target_module_exists(config, f"{base}.{index}.{rest}".rstrip("."))
+            )
+
+        if (index := _unlike(adapted, indices)) is not None:
+            return (
+                f"--lora targets {', '.join(lora.targets)} adapt other modules in block {index} "
+                f"of {stack} than in block {first}"
+            )
+    if freeze_patterns:
+        names = [rest for rest, _ in block.named_parameters()]
+
+        def frozen(index: int) -> frozenset[str]:
+            return frozenset(
+                rest
+                for rest in names
+                if any(fnmatch.fnmatchcase(f"{stack}.{index}.{rest}", p) for p in freeze_patterns)
+            )
+
+        if (index := _unlike(frozen, indices)) is not None:
+            return (
+                f"--freeze {', '.join(freeze_patterns)} freezes other parameters in block {index} "
+                f"of {stack} than in block {first}"
+            )
+    return None
+
+
+def _unlike(picked: Any, indices: range) -> int | None:
+    """The first index whose pick differs from the first index's."""
+    first = picked(indices[0])
+    return next((i for i in indices[1:] if picked(i) != first), None)
+
+
 # -- what the built model holds -----------------------------------------------------------------
 def adapter_notes(model: nn.Module) -> list[str]:
     """Notes on the adapters and quantized layers found on the built model (the classes peft and

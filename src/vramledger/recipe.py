@@ -4,6 +4,7 @@ optimizer choice."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,6 +14,7 @@ from torch import nn
 from .adapters import (
     apply_lora,
     freeze,
+    index_dependent_option,
     logical_numel,
     parse_lora,
     prepare_for_kbit_training,
@@ -92,12 +94,24 @@ class Recipe:
             quantize_linears(model, spec.quantize, self.compute_dtype, torch.device(device))
             prepare_for_kbit_training(model)
         if spec.lora is not None:
-            model = apply_lora(model, parse_lora(spec.lora))
+            # On meta, peft makes the adapters there too: it would otherwise make and initialise
+            # real CPU tensors and then move them to the base layer's device (most of a shallow
+            # build's time on a 7B model).
+            with torch.device(device) if str(device) == "meta" else contextlib.nullcontext():
+                model = apply_lora(model, parse_lora(spec.lora))
         if spec.freeze:
             freeze(model, spec.freeze)
         if "seq_len" in self.make_inputs.uses:  # a default is checked only where it is used
             _check_positions(model, spec.seq_len)
         return model
+
+    def index_dependent_option(self, model: nn.Module, stack: str, indices: range) -> str | None:
+        """The model option (``--lora`` targets, ``--freeze`` patterns) that would make the
+        blocks at ``indices`` of ``stack`` unlike each other, judged on ``model``, a shallow
+        build of this recipe (``adapters.index_dependent_option``)."""
+        spec = self.spec
+        lora = parse_lora(spec.lora) if spec.lora is not None else None
+        return index_dependent_option(model, stack, indices, tuple(spec.freeze), lora)
 
     @property
     def compute_dtype(self) -> torch.dtype:

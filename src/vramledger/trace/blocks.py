@@ -53,8 +53,9 @@ class BlockStack:
 
 
 def find_block_stack(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> BlockStack | None:
-    """The ModuleList of identical blocks (same class, same parameter shapes), if exactly one
-    such list has at least ``min_blocks`` entries."""
+    """The ModuleList of identical blocks (same class, same parameter names, shapes, dtypes and
+    trainability: ``--freeze`` may freeze some blocks only), if exactly one such list has at
+    least ``min_blocks`` entries."""
     found = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.ModuleList) or len(module) < min_blocks:
@@ -67,7 +68,9 @@ def find_block_stack(model: nn.Module, min_blocks: int = MIN_BLOCKS) -> BlockSta
 
 
 def _signature(module: nn.Module) -> tuple[Any, ...]:
-    return tuple((n, tuple(p.shape), p.dtype) for n, p in module.named_parameters())
+    return tuple(
+        (n, tuple(p.shape), p.dtype, p.requires_grad) for n, p in module.named_parameters()
+    )
 
 
 def truncate(model: nn.Module, stack: BlockStack, depth: int) -> None:
@@ -93,8 +96,11 @@ def _regions(tl: Timeline, blocks: int) -> list[_Region]:
     In forward and backward a block's events are everything while it runs, so a region runs
     to its last labelled event. Elsewhere (setup, optimizer) labels come from the storages, and
     two regions can meet on the same block (a multi-tensor operator's outputs allocated in block
-    order, then freed in reverse as the list is released); there the last block's events stop,
-    at an unlabelled event, once it has as many labelled events as the first block had.
+    order, then freed in reverse as the list is released; the last block's gradients freed,
+    then the first block's as ``zero_grad`` walks the parameters); there the last block's events
+    stop, at an unlabelled event or a free, once it has as many labelled events as the first
+    block had. When every parameter the optimizer steps is in a block (LoRA adapters, a frozen
+    embedding and head) no unlabelled event stands between such regions.
 
     Two kinds of events are taken for what they are rather than by their label: a free of the
     previous block's storage inside a block (a for-loop over parameters frees one parameter's
@@ -104,6 +110,7 @@ def _regions(tl: Timeline, blocks: int) -> list[_Region]:
     """
     timed = _timed_events(tl)
     labels, sweep = _with_free_sweeps(tl)
+    _refuse_graph_release(tl, sweep)
     phase_starts = {index for index, _, _ in tl.marks}
     regions: list[_Region] = []
     i, n = 0, len(labels)
@@ -130,14 +137,17 @@ def _regions(tl: Timeline, blocks: int) -> list[_Region]:
             if sweep[j] != sweep[start]:
                 break  # a sweep of frees is a region of its own
             lab = labels[j]
+            complete = (
+                pos == len(order) - 1
+                and not timed[j]
+                and first_count is not None
+                and counted >= first_count
+            )
             if lab is None:
-                if (
-                    pos == len(order) - 1
-                    and not timed[j]
-                    and first_count is not None
-                    and counted >= first_count
-                ):
+                if complete:
                     break
+            elif complete and tl.events[j] < 0:
+                break  # the next region's first free (see the docstring)
             elif lab == order[pos]:
                 counted += 1
                 last_labelled = j
@@ -189,6 +199,25 @@ def _with_free_sweeps(tl: Timeline) -> tuple[list[int | None], list[int | None]]
             sweep[i:j] = [i] * (j - i)
         i = j
     return labels, sweep
+
+
+def _refuse_graph_release(tl: Timeline, sweep: list[int | None]) -> None:
+    """A sweep of frees in backward, outside every block, is the autograd graph released after
+    the backward (``tracker.py`` ends a backward outside every block) freeing tensors of several
+    blocks that a custom autograd Function kept on its ``ctx`` rather than saving them
+    (bitsandbytes' LLM.int8 ``MatMul8bitLt``). Python releases that graph object by object, and
+    past a nesting depth (CPython's trashcan) it defers the rest, so the order of the frees
+    depends on the depth: a 24-layer LLM.int8 model frees the loss among its blocks' tensors,
+    a 5-layer one after them, and an extended trace would differ from the full one (in the order
+    of frees only, which no peak depends on, but the extension is exact or not used)."""
+    bounds = [*tl.marks, (len(tl.events), 0, Phase.SETUP)]
+    starts = {s for s in sweep if s is not None}
+    for (a, _, phase), (b, _, _) in itertools.pairwise(bounds):
+        if phase is Phase.BACKWARD and any(a <= s < b for s in starts):
+            raise NotExtensible(
+                "the autograd graph released after backward frees tensors of several blocks, "
+                "in an order that depends on the depth"
+            )
 
 
 def _timed_events(tl: Timeline) -> list[bool]:

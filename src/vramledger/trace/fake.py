@@ -22,7 +22,7 @@ from ..adapters import adapter_notes, carry_quantization
 from ..attention import AttentionCalls, built_implementation, implementation_note
 from ..categories import Category
 from ..config_depth import config_depth
-from ..errors import TraceError, VramledgerError
+from ..errors import InputError, TraceError, VramledgerError
 from ..optimizers import OptimizerChoice
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import map_tensors
@@ -30,6 +30,7 @@ from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..training import assemble
 from .blocks import (
+    HEAD,
     MIN_BLOCKS,
     SMALL,
     BlockStack,
@@ -226,9 +227,23 @@ def _extended(
     if depth is not None:
         if depth < MIN_BLOCKS:
             return None
-        models = {d: recipe.at_depth(d).build_model("meta") for d in (SMALL, SMALL + 1)}
+        try:
+            models = {d: recipe.at_depth(d).build_model("meta") for d in (SMALL, SMALL + 1)}
+        except InputError as exc:  # an option naming deep blocks only (--freeze 'layers.2?.*')
+            log.notes.append(f"traced every block (the {SMALL}-block model: {exc.message})")
+            return None
         stack = find_block_stack(models[SMALL], min_blocks=SMALL)
         if stack is None or stack.length != SMALL:
+            log.notes.append(
+                f"traced every block (the {SMALL}-block model has no list of {SMALL} blocks "
+                "alike in class, parameters and trainability)"
+            )
+            return None
+        uneven = recipe.index_dependent_option(
+            models[SMALL], stack.fqn, range(HEAD, max(depth, SMALL + 1))
+        )
+        if uneven is not None:  # blocks kept as traced (below HEAD) may differ
+            log.notes.append(f"traced every block of {stack.fqn} ({uneven})")
             return None
         stack = BlockStack(fqn=stack.fqn, length=depth)
     else:

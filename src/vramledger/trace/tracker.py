@@ -154,6 +154,7 @@ class StorageTracker(TorchDispatchMode):
         self._block: int | None = None  # the block running now (forward, backward)
         self._block_stack: list[int | None] = []
         self._inherit: Any = None  # block(s) the current op's outputs inherit (other phases)
+        self._backward_end_pending = False  # no end-of-backward callback queued yet
         self._transients: list[int] = []  # kernel scratch of the current op, freed after it
         # Real values of tensors computed from the batch alone (trace/values.py).
         self.values = values
@@ -553,6 +554,16 @@ class StorageTracker(TorchDispatchMode):
 
     def _block_backward(self, k: int | None, _grad: torch.Tensor) -> None:
         self._block = k
+        if self._backward_end_pending:
+            # The first block hook of a backward runs in its outermost graph task: when that
+            # task ends, no block runs. Block 0's input hook says so only when the input needs a
+            # gradient; under LoRA, QLoRA or a frozen embedding it does not, and the release of
+            # the graph after backward (saved tensors of every block) would be labelled block 0.
+            self._backward_end_pending = False
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+
+    def _backward_done(self) -> None:
+        self._block = None
 
     # -- recording a call's events to replay it (trace/step_memo.py) ----------------------------
     def position(self) -> tuple[int, int, int]:
@@ -683,6 +694,10 @@ class StorageTracker(TorchDispatchMode):
             )
         if phase is Phase.FORWARD:
             self._region = []
+            # A step's forward starts outside every block (so does the end of a backward,
+            # ``_block_backward``; this holds if a backward ran no block hook).
+            self._block, self._block_stack = None, []
+        self._backward_end_pending = phase is Phase.BACKWARD
 
     def _end_region(self) -> None:
         region, self._region = self._region, None
