@@ -250,7 +250,9 @@ class LinearCalls:
         thread = threading.get_ident()
 
         def linear(input: Any, weight: Any, bias: Any = None) -> Any:
-            if threading.get_ident() != thread:
+            # Inside a torch.compile'd region Inductor plans the bias add (and dynamo cannot
+            # trace threading.get_ident); is_compiling() is a constant to dynamo
+            if torch.compiler.is_compiling() or threading.get_ident() != thread:
                 return original(input, weight, bias)
             plain = isinstance(bias, torch.Tensor) and not is_traceable_wrapper_subclass(bias)
             self.biases.append(bias if plain else None)
