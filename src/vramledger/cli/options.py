@@ -15,7 +15,7 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from ..spec import TrainingSpec
-from ..spec_fields import SECTIONS, Section, cli_of, field_docs
+from ..spec_fields import SECTIONS, Cli, Section, cli_of, field_docs
 
 PYTHON_ONLY: dict[str, str] = {}
 """TrainingSpec fields the command line does not take, each with the reason (none: every field
@@ -36,9 +36,15 @@ def spec_fields() -> tuple[Field, ...]:
     return tuple(out)
 
 
+def _form(f: Field) -> Cli:
+    form = cli_of(f)
+    assert form is not None, f.name
+    return form
+
+
 def section_fields(section: Section) -> tuple[str, ...]:
     """The names of the spec fields of one section."""
-    return tuple(f.name for f in spec_fields() if cli_of(f).section == section)  # type: ignore[union-attr]
+    return tuple(f.name for f in spec_fields() if _form(f).section == section)
 
 
 PARALLEL_OPTIONS = section_fields("parallelism")
@@ -93,8 +99,7 @@ def help_text(f: Field) -> str:
 
 def option_kwargs(f: Field) -> dict[str, Any]:
     """``add_argument``'s keyword arguments for the field (without its flag)."""
-    form = cli_of(f)
-    assert form is not None
+    form = _form(f)
     hint = _hint(f)
     kwargs: dict[str, Any] = {"help": help_text(f)}
     if not is_positional(f):
@@ -126,7 +131,7 @@ def add_spec_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
     for f in spec_fields():
         if f.name in exclude:
             continue
-        group = groups[cli_of(f).section]  # type: ignore[union-attr]
+        group = groups[_form(f).section]
         names = [f.name] if is_positional(f) else [flag(f)]
         group.add_argument(*names, **option_kwargs(f))
 
@@ -139,9 +144,9 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
         if not hasattr(args, f.name):
             continue
         value = getattr(args, f.name)
-        form = cli_of(f)
-        if form.convert is not None:  # type: ignore[union-attr]
-            value = form.convert(value, flag(f))  # type: ignore[union-attr]
+        convert = _form(f).convert
+        if convert is not None:
+            value = convert(value, flag(f))
         elif typing.get_origin(_hint(f)) is tuple:
             value = tuple(value or ())
         if value is not None:

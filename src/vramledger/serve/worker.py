@@ -34,7 +34,7 @@ first-call work of torch's dispatcher and transformers' lazy imports (a few seco
 
 
 PLAN_SEARCHES = ("world_size", "strategy", "tp", "pp")
-"""Form fields that ``plan`` answers rather than takes (cli.PARALLEL_OPTIONS, as the page has
+"""Form fields that ``plan`` answers rather than takes (cli/options.py PARALLEL_OPTIONS, as the page has
 them)."""
 
 
