@@ -7,7 +7,7 @@ line as typed: its words, the working directory, the contents of every file or f
 names (the model's config.json among them), the environment variables that change an answer
 or its look (:data:`ENVIRONMENT`) and whether standard output is a terminal and how wide. When
 the cache holds an answer for that key, made by this version (``cache.fingerprint``), it writes
-it and stops; else it runs the command (``cli.py``) and keeps what it wrote to standard output.
+it and stops; else it runs the command (``cli/``) and keeps what it wrote to standard output.
 The answer written is the earlier run's output byte for byte, its timings included.
 
 Questions that are not answered from here (the command runs as usual, and the trace cache

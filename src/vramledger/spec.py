@@ -1,7 +1,8 @@
 """TrainingSpec: everything that decides the memory of a training step, as one typed value.
 
 The Python API (``estimate(spec)``, ``measure(spec)``) and the CLI take the same fields; each CLI
-option is named after the field it sets.
+option is named after the field it sets and made from it (its docstring, default, choices and
+the ``cli(...)`` metadata of spec_fields.py) by cli/options.py.
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
 from .adapters import QUANTIZE, parse_lora
-from .attention import check_implementation
+from .attention import IMPLEMENTATIONS, check_implementation
 from .errors import InputError
 from .gpus import Gpu, modelled_compute_capability, resolve_gpu
 from .parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
-from .precision import Precision, canonical_precision
+from .precision import PRECISIONS, Precision, canonical_precision
+from .spec_fields import bool_or_int, cli, comma_names, json_object
 from .tasks import TASKS
 from .units import parse_bytes
 from .verdict import DEFAULT_MARGIN, check_margin
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
+"""MoE routing policies (trace/values.py answers router choices by them)."""
 
 PpSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PP_SCHEDULES: tuple[str, ...] = PpSchedule.__args__  # type: ignore[attr-defined]
@@ -27,7 +30,6 @@ PP_SCHEDULES: tuple[str, ...] = PpSchedule.__args__  # type: ignore[attr-defined
 Offload = Literal["none", "optimizer", "params", "both"]
 OFFLOADS: tuple[str, ...] = Offload.__args__  # type: ignore[attr-defined]
 """What is kept in host memory."""
-"""MoE routing policies (trace/values.py answers router choices by them)."""
 
 Target = Literal["cuda", "cpu"]
 TARGETS: tuple[str, ...] = ("cuda", "cpu")
@@ -35,124 +37,149 @@ TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
-    model: Any
+    """Everything that decides the memory of a training step. Each field's docstring is its
+    description for the Python API and the command line's ``--help`` alike (spec_fields.py)."""
+
+    model: Any = field(metadata=cli("model"))
     """A config.json or its folder, ``FILE.py:FUNCTION``, ``package.module:FUNCTION``, or from
     Python an ``nn.Module``, a zero-argument callable returning one, or a transformers config."""
-    task: str | None = None
-    """Hugging Face task: causal-lm, masked-lm, seq2seq-lm, image-classification,
-    sequence-classification. Read from the config's ``architectures`` when not given."""
-    batch_size: int = 1
+    task: str | None = field(default=None, metadata=cli("model", choices=TASKS))
+    """Hugging Face task (tasks.py). Read from the config's ``architectures`` when not given."""
+    batch_size: int = field(default=1, metadata=cli("model"))
     """Micro-batch size (examples per forward)."""
-    seq_len: int = 512
+    seq_len: int = field(default=512, metadata=cli("model"))
     """Tokens per example for text models."""
-    image_size: int | None = None
+    image_size: int | None = field(default=None, metadata=cli("model"))
     """Image side in pixels for vision models (default: the config's image_size)."""
-    inputs: Any = None
+    inputs: Any = field(default=None, metadata=cli("model", metavar="FILE.py:FUNCTION"))
     """``FILE.py:FUNCTION`` making a batch, called with ``device=`` and, where its signature takes
     them, ``batch_size=``, ``seq_len=``, ``image_size=``; returns a dict, tuple or tensor."""
-    loss: Any = None
+    loss: Any = field(default=None, metadata=cli("model", metavar="FILE.py:FUNCTION"))
     """``FILE.py:FUNCTION`` called as ``loss(model, batch)`` returning the scalar loss (runs the
     forward itself). Default: the model's ``output.loss``."""
-    optimizer: Any = "adamw"
+    optimizer: Any = field(default="adamw", metadata=cli("optimizer"))
     """A torch.optim name (adamw, sgd, sgd-momentum, adam, adagrad, rmsprop, ...) or a class
     (import path or, from Python, the class itself)."""
-    optimizer_kwargs: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments for the optimizer (momentum, foreach, fused, amsgrad, ...)."""
-    precision: Precision = "fp32"
+    optimizer_kwargs: dict[str, Any] = field(
+        default_factory=dict, metadata=cli("optimizer", metavar="JSON", convert=json_object)
+    )
+    """Keyword arguments for the optimizer (momentum, foreach, fused, amsgrad, ...), on the
+    command line as a JSON object."""
+    precision: Precision = field(
+        default="fp32", metadata=cli("precision", metavar="{" + ",".join(PRECISIONS) + "}")
+    )
     """The frameworks' names (precision.py): fp32 (or 32-true), bf16-mixed and 16-mixed
     (autocast over fp32 weights, as Lightning, HF Trainer and accelerate), bf16-true (bf16
     weights), bf16-master and fp16-master (half weights with an fp32 master copy, as DeepSpeed)."""
-    grad_checkpointing: bool = False
+    grad_checkpointing: bool = field(default=False, metadata=cli("precision"))
     """Activation checkpointing through the Hugging Face model's own switch."""
-    checkpoint_modules: tuple[str, ...] = ()
-    """Checkpoint every submodule of these class names (any model)."""
-    grad_accum: int = 1
+    checkpoint_modules: tuple[str, ...] = field(
+        default=(), metadata=cli("precision", metavar="CLASSNAME", convert=comma_names)
+    )
+    """Checkpoint every submodule of these class names (any model); the option repeats, or
+    takes the names separated by commas."""
+    grad_accum: int = field(default=1, metadata=cli("step"))
     """Micro-steps (forward + backward) per optimizer step."""
-    steps: int = 2
+    steps: int = field(default=2, metadata=cli("step"))
     """Training steps to run; the first creates optimizer state, later ones are steady state."""
-    target: Target = "cuda"
-    """Device whose behaviour to predict: cuda (the default, even on a CPU-only machine) or cpu."""
-    seed: int = 0
+    target: Target = field(default="cuda", metadata=cli("step", choices=TARGETS))
+    """Device whose behaviour to predict: cuda (even on a CPU-only machine) or cpu."""
+    seed: int = field(default=0, metadata=cli("step"))
     """Seed for real runs (weights and synthetic batches)."""
-    world_size: int = 1
+    world_size: int = field(default=1, metadata=cli("parallelism"))
     """Ranks (GPUs) the step is spread over: data-parallel x tp x pp x cp."""
-    strategy: str | None = None
+    strategy: str | None = field(default=None, metadata=cli("parallelism", choices=STRATEGIES[1:]))
     """ddp, zero1, zero2 (DeepSpeed's engine), zero3, fsdp, or zero1-torch (PyTorch's
     ZeroRedundancyOptimizer) (default: none on one rank, ddp on several)."""
-    offload: str = "none"
+    offload: str = field(default="none", metadata=cli("parallelism", choices=OFFLOADS))
     """Keep in host memory: optimizer (state, fp32 masters and their gradients), params
     (sharded parameters), both, or none."""
-    nodes: int | None = None
+    nodes: int | None = field(default=None, metadata=cli("parallelism"))
     """Machines; with gpus_per_node, sets world_size."""
-    gpus_per_node: int | None = None
+    gpus_per_node: int | None = field(default=None, metadata=cli("parallelism"))
     """GPUs per machine; with nodes, sets world_size."""
-    deepspeed: str | None = None
+    deepspeed: str | None = field(
+        default=None, metadata=cli("parallelism", metavar="ds_config.json")
+    )
     """A DeepSpeed JSON config: ZeRO stage, offload, bf16/fp16, micro-batch and gradient
     accumulation are read from it."""
-    shard_modules: tuple[str, ...] = ()
+    shard_modules: tuple[str, ...] = field(
+        default=(), metadata=cli("parallelism", metavar="CLASSNAME", convert=comma_names)
+    )
     """FSDP units (zero3/fsdp): fully_shard every submodule that is an instance of a class of
     these names, children before parents, then the root (default: each block of the model's
-    stack of identical blocks, then the root). See parallel/fsdp_units.py."""
-    shard_min_params: int | None = None
+    stack of identical blocks, then the root; the option repeats, or takes the names separated
+    by commas). See parallel/fsdp_units.py."""
+    shard_min_params: int | None = field(default=None, metadata=cli("parallelism", metavar="N"))
     """FSDP units by size (accelerate's SIZE_BASED_WRAP): every submodule other than the root
     holding more than this many parameters, its submodules' included."""
-    reshard_after_forward: bool | int | None = None
+    reshard_after_forward: bool | int | None = field(
+        default=None, metadata=cli("parallelism", metavar="true|false|N", parse=bool_or_int)
+    )
     """FSDP2's ``reshard_after_forward`` for each unit: True frees gathered parameters after a
     unit's forward and gathers them again in backward, False keeps them, an int N keeps a copy
     sharded over N ranks (a divisor of world_size). Default (None): FSDP2's own, True for the
     units; the root always keeps FSDP2's default (False)."""
-    accelerate_config: str | None = None
+    accelerate_config: str | None = field(
+        default=None, metadata=cli("parallelism", metavar="FILE.yaml")
+    )
     """An accelerate config (YAML or JSON, as ``accelerate config`` writes it): distributed
     type, FSDP2 wrap policy, offload, reshard_after_forward, activation checkpointing, mixed
     precision and process count are read from it, and the model is wrapped as accelerate does
     (accelerate_config.py)."""
-    dp_shard: int | None = None
+    dp_shard: int | None = field(default=None, metadata=cli("parallelism", metavar="N"))
     """Ranks the data-parallel axis shards over (FSDP2 / ZeRO-3) when the model is also split
     along other axes; default: the world size divided by tp x pp x cp."""
-    tp: int = 1
+    tp: int = field(default=1, metadata=cli("parallelism", metavar="N"))
     """Tensor-parallel degree: each layer's matrices split over this many ranks (with sequence
     parallelism for the norms and dropout between them); within a node."""
-    pp: int = 1
-    """Pipeline-parallel degree: the layers split into this many stages (torch.distributed.
-    pipelining), each stage on its own ranks."""
-    pp_schedule: str = "1f1b"
+    pp: int = field(default=1, metadata=cli("parallelism", metavar="N"))
+    """Pipeline-parallel degree: the layers split into this many stages
+    (torch.distributed.pipelining), each stage on its own ranks."""
+    pp_schedule: str = field(default="1f1b", metadata=cli("parallelism", choices=PP_SCHEDULES))
     """gpipe, 1f1b or interleaved-1f1b: the order the pipeline runs its micro-batches in, which
     decides how many micro-batches' activations a stage holds at once."""
-    microbatches: int | None = None
+    microbatches: int | None = field(default=None, metadata=cli("parallelism", metavar="N"))
     """Micro-batches per pipeline step (each of ``batch_size`` examples); default: pp."""
-    cp: int = 1
+    cp: int = field(default=1, metadata=cli("parallelism", metavar="N"))
     """Context-parallel degree: the sequence split over this many ranks in attention."""
-    ep: int = 1
+    ep: int = field(default=1, metadata=cli("parallelism", metavar="N"))
     """Expert-parallel degree for mixture-of-experts layers: the experts split over this many
     ranks of the data-parallel (and context-parallel) axes, tokens exchanged all-to-all."""
-    tp_plan: str | None = None
+    tp_plan: str | None = field(
+        default=None, metadata=cli("parallelism", metavar="FILE.py:FUNCTION")
+    )
     """``FILE.py:FUNCTION`` returning the tensor-parallel plan for the model (a dict of module
     name pattern -> torch.distributed.tensor.parallel style); default: the model family's."""
-    moe_routing: str = "balanced"
+    moe_routing: str = field(default="balanced", metadata=cli("model", choices=ROUTINGS))
     """How a mixture-of-experts router's choices are answered in a trace (its values depend on
     the weights): balanced (every expert the same number of tokens), first / last (every expert
     runs, the first / last k take the other tokens) or worst (the largest of the three). Only
     traced when a value-dependent operator reads the routing. See trace/values.py."""
-    lora: str | None = None
+    lora: str | None = field(
+        default=None, metadata=cli("adapters", metavar="r=R,alpha=A,targets=M1,M2[,dropout=P]")
+    )
     """LoRA adapters through peft: ``r=16,alpha=32,targets=q_proj,v_proj[,dropout=0.05]`` or
     ``targets=all-linear``; the base is frozen (adapters.py)."""
-    quantize: str | None = None
-    attn_implementation: str | None = None
-    """The attention path of a Hugging Face model: sdpa (transformers' default), eager, or
-    flash_attention_2 (modelled, attention.py); None: the model's default."""
+    quantize: str | None = field(default=None, metadata=cli("adapters", choices=QUANTIZE))
     """Quantized base weights through bitsandbytes: nf4 or fp4 (QLoRA, double quantization) or
     int8 (LLM.int8)."""
-    freeze: tuple[str, ...] = ()
-    """Freeze parameters whose names match these fnmatch patterns."""
-    gpu: str | Gpu | None = None
+    attn_implementation: str | None = field(
+        default=None, metadata=cli("model", choices=IMPLEMENTATIONS)
+    )
+    """The attention path of a Hugging Face model: sdpa (transformers' default), eager, or
+    flash_attention_2 (modelled, attention.py). Default: the model's own."""
+    freeze: tuple[str, ...] = field(default=(), metadata=cli("adapters", metavar="PATTERN"))
+    """Freeze parameters whose names match these fnmatch patterns (the option repeats)."""
+    gpu: str | Gpu | None = field(default=None, metadata=cli("gpu", metavar="NAME"))
     """The GPU to predict, from the catalogue (gpus.py: a100-80gb, h100-80gb, v100-32gb, ...;
     from Python also a ``Gpu``): its compute capability selects CUDA's decisions in the trace
     (cuBLAS workspace, attention kernel) and the ledger says whether the step fits its memory.
     Default: none (compute capability 9.0 assumed, no verdict)."""
-    gpu_memory: str | int | None = None
+    gpu_memory: str | int | None = field(default=None, metadata=cli("gpu", metavar="SIZE"))
     """Memory of a GPU not in the catalogue ('24GiB', '80GB', or bytes from Python): a verdict
     against it, compute capability 9.0 assumed; with ``gpu``, that GPU with this memory."""
-    margin: str | int | None = None
+    margin: str | int | None = field(default=None, metadata=cli("gpu", metavar="SIZE"))
     """Memory kept back from the GPU's for what no trace sees (CUDA context, NCCL buffers,
     fragmentation): '2GiB', or bytes from Python. Default 2 GiB (verdict.py)."""
 

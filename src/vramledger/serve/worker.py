@@ -34,8 +34,8 @@ first-call work of torch's dispatcher and transformers' lazy imports (a few seco
 
 
 PLAN_SEARCHES = ("world_size", "strategy", "tp", "pp")
-"""Form fields that ``plan`` answers rather than takes (cli.PARALLEL_OPTIONS, as the page has
-them)."""
+"""Form fields that ``plan`` answers rather than takes (``PARALLEL_OPTIONS`` of cli/options.py,
+as the page has them)."""
 
 
 def error_line(exc: BaseException, shown: dict[str, str] | None = None) -> str:
