@@ -96,11 +96,17 @@ def replay(
         phase_peaks=walk.phase_peaks,
         phase_peak_events=walk.phase_events,
         step_start=walk.step_start,
-        host_peak=totals.peak(sizes_in(sizes, timeline.on_host, host=True)),
+        host_peak=_host_peak(totals, sizes, timeline.on_host),
         reserved_peaks=walk.reserved_peaks,
         model_state_peaks=walk.model_state_peaks,
         activations_by_module=forward_end_modules,
     )
+
+
+def _host_peak(totals: EventTotals, sizes: list[int], on_host: list[bool]) -> int:
+    """The most bytes of ``sizes`` held at once in host memory."""
+    in_host = sizes_in(sizes, on_host, host=True)
+    return totals.peak(in_host) if any(in_host) else 0
 
 
 def _allocated(timeline: Timeline, allocator: AllocatorModel | None) -> tuple[list[int], list[int]]:
@@ -151,38 +157,36 @@ def _walk(
     and after each allocation of a device storage count, the first of equal ones wins; the
     reserved bytes after an event count to the step before a mark at it. ``state`` (which
     storages are model state): the same for the model-state bytes, per step."""
-    import torch
-
-    n = len(totals)
-    in_device = ~totals.flags(timeline.on_host)
-    peaks_at = totals.allocates & in_device
+    events, host = totals.events, timeline.on_host
     held = totals.held(device)
-    peaks = torch.where(peaks_at, held, _NOT_A_PEAK)
+    # the totals that may be a peak: after allocating a storage in device memory
+    peaks = [
+        h if e >= 0 and not host[e] else _NOT_A_PEAK for h, e in zip(held, events, strict=True)
+    ]
     state_held = state_peaks = None
     if state is not None:
-        state_held = totals.held([n if s else 0 for n, s in zip(device, state, strict=True)])
-        state_at = peaks_at & totals.flags(state)
-        state_peaks = torch.where(state_at, state_held, _NOT_A_PEAK)
+        state_held = totals.held([b if s else 0 for b, s in zip(device, state, strict=True)])
+        state_peaks = [
+            h if e >= 0 and state[e] and not host[e] else _NOT_A_PEAK
+            for h, e in zip(state_held, events, strict=True)
+        ]
     w = _Walk()
     step, phase, last_step = 0, Phase.SETUP, timeline.steps
     step_best = phase_best = state_best = -1
     reserved_from = 0
-    for mark, a, b in _runs(timeline.marks, n):
+    for mark, a, b in _runs(timeline.marks, len(events)):
         if mark is not None:
             index, new_step, new_phase = mark
-            if reserved[reserved_from : index + 1]:
-                r = max(reserved[reserved_from : index + 1])
-                if r > w.reserved_peaks.get(step, 0):
-                    w.reserved_peaks[step] = r
-                reserved_from = index + 1
-            entering = int(held[index - 1]) if index else 0
+            _count_reserved(w, step, reserved[reserved_from : index + 1])
+            reserved_from = max(reserved_from, index + 1)
+            entering = held[index - 1] if index else 0
             if new_step == last_step and phase is Phase.FORWARD and new_phase is Phase.BACKWARD:
                 w.forward_end = index
             if new_step != step:
                 w.step_start[new_step] = entering
                 step_best = -1
                 if state_held is not None:
-                    state_best = int(state_held[index - 1]) if index else 0
+                    state_best = state_held[index - 1] if index else 0
                     w.model_state_peaks[new_step] = state_best
             step, phase = new_step, new_phase
             phase_best = w.phase_peaks.get((step, phase), -1)
@@ -202,14 +206,17 @@ def _walk(
             phase_best = w.phase_peaks[(step, phase)] = top
             w.phase_events[(step, phase)] = event
         if state_peaks is not None:
-            top = _first_largest(state_peaks, a, b)[0]
+            top = max(state_peaks[a:b])
             if top > state_best:
                 state_best = w.model_state_peaks[step] = top
-    if reserved[reserved_from:]:
-        r = max(reserved[reserved_from:])
-        if r > w.reserved_peaks.get(step, 0):
-            w.reserved_peaks[step] = r
+    _count_reserved(w, step, reserved[reserved_from:])
     return w
+
+
+def _count_reserved(w: _Walk, step: int, reserved: list[int]) -> None:
+    """Count the reserved bytes after some events to ``step``."""
+    if reserved and max(reserved) > w.reserved_peaks.get(step, 0):
+        w.reserved_peaks[step] = max(reserved)
 
 
 def _runs(
@@ -228,10 +235,11 @@ def _runs(
     return runs
 
 
-def _first_largest(values: Any, a: int, b: int) -> tuple[int, int]:
+def _first_largest(values: list[int], a: int, b: int) -> tuple[int, int]:
     """The largest of ``values[a:b]`` and the index of its first occurrence."""
-    i = int(values[a:b].argmax())
-    return int(values[a + i]), a + i
+    run = values[a:b]
+    top = max(run)
+    return top, a + run.index(top)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,24 +257,18 @@ class Series:
 
 def series(timeline: Timeline, points: int = 1200) -> Series:
     """Sample the live device bytes by category (raw tensor bytes) over the run."""
-    import torch
-
     totals = EventTotals(timeline)
     device = sizes_in(timeline.nbytes, timeline.on_host, host=False)
     held = totals.held(device)
     n = len(held)
     stretch = max(1, -(-n // points))
-    # each stretch's first largest total (a short last stretch padded with what is no peak)
-    padded = torch.full((-(-n // stretch) * stretch,), _NOT_A_PEAK, dtype=torch.int64)
-    padded[:n] = held
-    picks = (padded.view(-1, stretch).argmax(1) + torch.arange(0, len(padded), stretch)).tolist()
-    cat = _category_ranks(timeline)
-    breakdowns = totals.by_key(device, cat, _NCAT, picks)
+    picks = [_first_largest(held, a, min(a + stretch, n))[1] for a in range(0, n, stretch)]
+    breakdowns = totals.by_key(device, _category_ranks(timeline), _NCAT, picks)
     marks = {i: (step, phase) for i, step, phase in timeline.marks if i < n}
     return Series(
         events=picks,
         by_category={c: [b[j] for b in breakdowns] for j, c in enumerate(CATEGORY_PRIORITY)},
-        totals=held.index_select(0, torch.tensor(picks, dtype=torch.int64)).tolist(),
+        totals=[held[i] for i in picks],
         phases=[(i // stretch, step, phase) for i, (step, phase) in sorted(marks.items())],
     )
 
@@ -335,7 +337,7 @@ def steady_peaks(
     return SteadyPeaks(
         allocated=allocated,
         reserved=max((v for k, v in walk.reserved_peaks.items() if k >= 2), default=allocated),
-        host=totals.peak(sizes_in(timeline.nbytes, timeline.on_host, host=True)),
+        host=_host_peak(totals, timeline.nbytes, timeline.on_host),
     )
 
 

@@ -133,7 +133,7 @@ class TimelineCounter:
         if self._cache is not None and self._cache[0] == len(tl.events):
             return self._cache[1], self._cache[2]
         sizes, reserved = self.allocator.block_sizes(tl.nbytes, tl.events, tl.on_host)
-        allocated = EventTotals(tl).held(sizes_in(sizes, tl.on_host, host=False)).tolist()
+        allocated = EventTotals(tl).held(sizes_in(sizes, tl.on_host, host=False))
         if not reserved:
             reserved = allocated
         self._cache = (len(tl.events), allocated, reserved)
