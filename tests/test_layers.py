@@ -67,7 +67,7 @@ LAYERS: dict[str, list[str]] = {
         "verdict",
         "version",
     ],
-    "timeline": ["allocator", "allocator_events", "timeline"],
+    "timeline": ["allocator", "allocator_events", "event_totals", "timeline"],
     "trace": [
         "trace",
         "trace.autocast_cuda",

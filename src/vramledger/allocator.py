@@ -100,8 +100,6 @@ class CudaCachingAllocatorSim:
         self._next_addr = 0
         self.segments: list[tuple[int, int, bool]] = []
         """(address, size, small pool) of every segment taken from the device, in order."""
-        self.heads: dict[int, Block] = {}
-        """The first block of each segment, by address (walk ``next`` for its blocks)."""
 
     def malloc(self, nbytes: int) -> Block:
         size = max(CUDA_MIN_BLOCK, round_up(nbytes, CUDA_MIN_BLOCK))
@@ -119,7 +117,6 @@ class CudaCachingAllocatorSim:
                 raise ValueError("more than 256 TiB reserved: beyond the simulation's addresses")
             block = Block(self._next_addr, segment, small)
             self.segments.append((block.addr, segment, small))
-            self.heads[block.addr] = block
             self._next_addr += segment
             self.reserved += segment
         remaining = block.size - size
@@ -160,6 +157,23 @@ def _absorb(left: Block, right: Block) -> None:
 
 
 @dataclass(frozen=True, kw_only=True)
+class Blocks:
+    """What an allocator hands out for a timeline's storages, event by event."""
+
+    sizes: list[int]
+    """Bytes of each storage's block (its requested bytes where the allocator does not round)."""
+    reserved: list[int]
+    """Bytes reserved after each event (empty when the allocator reserves nothing beyond what
+    it allocates)."""
+    addresses: list[int]
+    """Address of each storage's block; -1 for none (host memory, zero bytes, an allocator that
+    is not simulated)."""
+    segments: list[tuple[int, int, bool]]
+    """(address, size, small pool) of each segment reserved, in order; each is reserved by the
+    first event after which ``reserved`` grows by its size."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class AllocatorModel:
     name: str
     simulate_cuda: bool = False
@@ -169,11 +183,20 @@ class AllocatorModel:
     ) -> tuple[list[int], list[int]]:
         """Per storage, the bytes the allocator hands out for it; and the reserved bytes after
         each event (empty when the allocator reserves nothing beyond what it allocates)."""
+        blocks = self.blocks(nbytes, events, on_host)
+        return blocks.sizes, blocks.reserved
+
+    def blocks(self, nbytes: list[int], events: list[int], on_host: list[bool]) -> Blocks:
+        """The allocator's blocks for the storages of ``events`` (``nbytes`` requested each,
+        those ``on_host`` left out), simulated event by event."""
         if not self.simulate_cuda:
-            return list(nbytes), []
+            return Blocks(
+                sizes=list(nbytes), reserved=[], addresses=[-1] * len(nbytes), segments=[]
+            )
         sim = CudaCachingAllocatorSim()
         malloc, free = sim.malloc, sim.free
         sizes = [0] * len(nbytes)
+        addresses = [-1] * len(nbytes)
         blocks: dict[int, Block] = {}
         reserved: list[int] = []
         append = reserved.append
@@ -182,13 +205,13 @@ class AllocatorModel:
                 n = nbytes[ev]
                 if n > 0 and not on_host[ev]:  # zero-byte requests allocate nothing
                     block = blocks[ev] = malloc(n)
-                    sizes[ev] = block.size
+                    sizes[ev], addresses[ev] = block.size, block.addr
             else:
                 block = blocks.pop(~ev, None)
                 if block is not None:
                     free(block)
             append(sim.reserved)
-        return sizes, reserved
+        return Blocks(sizes=sizes, reserved=reserved, addresses=addresses, segments=sim.segments)
 
 
 CPU_ALLOCATOR = AllocatorModel(name="cpu")

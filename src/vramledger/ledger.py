@@ -1,9 +1,9 @@
 """The Ledger: peak memory of a training step, by category and phase, replayed from a Timeline.
 
-Replay walks the Timeline's events in order keeping the live bytes per category (raw tensor
-bytes, and the allocator's block bytes), and records the largest total of each step and of each
-(step, phase). The steady state is steps >= 2 (step 1 creates the optimizer state lazily).
-Every breakdown sums exactly to its total (asserted).
+Replay takes the bytes held after each event from the Timeline's one replay (``event_totals.py``:
+raw tensor bytes, or the allocator's block bytes) and records the largest total of each step and
+of each (step, phase), with its breakdown by category. The steady state is steps >= 2 (step 1
+creates the optimizer state lazily). Every breakdown sums exactly to its total (asserted).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ from typing import Any
 
 from .allocator import AllocatorModel
 from .categories import CATEGORY_PRIORITY, MODEL_STATE_CATEGORIES, Category, Phase
+from .event_totals import EventTotals, live_at, sizes_in
 from .timeline import Timeline
 from .verdict import Verdict
 
@@ -59,109 +60,186 @@ class Replay:
     """Activation bytes live at the end of the last forward, by innermost module."""
 
 
-def replay(timeline: Timeline, allocator: AllocatorModel | None = None) -> Replay:
-    """Replay with tensor bytes (no allocator) or with the blocks ``allocator`` hands out."""
-    rank = {c: i for i, c in enumerate(CATEGORY_PRIORITY)}
-    cat = [rank[timeline.category(sid)] for sid in range(timeline.num_storages)]
-    host = timeline.on_host
-    if allocator is None:
-        size, reserved = list(timeline.nbytes), []
-    else:
-        size, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, host)
-    is_state = [False] * _NCAT
-    for c in MODEL_STATE_CATEGORIES:
-        is_state[rank[c]] = True
-    reserved_peaks: dict[int, int] = {}
-    model_state_peaks: dict[int, int] = {}
-    current = [0] * _NCAT
-    total = state = 0
-    host_total = host_peak = 0
-    live: set[int] = set()
-    step, phase = 0, Phase.SETUP
-    # Per step: (total, snapshot of current, phase, event) of its largest total.
-    best: dict[int, tuple[int, list[int], Phase, int]] = {}
-    phase_peaks: dict[tuple[int, Phase], int] = {}
-    phase_events: dict[tuple[int, Phase], int] = {}
-    step_start: dict[int, int] = {}
-    marks = timeline.marks
-    last_step = timeline.steps
-    forward_end_modules: dict[str, int] = {}
-    m = 0
-    step_best = phase_best = -1
-    state_best = -1
-
-    for i, ev in enumerate(timeline.events):
-        if reserved:
-            r = reserved[i]
-            if r > reserved_peaks.get(step, 0):
-                reserved_peaks[step] = r
-        while m < len(marks) and marks[m][0] == i:
-            _, new_step, new_phase = marks[m]
-            if new_step == last_step and phase is Phase.FORWARD and new_phase is Phase.BACKWARD:
-                forward_end_modules = _activations_by_module(timeline, live)
-            if new_step != step:
-                step_start[new_step] = total
-                step_best = -1
-                state_best = model_state_peaks[new_step] = state
-            step, phase = new_step, new_phase
-            phase_best = phase_peaks.get((step, phase), -1)
-            if total > step_best:
-                step_best = total
-                best[step] = (total, list(current), phase, i)
-            if total > phase_best:
-                phase_best = phase_peaks[(step, phase)] = total
-                phase_events[(step, phase)] = i - 1
-            m += 1
-        if ev >= 0:
-            if host[ev]:
-                host_total += size[ev]
-                host_peak = max(host_peak, host_total)
-                continue
-            c, n = cat[ev], size[ev]
-            current[c] += n
-            total += n
-            live.add(ev)
-            if total > step_best:
-                step_best = total
-                best[step] = (total, list(current), phase, i)
-            if total > phase_best:
-                phase_best = phase_peaks[(step, phase)] = total
-                phase_events[(step, phase)] = i
-            if is_state[c]:
-                state += n
-                if state > state_best:
-                    state_best = model_state_peaks[step] = state
-        else:
-            sid = ~ev
-            if host[sid]:
-                host_total -= size[sid]
-                continue
-            c, n = cat[sid], size[sid]
-            current[c] -= n
-            total -= n
-            if is_state[c]:
-                state -= n
-            live.discard(sid)
+def replay(
+    timeline: Timeline,
+    allocator: AllocatorModel | None = None,
+    *,
+    totals: EventTotals | None = None,
+) -> Replay:
+    """Replay with tensor bytes (no allocator) or with the blocks ``allocator`` hands out
+    (``totals``: the events converted once, for timelines that share them)."""
+    totals = totals or EventTotals(timeline)
+    sizes, reserved = _allocated(timeline, allocator)
+    cat = _category_ranks(timeline)
+    device = sizes_in(sizes, timeline.on_host, host=False)
+    is_state = [c in MODEL_STATE_CATEGORIES for c in CATEGORY_PRIORITY]
+    walk = _walk(timeline, totals, device, reserved, state=[is_state[c] for c in cat])
+    at = [position for _, position, _, _ in walk.best.values()]
+    breakdowns = totals.by_key(device, cat, _NCAT, at)
     step_peaks = {
         s: PeakPoint(
             total=t,
-            by_category={c: snap[j] for j, c in enumerate(CATEGORY_PRIORITY)},
+            by_category=dict(zip(CATEGORY_PRIORITY, breakdown, strict=True)),
             step=s,
             phase=p,
             event=e,
         )
-        for s, (t, snap, p, e) in best.items()
+        for (s, (t, _, p, e)), breakdown in zip(walk.best.items(), breakdowns, strict=True)
     }
+    forward_end_modules = (
+        _activations_by_module(timeline, live_at(timeline, walk.forward_end - 1, device_only=True))
+        if walk.forward_end is not None
+        else {}
+    )
     return Replay(
         step_peaks=step_peaks,
-        phase_peaks=phase_peaks,
-        phase_peak_events=phase_events,
-        step_start=step_start,
-        host_peak=host_peak,
-        reserved_peaks=reserved_peaks,
-        model_state_peaks=model_state_peaks,
+        phase_peaks=walk.phase_peaks,
+        phase_peak_events=walk.phase_events,
+        step_start=walk.step_start,
+        host_peak=_host_peak(totals, sizes, timeline.on_host),
+        reserved_peaks=walk.reserved_peaks,
+        model_state_peaks=walk.model_state_peaks,
         activations_by_module=forward_end_modules,
     )
+
+
+def _host_peak(totals: EventTotals, sizes: list[int], on_host: list[bool]) -> int:
+    """The most bytes of ``sizes`` held at once in host memory."""
+    in_host = sizes_in(sizes, on_host, host=True)
+    return totals.peak(in_host) if any(in_host) else 0
+
+
+def _allocated(timeline: Timeline, allocator: AllocatorModel | None) -> tuple[list[int], list[int]]:
+    """Each storage's bytes as ``allocator`` hands them out (its tensor bytes with none), and the
+    bytes it has reserved after each event (empty if it reserves nothing more)."""
+    if allocator is None:
+        return list(timeline.nbytes), []
+    return allocator.block_sizes(timeline.nbytes, timeline.events, timeline.on_host)
+
+
+def _category_ranks(timeline: Timeline) -> list[int]:
+    """Each storage's category, as its index in ``CATEGORY_PRIORITY``."""
+    rank = {c: i for i, c in enumerate(CATEGORY_PRIORITY)}
+    temporaries = rank[Category.TEMPORARIES]  # Timeline.category, inlined (300k storages)
+    return [rank[tag] if tag is not None else temporaries for tag in timeline.tags]
+
+
+_NOT_A_PEAK = -(1 << 62)
+"""Below every total: the value of an event that cannot reach a peak (a free, a host storage)."""
+
+
+@dataclass(kw_only=True)
+class _Walk:
+    """What a walk over a timeline's marks finds in its totals (``_walk``)."""
+
+    best: dict[int, tuple[int, int, Phase, int]] = field(default_factory=dict)
+    """Per step: its largest total, the event after which its breakdown is taken (-1: before
+    any), its phase and ``PeakPoint.event``."""
+    phase_peaks: dict[tuple[int, Phase], int] = field(default_factory=dict)
+    phase_events: dict[tuple[int, Phase], int] = field(default_factory=dict)
+    step_start: dict[int, int] = field(default_factory=dict)
+    reserved_peaks: dict[int, int] = field(default_factory=dict)
+    model_state_peaks: dict[int, int] = field(default_factory=dict)
+    forward_end: int | None = None
+    """Index of the mark where the last step's (last) forward pass ends."""
+
+
+def _walk(
+    timeline: Timeline,
+    totals: EventTotals,
+    device: list[int],
+    reserved: list[int],
+    *,
+    state: list[bool] | None = None,
+) -> _Walk:
+    """The peaks of each step and (step, phase) in the device totals, from one replay
+    (``device[sid]``: a storage's device bytes, 0 in host memory): the total entering each mark
+    and after each allocation of a device storage count, the first of equal ones wins; the
+    reserved bytes after an event count to the step before a mark at it. ``state`` (which
+    storages are model state): the same for the model-state bytes, per step."""
+    events, host = totals.events, timeline.on_host
+    held = totals.held(device)
+    # the totals that may be a peak: after allocating a storage in device memory
+    peaks = [
+        h if e >= 0 and not host[e] else _NOT_A_PEAK for h, e in zip(held, events, strict=True)
+    ]
+    state_held = state_peaks = None
+    if state is not None:
+        state_held = totals.held([b if s else 0 for b, s in zip(device, state, strict=True)])
+        state_peaks = [
+            h if e >= 0 and state[e] and not host[e] else _NOT_A_PEAK
+            for h, e in zip(state_held, events, strict=True)
+        ]
+    w = _Walk()
+    step, phase, last_step = 0, Phase.SETUP, timeline.steps
+    step_best = phase_best = state_best = -1
+    reserved_from = 0
+    for mark, a, b in _runs(timeline.marks, len(events)):
+        if mark is not None:
+            index, new_step, new_phase = mark
+            _count_reserved(w, step, reserved[reserved_from : index + 1])
+            reserved_from = max(reserved_from, index + 1)
+            entering = held[index - 1] if index else 0
+            if new_step == last_step and phase is Phase.FORWARD and new_phase is Phase.BACKWARD:
+                w.forward_end = index
+            if new_step != step:
+                w.step_start[new_step] = entering
+                step_best = -1
+                if state_held is not None:
+                    state_best = state_held[index - 1] if index else 0
+                    w.model_state_peaks[new_step] = state_best
+            step, phase = new_step, new_phase
+            phase_best = w.phase_peaks.get((step, phase), -1)
+            if entering > step_best:
+                step_best = entering
+                w.best[step] = (entering, index - 1, phase, index)
+            if entering > phase_best:
+                phase_best = w.phase_peaks[(step, phase)] = entering
+                w.phase_events[(step, phase)] = index - 1
+        if a == b:
+            continue
+        top, event = _first_largest(peaks, a, b)
+        if top > step_best:
+            step_best = top
+            w.best[step] = (top, event, phase, event)
+        if top > phase_best:
+            phase_best = w.phase_peaks[(step, phase)] = top
+            w.phase_events[(step, phase)] = event
+        if state_peaks is not None:
+            top = max(state_peaks[a:b])
+            if top > state_best:
+                state_best = w.model_state_peaks[step] = top
+    _count_reserved(w, step, reserved[reserved_from:])
+    return w
+
+
+def _count_reserved(w: _Walk, step: int, reserved: list[int]) -> None:
+    """Count the reserved bytes after some events to ``step``."""
+    if reserved and max(reserved) > w.reserved_peaks.get(step, 0):
+        w.reserved_peaks[step] = max(reserved)
+
+
+def _runs(
+    marks: list[tuple[int, int, Phase]], n: int
+) -> list[tuple[tuple[int, int, Phase] | None, int, int]]:
+    """The events ``[a, b)`` that run under each mark (None: before the first), in order; a
+    mark at the end of the events opens nothing."""
+    runs: list[tuple[tuple[int, int, Phase] | None, int, int]] = []
+    a, opened = 0, None
+    for mark in marks:
+        if not a <= mark[0] < n:
+            break
+        runs.append((opened, a, mark[0]))
+        a, opened = mark[0], mark
+    runs.append((opened, a, n))
+    return runs
+
+
+def _first_largest(values: list[int], a: int, b: int) -> tuple[int, int]:
+    """The largest of ``values[a:b]`` and the index of its first occurrence."""
+    run = values[a:b]
+    top = max(run)
+    return top, a + run.index(top)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -179,56 +257,28 @@ class Series:
 
 def series(timeline: Timeline, points: int = 1200) -> Series:
     """Sample the live device bytes by category (raw tensor bytes) over the run."""
-    cats = list(CATEGORY_PRIORITY)
-    index = {c: i for i, c in enumerate(cats)}
-    current = [0] * len(cats)
-    total = 0
-    n = len(timeline.events)
+    totals = EventTotals(timeline)
+    device = sizes_in(timeline.nbytes, timeline.on_host, host=False)
+    held = totals.held(device)
+    n = len(held)
     stretch = max(1, -(-n // points))
-    samples: list[tuple[int, int, list[int]]] = []
-    best: tuple[int, int, list[int]] | None = None
-    marks = {i: (step, phase) for i, step, phase in timeline.marks}
-    phases: list[tuple[int, int, Phase]] = []
-    for i, ev in enumerate(timeline.events):
-        if i in marks:
-            step, phase = marks[i]
-            phases.append((len(samples), step, phase))
-        sid = ev if ev >= 0 else ~ev
-        if not timeline.on_host[sid]:
-            delta = timeline.nbytes[sid] if ev >= 0 else -timeline.nbytes[sid]
-            current[index[timeline.category(sid)]] += delta
-            total += delta
-        if best is None or total > best[1]:
-            best = (i, total, list(current))
-        if (i + 1) % stretch == 0 or i == n - 1:
-            samples.append(best)
-            best = None
+    picks = [_first_largest(held, a, min(a + stretch, n))[1] for a in range(0, n, stretch)]
+    breakdowns = totals.by_key(device, _category_ranks(timeline), _NCAT, picks)
+    marks = {i: (step, phase) for i, step, phase in timeline.marks if i < n}
     return Series(
-        events=[s[0] for s in samples],
-        by_category={c: [s[2][index[c]] for s in samples] for c in cats},
-        totals=[s[1] for s in samples],
-        phases=phases,
+        events=picks,
+        by_category={c: [b[j] for b in breakdowns] for j, c in enumerate(CATEGORY_PRIORITY)},
+        totals=[held[i] for i in picks],
+        phases=[(i // stretch, step, phase) for i, (step, phase) in sorted(marks.items())],
     )
-
-
-def live_at(timeline: Timeline, event: int) -> set[int]:
-    """Storages alive (device and host) just after ``timeline.events[event]`` (-1: before any)."""
-    alive: set[int] = set()
-    for ev in timeline.events[: event + 1]:
-        if ev >= 0:
-            alive.add(ev)
-        else:
-            alive.discard(~ev)
-    return alive
 
 
 def breakdown_at(timeline: Timeline, event: int) -> dict[Category, int]:
     """Device bytes by category just after ``timeline.events[event]``."""
-    out = dict.fromkeys(CATEGORY_PRIORITY, 0)
-    for sid in live_at(timeline, event):
-        if not timeline.on_host[sid]:
-            out[timeline.category(sid)] += timeline.nbytes[sid]
-    return out
+    cat = _category_ranks(timeline)
+    device = sizes_in(timeline.nbytes, timeline.on_host, host=False)
+    (row,) = EventTotals(timeline).by_key(device, cat, _NCAT, [event])
+    return dict(zip(CATEGORY_PRIORITY, row, strict=True))
 
 
 def steady_phase_point(r: Replay, phase: Phase) -> tuple[int, int] | None:
@@ -256,9 +306,10 @@ def steady_peak(r: Replay) -> PeakPoint:
 
 def steady_tensor_peak(timeline: Timeline, totals: EventTotals | None = None) -> int:
     """``steady_peak(replay(timeline)).total`` (device tensor bytes, no allocator) without the
-    per-category bookkeeping: one cumulative sum over the events, for a planner that asks it of
-    hundreds of derived timelines (``totals``: made once for their shared events)."""
-    return (totals or EventTotals(timeline)).steady_peak(_sizes(timeline, on_host=False))
+    per-category bookkeeping, for a planner that asks it of hundreds of derived timelines
+    (``totals``: made once for their shared events)."""
+    device = sizes_in(timeline.nbytes, timeline.on_host, host=False)
+    return _steady_total(_walk(timeline, totals or EventTotals(timeline), device, []))
 
 
 @dataclass(frozen=True)
@@ -276,60 +327,26 @@ class SteadyPeaks:
 def steady_peaks(
     timeline: Timeline, allocator: AllocatorModel, totals: EventTotals | None = None
 ) -> SteadyPeaks:
-    """The allocator's steady-state allocated and reserved peaks and the host peak, by
-    cumulative sums over the events (a plan's re-estimates and derivations need nothing else of
+    """The allocator's steady-state allocated and reserved peaks and the host peak, from the
+    replay without its breakdowns (a plan's re-estimates and derivations need nothing else of
     their timelines; ``totals``: made once for timelines sharing these events)."""
     totals = totals or EventTotals(timeline)
-    sizes, reserved = allocator.block_sizes(timeline.nbytes, timeline.events, timeline.on_host)
-    allocated = totals.steady_peak(sizes)
-    # ``replay`` counts the reserved bytes after an event to the step before a mark at that
-    # event: the steady state's are those after the first event of step 2.
-    after = reserved[totals.steady_start + 1 :]
+    sizes, reserved = _allocated(timeline, allocator)
+    walk = _walk(timeline, totals, sizes_in(sizes, timeline.on_host, host=False), reserved)
+    allocated = _steady_total(walk)
     return SteadyPeaks(
         allocated=allocated,
-        reserved=max(after) if after else allocated,
-        host=totals.peak(_sizes(timeline, on_host=True)),
+        reserved=max((v for k, v in walk.reserved_peaks.items() if k >= 2), default=allocated),
+        host=_host_peak(totals, timeline.nbytes, timeline.on_host),
     )
 
 
-def _sizes(timeline: Timeline, *, on_host: bool) -> list[int]:
-    """Each storage's bytes if it is in host memory (``on_host``) or on the device, else 0."""
-    pairs = zip(timeline.nbytes, timeline.on_host, strict=True)
-    return [n if bool(host) == on_host else 0 for n, host in pairs]
-
-
-class EventTotals:
-    """Bytes held after each event of one event order, for any sizes of its storages: cumulative
-    sums (torch), the events converted once for all the sizes a planner tries on them."""
-
-    def __init__(self, timeline: Timeline):
-        import torch
-
-        start = min((index for index, step, _ in timeline.marks if step >= 2), default=None)
-        if start is None:
-            raise ValueError("the timeline has no steady-state step (steps >= 2)")
-        self.steady_start = start
-        """Index of the first event of step 2."""
-        events = torch.tensor(timeline.events, dtype=torch.int64)
-        self._sids = torch.where(events >= 0, events, ~events)
-        self._sign = torch.where(events >= 0, 1, -1)
-
-    def _totals(self, sizes: list[int]) -> Any:
-        import torch
-
-        return (torch.tensor(sizes, dtype=torch.int64)[self._sids] * self._sign).cumsum(0)
-
-    def peak(self, sizes: list[int]) -> int:
-        """The most bytes held at once over the whole run (at least 0)."""
-        total = self._totals(sizes)
-        return max(0, int(total.max())) if len(total) else 0
-
-    def steady_peak(self, sizes: list[int]) -> int:
-        """The largest total in a steady-state step (steps >= 2): the total entering step 2 and
-        after every event from there."""
-        total, start = self._totals(sizes), self.steady_start
-        entering = int(total[start - 1]) if start > 0 else 0
-        return max(entering, int(total[start:].max())) if start < len(total) else entering
+def _steady_total(walk: _Walk) -> int:
+    """``steady_peak``'s total."""
+    steady = [total for step, (total, _, _, _) in walk.best.items() if step >= 2]
+    if not steady:
+        raise ValueError("the timeline has no steady-state step (steps >= 2)")
+    return max(steady)
 
 
 def steady_reserved_peak(r: Replay) -> int:
@@ -519,8 +536,9 @@ def build_ledger(
     seconds: float = 0.0,
     version: str = "",
 ) -> Ledger:
-    raw = replay(timeline)
-    blocks = replay(timeline, allocator)
+    totals = EventTotals(timeline)
+    raw = replay(timeline, totals=totals)
+    blocks = replay(timeline, allocator, totals=totals)
     peak, first = steady_peak(raw), raw.step_peaks[1]
     alloc_peak, alloc_first = steady_peak(blocks), blocks.step_peaks[1]
     top = sorted(raw.activations_by_module.items(), key=lambda kv: -kv[1])[:TOP_MODULES]

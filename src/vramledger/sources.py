@@ -15,13 +15,14 @@ import importlib
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from .attention import register_modelled_flash_attention
 from .errors import InputError
@@ -388,7 +389,7 @@ def resolve_inputs(inputs: Any, source: ModelSource) -> Inputs:
             if getattr(shape, key) is not None:
                 kwargs[key] = getattr(shape, key)
         batch = _call_user(fn, "inputs function", **kwargs)
-        if not _has_tensor(batch):
+        if not tensor_leaves(batch):
             raise InputError(
                 f"the inputs function returned {type(batch).__name__} with no tensors",
                 hint="return a dict, tuple or tensor",
@@ -396,16 +397,6 @@ def resolve_inputs(inputs: Any, source: ModelSource) -> Inputs:
         return batch
 
     return Inputs(make=make, uses=uses)
-
-
-def _has_tensor(obj: Any) -> bool:
-    if isinstance(obj, torch.Tensor):
-        return True
-    if isinstance(obj, dict):
-        return any(_has_tensor(v) for v in obj.values())
-    if isinstance(obj, (list, tuple)):
-        return any(_has_tensor(v) for v in obj)
-    return False
 
 
 def partial_hf_inputs(source: ModelSource) -> Inputs:
@@ -474,21 +465,17 @@ def map_tensors(fn: Callable[[torch.Tensor], torch.Tensor], obj: Any) -> Any:
     """``obj`` with every tensor replaced by ``fn(tensor)``, through nested dicts, lists, tuples
     and the containers ``torch.utils._pytree`` knows (other mappings, e.g. a tokenizer's
     ``BatchEncoding``, become dicts)."""
-    from collections.abc import Mapping
+    return pytree.tree_map_only(torch.Tensor, fn, _as_pytree(obj))
 
-    from torch.utils import _pytree as pytree
 
+def tensor_leaves(obj: Any) -> list[torch.Tensor]:
+    """Every tensor in ``obj``, in order, through the containers ``map_tensors`` goes through."""
+    return [t for t in pytree.tree_leaves(_as_pytree(obj)) if isinstance(t, torch.Tensor)]
+
+
+def _as_pytree(obj: Any) -> Any:
+    """``obj`` with a mapping that ``torch.utils._pytree`` does not know (a dict subclass, a
+    tokenizer's ``BatchEncoding``) as a dict, its values likewise, so that pytree walks it."""
     if isinstance(obj, Mapping) and type(obj) not in pytree.SUPPORTED_NODES:
-        return {k: map_tensors(fn, v) for k, v in obj.items()}
-    return pytree.tree_map_only(torch.Tensor, fn, obj)
-
-
-def iter_tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from iter_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from iter_tensors(v)
+        return {k: _as_pytree(v) for k, v in obj.items()}
+    return obj

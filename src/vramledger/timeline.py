@@ -133,6 +133,19 @@ class Timeline:
             if s not in freed and self.category(s) is category
         )
 
+    def lifetimes(self, sids: set[int]) -> dict[int, tuple[int, int | None]]:
+        """Index of the event that allocates each of ``sids`` and of the one that frees it (None:
+        alive at the end); a storage without events is left out."""
+        allocated: dict[int, int] = {}
+        freed: dict[int, int] = {}
+        for i, e in enumerate(self.events):
+            if e >= 0:
+                if e in sids:
+                    allocated[e] = i
+            elif ~e in sids:
+                freed[~e] = i
+        return {sid: (i, freed.get(sid)) for sid, i in allocated.items()}
+
     @property
     def num_storages(self) -> int:
         return len(self.nbytes)

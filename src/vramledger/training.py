@@ -20,7 +20,7 @@ from .categories import Category, Phase
 from .errors import InputError
 from .optimizers import OptimizerChoice
 from .precision import DynamicLossScaler, MasterWeights, PrecisionPolicy, autocast, is_fake
-from .sources import LossFn, iter_tensors
+from .sources import LossFn, map_tensors, tensor_leaves
 
 
 class StepObserver(Protocol):
@@ -52,13 +52,8 @@ class NullObserver:
 
 
 def cast_floating(batch: Any, dtype: torch.dtype) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(dtype) if batch.is_floating_point() else batch
-    if isinstance(batch, dict):
-        return {k: cast_floating(v, dtype) for k, v in batch.items()}
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(cast_floating(v, dtype) for v in batch)
-    return batch
+    """``batch`` with its floating-point tensors in ``dtype``."""
+    return map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, batch)
 
 
 def _is_sharded(t: torch.Tensor) -> bool:
@@ -85,10 +80,7 @@ def track_by_kind(
 
 
 def optimizer_state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    for state in optimizer.state.values():
-        out.extend(iter_tensors(list(state.values()) if isinstance(state, dict) else state))
-    return out
+    return tensor_leaves(list(optimizer.state.values()))
 
 
 @dataclass(kw_only=True)
@@ -191,7 +183,7 @@ def assemble(
         batch = cast_floating(batch, precision.param_dtype)
     track_by_kind(observer, model.parameters(), param_category)
     observer.tensors(model.buffers(), Category.BUFFERS)
-    observer.tensors(iter_tensors(batch), Category.INPUTS)
+    observer.tensors(tensor_leaves(batch), Category.INPUTS)
     params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         raise InputError(

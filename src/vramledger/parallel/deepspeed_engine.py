@@ -48,7 +48,7 @@ from ..jsonfile import read_json_object
 from ..optimizers import OptimizerChoice
 from ..precision import PrecisionPolicy
 from ..recipe import Recipe
-from ..sources import LossFn, iter_tensors
+from ..sources import LossFn, tensor_leaves
 from ..spec import TrainingSpec
 from ..training import MASTER_GRADIENT, StepObserver, cast_floating
 from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world, quiet, version
@@ -193,7 +193,7 @@ def build_run(
     params = [p for p in model.parameters() if p.requires_grad]
     observer.tensors(model.parameters(), Category.PARAMETERS)
     observer.tensors(model.buffers(), Category.BUFFERS)
-    observer.tensors(iter_tensors(batch), Category.INPUTS)
+    observer.tensors(tensor_leaves(batch), Category.INPUTS)
     notes = []
     inner = optimizer.build(params)
     labels = _Labels(observer)

@@ -123,15 +123,7 @@ def _master_shards_to_host(timeline: Timeline, fraction: float) -> dict[int, int
     ]
     if not shards:
         return {}
-    wanted = set(shards)
-    allocated: dict[int, int] = {}
-    freed: dict[int, int] = {}
-    for i, e in enumerate(timeline.events):
-        if e >= 0:
-            if e in wanted:
-                allocated[e] = i
-        elif ~e in wanted:
-            freed[~e] = i
+    lifetimes = timeline.lifetimes(set(shards))
     insertions: dict[int, list[int]] = defaultdict(list)
     copies: dict[int, int] = {}
     for sid in shards:
@@ -141,8 +133,9 @@ def _master_shards_to_host(timeline: Timeline, fraction: float) -> dict[int, int
         copies[copy] = sid
         timeline.tags[sid] = Category.MASTER_WEIGHTS
         timeline.on_host[sid] = True
-        insertions[allocated[sid] + 1].append(copy)
-        if sid in freed:
-            insertions[freed[sid] + 1].append(~copy)
+        allocated, freed = lifetimes[sid]
+        insertions[allocated + 1].append(copy)
+        if freed is not None:
+            insertions[freed + 1].append(~copy)
     timeline.insert_events(insertions)
     return copies

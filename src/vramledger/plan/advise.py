@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from ..categories import MODEL_STATE_CATEGORIES, Category, Phase
+from ..event_totals import live_at
 from ..gpus import Gpu
-from ..ledger import Ledger, live_at
+from ..ledger import Ledger
 from ..optimizers import resolve_optimizer
 from ..predict import estimate
 from ..recipe import resolve

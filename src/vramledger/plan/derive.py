@@ -295,15 +295,12 @@ def _deepspeed_step(
     if stage == 2:  # the kept gradients are made when the first bucket holding one is reduced
         buckets = reduction_buckets(numels, order, REDUCE_BUCKET_ELEMENTS)
         first = min((buckets[i] for i in rank.params), default=0)
-        seen = current = 0
-        for i, sid in grads:
-            elements = tl.nbytes[sid] // item
-            if seen + elements > REDUCE_BUCKET_ELEMENTS:
-                if current == first:
-                    kept_at = i
-                    break
-                current, seen = current + 1, 0
-            seen += elements
+        # the bucket each gradient fills as autograd makes them: the first of the next one
+        # arrives when DeepSpeed reduces that one
+        filled = reduction_buckets(
+            [tl.nbytes[sid] // item for _, sid in grads], range(len(grads)), REDUCE_BUCKET_ELEMENTS
+        )
+        kept_at = next((i for (i, _), b in zip(grads, filled, strict=True) if b > first), end)
     step_end = _mark(tl, step + 1, Phase.OPTIMIZER, after=end) or len(tl.events)
     master_grads = [
         i

@@ -34,8 +34,9 @@ from typing import Any
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..config_depth import config_depth
 from ..errors import InputError
+from ..event_totals import EventTotals
 from ..gpus import Gpu
-from ..ledger import EventTotals, steady_peaks, steady_tensor_peak
+from ..ledger import steady_peaks, steady_tensor_peak
 from ..optimizers import resolve_optimizer
 from ..parallelism import Parallelism
 from ..recipe import resolve

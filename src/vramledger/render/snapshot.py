@@ -20,8 +20,9 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from ..allocator import CUDA_CACHING_ALLOCATOR, Block, CudaCachingAllocatorSim
+from ..allocator import CUDA_CACHING_ALLOCATOR, Blocks
 from ..errors import InputError
+from ..event_totals import live_at
 from ..ledger import Ledger, replay, steady_peak
 from ..timeline import Timeline
 
@@ -40,23 +41,37 @@ def _frames(tl: Timeline, sid: int) -> list[dict[str, Any]]:
     return [{"filename": FRAME_FILE, "line": step, "name": f"{name} (step {step} {phase.value})"}]
 
 
-def _segments(sim: CudaCachingAllocatorSim, owners: dict[int, int], tl: Timeline) -> list[dict]:
+def _segments(
+    segments: list[tuple[int, int, bool]], owners: dict[int, int], blocks: Blocks, tl: Timeline
+) -> list[dict]:
+    """The segments reserved, each with its blocks in address order: those of the storages in
+    ``owners`` (block address -> sid) allocated, every gap between them one free block (the
+    allocator merges free neighbours)."""
     out = []
-    for addr, size, small in sim.segments:
-        blocks = []
-        block: Block | None = sim.heads[addr]
-        while block is not None:
-            sid = owners.get(block.addr) if not block.free else None
-            entry = {
-                "address": block.addr,
-                "size": block.size,
+    allocated = sorted(owners)
+    k = 0
+    for addr, size, small in segments:  # in address order, as the allocated blocks
+        spans = []  # (address, size, owner) of each block
+        at, end = addr, addr + size
+        while k < len(allocated) and allocated[k] < end:
+            start, sid = allocated[k], owners[allocated[k]]
+            if start > at:
+                spans.append((at, start - at, None))
+            spans.append((start, blocks.sizes[sid], sid))
+            at, k = start + blocks.sizes[sid], k + 1
+        if at < end:
+            spans.append((at, end - at, None))
+        entries = [
+            {
+                "address": start,
+                "size": length,
                 "requested_size": tl.nbytes[sid] if sid is not None else 0,
                 "state": "inactive" if sid is None else "active_allocated",
                 "frames": _frames(tl, sid) if sid is not None else [],
             }
-            blocks.append(entry)
-            block = block.next
-        active = sum(b["size"] for b in blocks if b["state"] == "active_allocated")
+            for start, length, sid in spans
+        ]
+        active = sum(b["size"] for b in entries if b["state"] == "active_allocated")
         out.append(
             {
                 "device": DEVICE,
@@ -64,13 +79,13 @@ def _segments(sim: CudaCachingAllocatorSim, owners: dict[int, int], tl: Timeline
                 "total_size": size,
                 "allocated_size": active,
                 "active_size": active,
-                "requested_size": sum(b["requested_size"] for b in blocks),
+                "requested_size": sum(b["requested_size"] for b in entries),
                 "stream": STREAM,
                 "segment_type": "small" if small else "large",
                 "segment_pool_id": (0, 0),
                 "is_expandable": False,
                 "frames": [],
-                "blocks": blocks,
+                "blocks": entries,
             }
         )
     return out
@@ -88,34 +103,43 @@ def memory_snapshot(ledger: Ledger) -> dict[str, Any]:
             hint="drop --target cpu (the snapshot is the caching allocator's view)",
         )
     peak_event = steady_peak(replay(tl, CUDA_CACHING_ALLOCATOR)).event
-    sim = CudaCachingAllocatorSim()
-    blocks: dict[int, Block] = {}
-    owners: dict[int, int] = {}  # block address -> sid, while allocated
+    blocks = CUDA_CACHING_ALLOCATOR.blocks(tl.nbytes, tl.events, tl.on_host)
+    reserving = _reserving_events(blocks)
+    made = 0  # segments reserved so far
     trace: list[dict[str, Any]] = []
-    segments: list[dict[str, Any]] | None = None
     for i, ev in enumerate(tl.events):
         sid = ev if ev >= 0 else ~ev
-        if not tl.on_host[sid] and tl.nbytes[sid] > 0:
-            if ev >= 0:
-                known = len(sim.segments)
-                block = sim.malloc(tl.nbytes[sid])
-                for addr, size, _ in sim.segments[known:]:
-                    trace.append(_action("segment_alloc", addr, size, i, []))
-                blocks[sid], owners[block.addr] = block, sid
-                trace.append(_action("alloc", block.addr, block.size, i, _frames(tl, sid)))
-            elif sid in blocks:
-                block = blocks.pop(sid)
-                del owners[block.addr]
-                for action in ("free_requested", "free_completed"):
-                    trace.append(_action(action, block.addr, block.size, i, _frames(tl, sid)))
-                sim.free(block)
-        if i == peak_event:
-            segments = _segments(sim, owners, tl)
+        addr, size = blocks.addresses[sid], blocks.sizes[sid]
+        if addr < 0:
+            continue  # no block: in host memory, or zero bytes
+        if ev >= 0:
+            if made < len(reserving) and reserving[made] == i:
+                segment_addr, segment_size, _ = blocks.segments[made]
+                trace.append(_action("segment_alloc", segment_addr, segment_size, i, []))
+                made += 1
+            trace.append(_action("alloc", addr, size, i, _frames(tl, sid)))
+        else:
+            for action in ("free_requested", "free_completed"):
+                trace.append(_action(action, addr, size, i, _frames(tl, sid)))
+    live = live_at(tl, peak_event, device_only=True)
+    owners = {blocks.addresses[sid]: sid for sid in live if blocks.addresses[sid] >= 0}
+    held = blocks.segments[: sum(1 for e in reserving if e <= peak_event)]
     return {
-        "segments": segments or [],
+        "segments": _segments(held, owners, blocks, tl),
         "device_traces": [trace],
         "allocator_settings": {"expandable_segments": False, "note": "vramledger prediction"},
     }
+
+
+def _reserving_events(blocks: Blocks) -> list[int]:
+    """The event that reserves each segment, in order (one allocation reserves at most one)."""
+    before = 0
+    events = []
+    for i, reserved in enumerate(blocks.reserved):
+        if reserved > before:
+            events.append(i)
+        before = reserved
+    return events
 
 
 def _action(kind: str, addr: int, size: int, index: int, frames: list[dict[str, Any]]) -> dict:

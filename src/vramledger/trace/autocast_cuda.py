@@ -26,10 +26,11 @@ from __future__ import annotations
 
 import functools
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves, tree_map
 
 LOWER_PRECISION_FP: tuple[str, ...] = (
     "_convolution.deprecated",
@@ -226,24 +227,7 @@ class _Caster:
         return out
 
     def tree(self, args: Any, dtype: torch.dtype, lower: torch.dtype) -> Any:
-        if _eligible(args):
-            return self.cast(args, dtype, lower)
-        if isinstance(args, (list, tuple)):
-            return type(args)(self.tree(a, dtype, lower) for a in args)
-        if isinstance(args, dict):
-            return {k: self.tree(v, dtype, lower) for k, v in args.items()}
-        return args
-
-
-def _tensors(args: Any) -> Iterator[torch.Tensor]:
-    if isinstance(args, torch.Tensor):
-        yield args
-    elif isinstance(args, (list, tuple)):
-        for a in args:
-            yield from _tensors(a)
-    elif isinstance(args, dict):
-        for a in args.values():
-            yield from _tensors(a)
+        return tree_map(lambda a: self.cast(a, dtype, lower) if _eligible(a) else a, args)
 
 
 class CudaAutocast:
@@ -276,7 +260,7 @@ class CudaAutocast:
                 elif policy == "fp32":
                     dtype = torch.float32
                 else:
-                    eligible = [t.dtype for t in _tensors((args, kwargs)) if _eligible(t)]
+                    eligible = [t.dtype for t in tree_leaves((args, kwargs)) if _eligible(t)]
                     dtype = torch.float32 if torch.float32 in eligible else lower
                 with torch._C._ExcludeDispatchKeyGuard(_AUTOCAST_CPU):
                     return op(*caster.tree(args, dtype, lower), **caster.tree(kwargs, dtype, lower))

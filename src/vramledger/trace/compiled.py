@@ -60,6 +60,7 @@ from torch._guards import detect_fake_mode
 from torch.utils._python_dispatch import _disable_current_modes, _pop_mode, _push_mode
 from torch.utils._pytree import tree_leaves
 
+from ..event_totals import EventTotals
 from ..timeline import Timeline
 from ..units import format_bytes
 from .patched_functions import patched_functions
@@ -671,19 +672,10 @@ def call_figures(
       partitioner picks, which only compiling tells. The two figures bound what the region
       holds at its end."""
     first_event, first_sid, _ = start
-    live = peak = 0
-    alive: set[int] = set()
-    for e in timeline.events[first_event:]:
-        sid = e if e >= 0 else ~e
-        if sid < first_sid:
-            continue
-        if e >= 0:
-            alive.add(sid)
-            live += timeline.nbytes[sid]
-            peak = max(peak, live)
-        elif sid in alive:
-            alive.discard(sid)
-            live -= timeline.nbytes[sid]
+    made_since = {e for e in timeline.events[first_event:] if e >= first_sid}
+    peak = EventTotals(timeline, first_event).peak(
+        [n if sid in made_since else 0 for sid, n in enumerate(timeline.nbytes)]
+    )
     given = {st._cdata for t in _tensors(inputs) for st in storages_of(t)}
     made = {st._cdata: st.nbytes() for t in _tensors(out) for st in storages_of(t)}
     return peak, sum(n for key, n in made.items() if key not in given)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_leaves, tree_map_only
 
 from ..allocator_events import memory_events, peak_of, recording
 from .tracker import StorageTracker
@@ -72,28 +73,21 @@ def _key(func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any,
 
 
 def _real(a: Any) -> Any:
-    if isinstance(a, torch.Tensor):
-        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="cpu").zero_()
-    if isinstance(a, (list, tuple)):
-        return type(a)(_real(x) for x in a)
-    return a
+    """``a`` with zeros for its tensors."""
+    return tree_map_only(
+        torch.Tensor,
+        lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu").zero_(),
+        a,
+    )
 
 
 def _known(values: Any, a: Any) -> Any:
     """``a`` with the values the trace knows (a copy: the probe must not write into them)."""
-    if isinstance(a, torch.Tensor):
-        return values.value(a).clone()
-    if isinstance(a, (list, tuple)):
-        return type(a)(_known(values, x) for x in a)
-    return a
+    return tree_map_only(torch.Tensor, lambda t: values.value(t).clone(), a)
 
 
 def _flat_tensors(args: Any) -> list[torch.Tensor]:
-    if isinstance(args, torch.Tensor):
-        return [args]
-    if isinstance(args, (list, tuple)):
-        return [t for a in args for t in _flat_tensors(a)]
-    return []
+    return [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
 
 
 class CpuScratchProbe:

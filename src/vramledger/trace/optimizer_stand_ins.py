@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.utils._pytree import tree_leaves
 
 from ..categories import Category
 from ..errors import InputError
@@ -192,17 +193,7 @@ def stand_in(choice: OptimizerChoice, target: str) -> OptimizerChoice:
 
 
 def _tensor_ids(obj: Any) -> set[int]:
-    found: set[int] = set()
-    stack = [obj]
-    while stack:
-        item = stack.pop()
-        if isinstance(item, torch.Tensor):
-            found.add(id(item))
-        elif isinstance(item, dict):
-            stack.extend(item.values())
-        elif isinstance(item, (list, tuple)):
-            stack.extend(item)
-    return found
+    return {id(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor)}
 
 
 TORCHAO_CACHED_TABLES = (

@@ -26,7 +26,6 @@ replay the ledger makes, so what the program prints is the prediction.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -50,6 +49,7 @@ from ..allocator import AllocatorModel
 from ..categories import Category, Phase
 from ..checkpoint_shapes import weights_without_data
 from ..errors import TraceError
+from ..event_totals import EventTotals, sizes_in
 from ..offline_hub import offline_hub
 from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from ..timeline import Timeline
@@ -133,15 +133,7 @@ class TimelineCounter:
         if self._cache is not None and self._cache[0] == len(tl.events):
             return self._cache[1], self._cache[2]
         sizes, reserved = self.allocator.block_sizes(tl.nbytes, tl.events, tl.on_host)
-        host = tl.on_host
-
-        def delta(ev: int) -> int:
-            sid = ev if ev >= 0 else ~ev
-            if host[sid]:
-                return 0
-            return sizes[sid] if ev >= 0 else -sizes[sid]
-
-        allocated = list(itertools.accumulate(delta(ev) for ev in tl.events))
+        allocated = EventTotals(tl).held(sizes_in(sizes, tl.on_host, host=False))
         if not reserved:
             reserved = allocated
         self._cache = (len(tl.events), allocated, reserved)

@@ -59,6 +59,7 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_map_only
 
 from ..errors import InputError
 
@@ -218,27 +219,14 @@ class KnownValues:
             out.set_(storage, t.storage_offset(), t.shape, t.stride())
         return out
 
-    def _real_args(self, obj: Any) -> Any:
-        if isinstance(obj, torch.Tensor):
-            return self.value(obj)
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(self._real_args(x) for x in obj)
-        if isinstance(obj, dict):
-            return {k: self._real_args(v) for k, v in obj.items()}
-        return obj
-
     def _run_real(self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         with _disable_current_modes(), unset_fake_temporarily(), torch.no_grad():
-            return func(*self._real_args(args), **self._real_args(kwargs))
+            real_args, real_kwargs = tree_map_only(torch.Tensor, self.value, (args, kwargs))
+            return func(*real_args, **real_kwargs)
 
     def _fake_from_real(self, real: Any) -> Any:
-        if isinstance(real, torch.Tensor):
-            with unset_fake_temporarily():
-                fake = self.mode.from_tensor(real)
-            return fake
-        if isinstance(real, (list, tuple)):
-            return type(real)(self._fake_from_real(r) for r in real)
-        return real
+        with unset_fake_temporarily():
+            return tree_map_only(torch.Tensor, self.mode.from_tensor, real)
 
     def _register_outputs(self, fake_out: Any, real_out: Any, routed: bool) -> None:
         for fake, real in zip(_outputs(fake_out), _outputs(real_out), strict=False):
