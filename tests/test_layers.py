@@ -71,6 +71,7 @@ LAYERS: dict[str, list[str]] = {
     "trace": [
         "trace",
         "trace.autocast_cuda",
+        "trace.backward_modules",
         "trace.blocks",
         "trace.cache",
         "trace.compiled",
@@ -95,7 +96,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.values",
         "trace.wrapped_numbers",
     ],
-    "ledger": ["ledger"],
+    "ledger": ["ledger", "peak_modules"],
     "engines": [
         "parallel",
         "parallel.context",

@@ -15,12 +15,13 @@ from typing import Any
 from .allocator import AllocatorModel
 from .categories import CATEGORY_PRIORITY, MODEL_STATE_CATEGORIES, Category, Phase
 from .event_totals import EventTotals, live_at, sizes_in
+from .peak_modules import OUTSIDE, ModuleBytes, modules_at_peak, top_modules
 from .timeline import Timeline
 from .verdict import Verdict
 
 _NCAT = len(CATEGORY_PRIORITY)
 TOP_MODULES = 10
-"""How many modules the top-activation list keeps."""
+"""How many modules the top-activation list and the modules at the peak keep."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -293,7 +294,7 @@ def _activations_by_module(timeline: Timeline, live: set[int]) -> dict[str, int]
     out: dict[str, int] = defaultdict(int)
     for sid in live:
         if timeline.category(sid) is Category.ACTIVATIONS:
-            out[timeline.module[sid] or "(outside any module)"] += timeline.nbytes[sid]
+            out[timeline.module[sid] or OUTSIDE] += timeline.nbytes[sid]
     return dict(out)
 
 
@@ -401,6 +402,10 @@ class Ledger:
     trainable_parameters: int
     top_modules: list[tuple[str, int]]
     """Modules holding the most activation bytes at the end of the forward pass."""
+    peak_modules: list[ModuleBytes] = field(default_factory=list)
+    """The bytes live at the steady-state peak by the module whose code allocated them (its
+    forward, its forward recomputed, its backward; ``peak_modules.py``), largest first; they
+    sum to ``peak_bytes``. The JSON keeps the first ``TOP_MODULES`` and sums the rest."""
     optimizer_state_bytes: int
     """Optimizer state at the end of the run (device and host)."""
     optimizer_state_method: str = "traced"
@@ -437,6 +442,7 @@ class Ledger:
         assert sum(self.at_peak.values()) == self.peak_bytes
         assert sum(self.allocated_at_peak.values()) == self.allocated_peak_bytes
         assert sum(self.first_step_at_peak.values()) == self.first_step_peak_bytes
+        assert not self.peak_modules or sum(m.total for m in self.peak_modules) == self.peak_bytes
 
     @property
     def optimizer_state_bytes_per_param(self) -> float:
@@ -509,6 +515,7 @@ class Ledger:
             "optimizer_state_bytes_per_param": round(self.optimizer_state_bytes_per_param, 4),
             "optimizer_state_method": self.optimizer_state_method,
             "top_modules": [{"module": m, "activation_bytes": b} for m, b in self.top_modules],
+            "peak_modules": [m.to_dict() for m in top_modules(self.peak_modules, TOP_MODULES)],
             "spec": self.spec,
             "notes": self.notes,
             "seconds": round(self.seconds, 3),
@@ -564,6 +571,7 @@ def build_ledger(
         parameters=parameters,
         trainable_parameters=trainable_parameters,
         top_modules=top,
+        peak_modules=modules_at_peak(timeline, peak.event, peak.total),
         optimizer_state_bytes=optimizer_state_bytes,
         optimizer_state_method=optimizer_state_method,
         spec=spec or {},

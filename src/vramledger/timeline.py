@@ -26,7 +26,13 @@ class Timeline:
     """True for storages that the target keeps in host memory (e.g. Adam's ``step`` counters
     on CUDA); they are reported apart from device memory."""
     module: list[str | None] = field(default_factory=list)
-    """Innermost module (fully qualified name) running when the storage was allocated."""
+    """Module (fully qualified name) whose code allocated the storage: in forward the innermost
+    module running; in backward the module whose forward made the autograd node running
+    (``trace/backward_modules.py``), or, while activation checkpointing recomputes a forward, the
+    innermost module recomputed."""
+    recomputed: list[bool] = field(default_factory=list)
+    """True for storages allocated while activation checkpointing recomputed a forward inside
+    backward (their ``module`` is the module recomputed)."""
     op: list[str | None] = field(default_factory=list)
     """Operator whose output the storage is (``aten.mm.default``), None for registered tensors."""
     origin: list[tuple[int, Phase]] = field(default_factory=list)
@@ -52,12 +58,14 @@ class Timeline:
         module: str | None,
         op: str | None = None,
         block: int | None = None,
+        recomputed: bool = False,
     ) -> int:
         sid = len(self.nbytes)
         self.nbytes.append(nbytes)
         self.tags.append(None)
         self.on_host.append(False)
         self.module.append(module)
+        self.recomputed.append(recomputed)
         self.op.append(op)
         self.origin.append((step, phase))
         self.block.append(block)
@@ -74,13 +82,14 @@ class Timeline:
 
     def add_storage(self, nbytes: int, category: Category, *, like: int | None = None) -> int:
         """A storage the run did not record (a layout model's or a derivation's), without events:
-        give it some with ``insert_events``. ``like``: take that storage's module, op, origin
-        and block; else it is made at setup."""
+        give it some with ``insert_events``. ``like``: take that storage's module (and whether
+        it was recomputed), op, origin and block; else it is made at setup."""
         sid = len(self.nbytes)
         self.nbytes.append(nbytes)
         self.tags.append(category)
         self.on_host.append(False)
         self.module.append(self.module[like] if like is not None else None)
+        self.recomputed.append(self.recomputed[like] if like is not None else False)
         self.op.append(self.op[like] if like is not None else None)
         self.origin.append(self.origin[like] if like is not None else (0, Phase.SETUP))
         self.block.append(self.block[like] if like is not None else None)

@@ -118,6 +118,7 @@ def derive_layout(
         tags=list(tl.tags),
         on_host=list(tl.on_host),
         module=list(tl.module),
+        recomputed=list(tl.recomputed),
         op=list(tl.op),
         origin=list(tl.origin),
         labels=dict(tl.labels),

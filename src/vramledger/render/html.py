@@ -17,8 +17,9 @@ from typing import Any
 from ..categories import CATEGORY_PRIORITY, STEP_PHASES, Category
 from ..compare import Comparison
 from ..errors import InputError
-from ..ledger import Ledger, series
+from ..ledger import TOP_MODULES, Ledger, series
 from ..measure import Measurement
+from ..peak_modules import PASS_NAMES, passes_used, top_modules
 from ..plan.advise import Advice
 from ..plan.candidates import DERIVED
 from ..plan.fit import Fit, NoFit
@@ -308,12 +309,29 @@ def _breakdown(ledger: Ledger) -> str:
 
 
 def _modules(ledger: Ledger) -> str:
-    if not ledger.top_modules:
-        return ""
-    rows = [[_e(m), _e(format_bytes(b))] for m, b in ledger.top_modules]
-    return "<h2>Activations held at the end of forward, by module</h2>" + _table(
-        ["module", "activations"], rows, {1}
-    )
+    out = ""
+    if ledger.top_modules:
+        rows = [[_e(m), _e(format_bytes(b))] for m, b in ledger.top_modules]
+        out += "<h2>Activations held at the end of forward, by module</h2>" + _table(
+            ["module", "activations"], rows, {1}
+        )
+    if ledger.peak_modules:
+        top = top_modules(ledger.peak_modules, TOP_MODULES)
+        passes = passes_used(top)
+        rows = [
+            [
+                _e(row.module),
+                _e(format_bytes(row.total)),
+                *(_e(format_bytes(getattr(row, p))) if getattr(row, p) else "—" for p in passes),
+            ]
+            for row in top
+        ]
+        out += "<h2>Live at the peak, by the module that allocated it</h2>" + _table(
+            ["module", "at peak", *(PASS_NAMES[p] for p in passes)],
+            rows,
+            set(range(1, 2 + len(passes))),
+        )
+    return out
 
 
 def _verdict(ledger: Ledger) -> str:

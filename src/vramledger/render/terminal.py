@@ -10,8 +10,9 @@ from rich.text import Text
 
 from ..categories import STEP_PHASES, Category
 from ..compare import Comparison
-from ..ledger import Ledger
+from ..ledger import TOP_MODULES, Ledger
 from ..measure import Measurement
+from ..peak_modules import PASS_NAMES, passes_used, top_modules
 from ..units import format_bytes
 from ..verdict import Verdict
 
@@ -97,6 +98,8 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
         for name, nbytes in ledger.top_modules:
             modules.add_row(name, format_bytes(nbytes))
         parts.append(modules)
+    if ledger.peak_modules:
+        parts.append(peak_modules_table(ledger))
     facts = []
     if ledger.reserved_peak_bytes != ledger.allocated_peak_bytes:
         facts.append(
@@ -115,6 +118,28 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     facts.append(f"took {ledger.seconds:.2f} s")
     parts.append(Text("\n".join(facts), style="dim"))
     return Group(*parts)
+
+
+def peak_modules_table(ledger: Ledger) -> Table:
+    """What is live at the peak by the module that allocated it, split by pass: forward,
+    forward recomputed by activation checkpointing, backward, outside both."""
+    rows = top_modules(ledger.peak_modules, TOP_MODULES)
+    passes = passes_used(rows)
+    table = Table(
+        title="live at the peak, by the module that allocated it (in its forward or backward)",
+        title_justify="left",
+    )
+    table.add_column("module")
+    table.add_column("at peak", justify="right")
+    for p in passes:
+        table.add_column(PASS_NAMES[p], justify="right")
+    for row in rows:
+        table.add_row(
+            row.module,
+            format_bytes(row.total),
+            *(format_bytes(getattr(row, p)) if getattr(row, p) else "—" for p in passes),
+        )
+    return table
 
 
 def optimizer_state_line(ledger: Ledger) -> str:

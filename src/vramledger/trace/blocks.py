@@ -289,13 +289,33 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
     for index, step, phase in tl.marks:
         mark_at.setdefault(index, []).append((step, phase))
 
+    def outside_module(module: str | None) -> str | None:
+        """The module of an allocation outside every region: one in the first blocks as it
+        is, one in the last renumbered as the new last (FSDP's unsharding for the last block's
+        backward runs in a hook of its output's autograd node, before its block label)."""
+        found = _block_offset(module, prefix, 0)
+        if found is None or found[0] < HEAD:
+            return module
+        if found[0] == blocks - 1:
+            return f"{prefix}.{depth - 1}{found[1]}"
+        raise NotExtensible("an event outside the blocks belongs to a middle block's module")
+
     def emit_outside(e: int) -> None:
-        """An event outside every region, copied as it is; a free there may refer only to the
-        first blocks (kept as traced) or to the last (renumbered as the new last)."""
+        """An event outside every region, copied as it is; a free there, or the module of an
+        allocation there, may refer only to the first blocks (kept as traced) or to the last
+        (renumbered as the new last)."""
         ev = tl.events[e]
         if ev >= 0:
             step, phase = tl.origin[ev]
-            nsid = out.new_storage(tl.nbytes[ev], step, phase, tl.module[ev], tl.op[ev], None)
+            nsid = out.new_storage(
+                tl.nbytes[ev],
+                step,
+                phase,
+                outside_module(tl.module[ev]),
+                tl.op[ev],
+                None,
+                recomputed=tl.recomputed[ev],
+            )
             out.tags[nsid] = tl.tags[ev]
             out.on_host[nsid] = tl.on_host[ev]
             if ev in tl.labels:
@@ -337,6 +357,7 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
                         tl.tags[ev],
                         tl.on_host[ev],
                         module,
+                        tl.recomputed[ev],
                         offset,
                         suffix,
                         tl.op[ev],
@@ -362,11 +383,12 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
 
     def emit_chunk(items: list[tuple[Any, ...]], j: int) -> None:
         """Every event of a chunk template, as block ``j``."""
-        nbytes, tags, on_host, module_of, ops = (
+        nbytes, tags, on_host, module_of, recomputed, ops = (
             out.nbytes,
             out.tags,
             out.on_host,
             out.module,
+            out.recomputed,
             out.op,
         )
         origin, block, events, event_block = out.origin, out.block, out.events, out.event_block
@@ -378,6 +400,7 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
                     tag,
                     host,
                     module,
+                    again,
                     offset,
                     suffix,
                     op,
@@ -392,6 +415,7 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
                 tags.append(tag)
                 on_host.append(host)
                 module_of.append(module if offset is None else f"{prefix}.{j + offset}{suffix}")
+                recomputed.append(again)
                 ops.append(op)
                 origin.append(when)
                 block.append(j)
@@ -439,6 +463,7 @@ def same_timeline(a: Timeline, b: Timeline) -> bool:
         and a.tags == b.tags
         and a.on_host == b.on_host
         and a.module == b.module
+        and a.recomputed == b.recomputed
         and a.op == b.op
         and a.origin == b.origin
         and a.labels == b.labels

@@ -196,6 +196,10 @@ _CODECS: dict[str, tuple[Any, Any]] = {
         lambda s: [bool(h) for h in _from_ints(s, "b")],
     ),
     "module": (_strings, _from_strings),
+    "recomputed": (
+        lambda v: _ints([int(bool(r)) for r in v], "b"),
+        lambda s: [bool(r) for r in _from_ints(s, "b")],
+    ),
     "op": (_strings, _from_strings),
     "origin": (
         lambda v: [_ints([s for s, _ in v]), _ints([_PHASES.index(p) for _, p in v], "b")],

@@ -10,6 +10,10 @@ parameters, buffers, inputs and master weights are tagged at registration; ``par
 each backward; ``optimizer.state`` after each step; storages made during forward (or during its
 recomputation under activation checkpointing) that are still alive when it ends are
 activations; everything else is a temporary.
+
+Each storage also names the module that allocated it (``Timeline.module``): the innermost module
+whose forward runs (global module hooks), in backward the module whose forward made the autograd
+node running (``backward_modules.py``), in a recomputation the module recomputed.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from torch.utils._python_dispatch import (
 from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
+from .backward_modules import BackwardModules
 from .plain_autograd import (
     CONFIRMED_TWINS,
     IN_PLACE_TWINS,
@@ -48,8 +53,9 @@ from .wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
 @dataclass(frozen=True)
 class Recording:
     """The events of one call, relative to where they began (``StorageTracker.recording``):
-    ``storages`` as (bytes, category, on host, module, operator, block, block is the call's,
-    label); ``events`` as (relative ``sid`` or ``~sid``, event block, event block is the call's)."""
+    ``storages`` as (bytes, category, on host, module, recomputed, operator, block, block is the
+    call's, label); ``events`` as (relative ``sid`` or ``~sid``, event block, event block is the
+    call's)."""
 
     storages: list[tuple[Any, ...]]
     events: list[tuple[int, int | None, bool]]
@@ -132,6 +138,7 @@ class StorageTracker(TorchDispatchMode):
         self._op_observer = op_observer
         self._module_names = module_names or {}
         self._module_stack: list[str | None] = []
+        self._backward_modules = BackwardModules()
         self._region: list[int] | None = None  # sids allocated in the current forward/recompute
         self._recompute_depth: int | None = None
         self._hook_handles: list[Any] = []
@@ -210,7 +217,8 @@ class StorageTracker(TorchDispatchMode):
                 self.scalars_answered += 1
                 answer = self.scalar_answer
                 return float(answer) if args[0].dtype.is_floating_point else answer
-            self.failure = (_identity(exc), self.current_module or "")
+            module = self.current_module or self._backward_modules.running()[1]
+            self.failure = (_identity(exc), module or "")
             raise
         correct = self._corrections.get(func)
         if correct is not None:
@@ -322,9 +330,11 @@ class StorageTracker(TorchDispatchMode):
         return sids
 
     def _new(self, nbytes: int, block: int | None = None) -> int:
-        module = self._module_stack[-1] if self._module_stack else None
+        module, recomputed = self._allocating_module()
         op = str(self._op) if self._op is not None else None
-        sid = self.timeline.new_storage(nbytes, self.step, self.phase, module, op, block)
+        sid = self.timeline.new_storage(
+            nbytes, self.step, self.phase, module, op, block, recomputed=recomputed
+        )
         self._alive.add(sid)
         if self._region is not None:
             self._region.append(sid)
@@ -430,7 +440,16 @@ class StorageTracker(TorchDispatchMode):
         tl = self.timeline
         del tl.events[event]
         del tl.event_block[event]
-        for column in (tl.nbytes, tl.tags, tl.on_host, tl.module, tl.op, tl.origin, tl.block):
+        for column in (
+            tl.nbytes,
+            tl.tags,
+            tl.on_host,
+            tl.module,
+            tl.recomputed,
+            tl.op,
+            tl.origin,
+            tl.block,
+        ):
             column.pop()
         tl.labels.pop(out_sid, None)
         self._alive.discard(out_sid)
@@ -603,6 +622,7 @@ class StorageTracker(TorchDispatchMode):
                     tl.tags[s],
                     tl.on_host[s],
                     tl.module[s],
+                    tl.recomputed[s],
                     tl.op[s],
                     tl.block[s],
                     block is not None and tl.block[s] == block,
@@ -619,11 +639,12 @@ class StorageTracker(TorchDispatchMode):
         self._confirm = None
         tl = self.timeline
         base = tl.num_storages
-        for nbytes, tag, on_host, module, op, own_block, same, label in recording.storages:
+        for nbytes, tag, on_host, module, again, op, own_block, same, label in recording.storages:
             sid = tl.add_storage(nbytes, tag or Category.TEMPORARIES)
             tl.tags[sid] = tag
             tl.on_host[sid] = on_host
             tl.module[sid] = module
+            tl.recomputed[sid] = again
             tl.op[sid] = op
             tl.origin[sid] = (self.step, self.phase)
             tl.block[sid] = block if same else own_block
@@ -706,6 +727,18 @@ class StorageTracker(TorchDispatchMode):
                 self.timeline.tag(sid, Category.ACTIVATIONS)
 
     # -- module attribution and recomputation ------------------------------------------------------
+    def _allocating_module(self) -> tuple[str | None, bool]:
+        """(module, recomputed) of an allocation now: in a forward (or its recomputation under
+        activation checkpointing) the innermost module running; in backward the module whose
+        forward made the autograd node running (``backward_modules.py``)."""
+        stack = self._module_stack
+        if self._recompute_depth is not None:
+            return (stack[-1] if stack else None), True
+        in_backward, module = self._backward_modules.running()
+        if in_backward:
+            return module, False
+        return (stack[-1] if stack else None), False
+
     def _pre_forward(self, module: torch.nn.Module, _args: Any) -> None:
         name = self._module_names.get(id(module))
         if name is None and self._module_stack:
@@ -715,6 +748,8 @@ class StorageTracker(TorchDispatchMode):
             self._recompute_depth = len(self._module_stack)
             self._region = []
         self._module_stack.append(name)
+        self._backward_modules.own(module, name)
+        self._backward_modules.enter(name)
 
     def _answers(self, func: Any, exc: Exception) -> bool:
         """Fake tensors hold no values; inside ``optimizer.step()`` a scalar read with ``.item()``
@@ -749,6 +784,7 @@ class StorageTracker(TorchDispatchMode):
                 if self._module_failure is None or self._module_failure[0] != key:
                     self._module_failure = (key, name or "")
             del exc
+            self._backward_modules.enter(self.current_module)
 
         if self._recompute_depth is not None and len(self._module_stack) == self._recompute_depth:
             self._recompute_depth = None
@@ -764,6 +800,7 @@ class StorageTracker(TorchDispatchMode):
                 return tracker._resize(storage, size)
 
             torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._backward_modules.bind()
         self._hook_handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
             torch.nn.modules.module.register_module_forward_hook(
