@@ -80,9 +80,7 @@ def test_against_needs_compare(tmp_path):
 def test_every_benchmark_that_writes_a_result_takes_compare():
     """Read, not imported: each script that writes a JSON result has the shared options."""
     writers = [
-        p
-        for p in sorted(BENCHMARKS.glob("*.py"))
-        if re.search(r"json\.dumps\(", p.read_text())
+        p for p in sorted(BENCHMARKS.glob("*.py")) if re.search(r"json\.dumps\(", p.read_text())
     ]
     assert len(writers) >= 14, [p.name for p in writers]
     missing = [p.name for p in writers if "compare.add_arguments(" not in p.read_text()]
