@@ -20,6 +20,7 @@ BEFORE = {
         {"case": "none", "t": 1, "traced_bytes": 1000, "traced_sbh": 0.5, "seconds": 1.5},
         {"case": "tp", "t": 2, "traced_bytes": 600, "traced_sbh": 0.25, "seconds": 2.0},
     ],
+    "spec": {"model": "/one/checkout/tests/fixtures/hub/tiny-llama-bf16"},
     "commit": "aaaaaaa",
     "machine": {"host": "one", "load_average": [1.0, 1.0, 1.0]},
 }
@@ -33,8 +34,9 @@ def _compare(tmp_path: Path, after: dict) -> subprocess.CompletedProcess:
     return subprocess.run(command, capture_output=True, text=True, timeout=120)
 
 
-def test_times_provenance_and_row_order_are_not_answers(tmp_path):
+def test_times_provenance_row_order_and_checkout_are_not_answers(tmp_path):
     after = json.loads(json.dumps(BEFORE))
+    after["spec"]["model"] = "/another/tests/fixtures/hub/tiny-llama-bf16"  # another checkout
     after["rows"].reverse()  # rows named by case and t: paired by name
     after["rows"][0]["seconds"] = 9.9
     after["commit"] = "bbbbbbb"
@@ -49,6 +51,7 @@ def test_every_answer_that_differs_is_a_row_and_fails(tmp_path):
     after["rows"][1]["traced_bytes"] = 601  # bytes
     after["rows"][0]["traced_sbh"] = 0.5000000001  # a float, to the last bit
     after["rows"][0]["note"] = "new"  # a field only one result has
+    after["spec"]["model"] = "/one/checkout/tests/fixtures/hub/tiny-llama-8l"  # another file
     del after["s"]
     after["rows"].append({"case": "tp+sp", "t": 2, "traced_bytes": 5})  # a new row
     done = _compare(tmp_path, after)
@@ -59,10 +62,11 @@ def test_every_answer_that_differs_is_a_row_and_fails(tmp_path):
         "rows[case=none, t=1].traced_sbh",
         "rows[case=none, t=1].note",
         "rows[case=tp+sp, t=2]",
+        "spec.model",
     ):
         assert where in out, (where, done.stdout)
     assert re.search(r"\bs\b.*\b512\b.*\(absent\)", out), done.stdout
-    assert "5 answer(s) DIFFER" in out, done.stdout
+    assert "6 answer(s) DIFFER" in out, done.stdout
 
 
 def test_against_needs_compare(tmp_path):

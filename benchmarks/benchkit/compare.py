@@ -12,8 +12,9 @@ made and when, on what machine and how fast are not answers: the keys of :data:`
 left out wherever they occur (a script adds its own, with why, where its result holds another
 kind, e.g. speed verdicts). Rows of a list are paired by what names them (:data:`NAMING_KEYS`:
 ``case``, ``model``, ``rank``, ...) where every row has a distinct name in both results, else
-by position. Values are compared exactly (a float equal to the last bit), both results read
-back from JSON (so an answer held in memory compares as its file would).
+by position. Values are compared exactly (a float equal to the last bit; a path into the
+checkout by its part inside it, :data:`CHECKOUT_PATH`), both results read back from JSON (so an
+answer held in memory compares as its file would).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -106,6 +108,13 @@ NAMING_KEYS = (
 )
 """Fields that name a row of a list: rows are paired by the values of those they have."""
 
+CHECKOUT_FOLDERS = ("benchmarks", "examples", "src", "tests")
+"""A result names files by absolute path (a spec's ``model``, ``inputs``, ``loss``): two checkouts
+of the repository, before and after a change, name the same file under different roots. A path
+through one of these top-level folders compares by its part from that folder on."""
+CHECKOUT_PATH = re.compile(r"(?:/[^/\s\"':]+)+?/(?=(?:" + "|".join(CHECKOUT_FOLDERS) + r")/)")
+"""The root of an absolute path into a checkout: the shortest prefix followed by one of
+:data:`CHECKOUT_FOLDERS`."""
 ABSENT = "(absent)"
 SHOWN_CHARACTERS = 70
 """A value longer than this is cut in the table (its path says where to look)."""
@@ -153,6 +162,8 @@ def _paired(before: list[Any], after: list[Any]) -> list[tuple[str, Any, Any]] |
 def _same_scalar(before: Any, after: Any) -> bool:
     if isinstance(before, float) and isinstance(after, float):
         return before == after or (math.isnan(before) and math.isnan(after))
+    if isinstance(before, str) and isinstance(after, str):
+        return CHECKOUT_PATH.sub("<checkout>/", before) == CHECKOUT_PATH.sub("<checkout>/", after)
     return type(before) is type(after) and before == after
 
 
