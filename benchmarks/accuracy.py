@@ -8,8 +8,8 @@ real CPU run's peak as the CPU allocator reports it to ``torch.profiler`` (memor
 the relative error. The real run is a plain one (``measure``: no dispatch mode or tensor
 subclass active while the step runs); the tracker's view of a second, tracked run is shown
 beside it. Targets (issue 2): median |error| <= 0.05 %, worst <= 0.5 %. Results are also
-written to benchmarks/results/accuracy-<date>-<host>-<commit>.json with the date, commit and
-machine.
+written to benchmarks/results/accuracy-<date>-<host>-<commit>.json (``--out``) with the date,
+commit and machine; ``--compare`` an earlier one (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
-from benchkit import provenance  # noqa: E402
+from benchkit import compare, provenance  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -158,7 +158,10 @@ CASES: list[tuple[str, dict]] = [
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args)) is not None:
+        return status
     cases = CASES[:4] if args.quick else CASES
     # the code this run loads: read before it runs, others may commit meanwhile
     commit = provenance.commit()
@@ -203,7 +206,7 @@ def main() -> int:
         f"median |error| {100 * median:.4f} % (target 0.05 %), worst {100 * worst:.4f} % (target 0.5 %): "
         + ("[green]targets met[/green]" if ok else "[red]TARGET MISSED[/red]")
     )
-    out = provenance.result_path("accuracy", commit)
+    out = args.out or provenance.result_path("accuracy", commit)
     out.write_text(
         json.dumps(
             {
@@ -221,7 +224,7 @@ def main() -> int:
         )
     )
     console.print(f"[dim]wrote {out}[/dim]")
-    return 0 if ok else 1
+    return compare.after_run(args, out) or (0 if ok else 1)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Activation memory of one transformer layer against Korthikanti et al., "Reducing Activation
 Recomputation in Large Transformer Models" (2022), Table 2.
 
-    python benchmarks/activations.py [--tp 2 4 8] [--json FILE]
+    python benchmarks/activations.py [--tp 2 4 8] [--json FILE] [--compare OLD.json]
 
 The model is ``benchmarks/gpt_layer.py`` (the layer the paper counts: LayerNorms, Q/K/V, eager
 attention with a causal mask, softmax, attention dropout, output projection and dropout, a 4h
@@ -61,6 +61,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "src"))
 
+from benchkit import compare  # noqa: E402
+
 SEQ, BATCH = 512, 1
 HIDDEN, HEADS = 512, 8
 """s, b, h, a of the comparison (``gpt_layer.py`` reads them from the environment)."""
@@ -107,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tp", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--json", type=Path, default=None)
+    compare.add_arguments(parser, out=False)
     args = parser.parse_args(argv)
+    if (status := compare.against_only(args)) is not None:
+        return status
     os.environ.update(
         GPT_LAYER_HIDDEN=str(HIDDEN), GPT_LAYER_HEADS=str(HEADS), GPT_LAYER_SEQ=str(SEQ)
     )
@@ -137,11 +142,10 @@ def main(argv: list[str] | None = None) -> int:
             f"{paper / sbh:>11.3f}{(ours - paper) / sbh:>+10.3f}"
             f"{100 * (ours - paper) / paper:>+8.2f}%{seconds:>6.1f}"
         )
+    result = dict(s=SEQ, b=BATCH, h=HIDDEN, a=HEADS, rows=rows)
     if args.json:
-        args.json.write_text(
-            json.dumps(dict(s=SEQ, b=BATCH, h=HIDDEN, a=HEADS, rows=rows), indent=2)
-        )
-    return 0
+        args.json.write_text(json.dumps(result, indent=2))
+    return compare.after_run(args, args.json or result)
 
 
 if __name__ == "__main__":

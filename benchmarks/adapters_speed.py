@@ -16,7 +16,8 @@ the full fine-tuning ``fit``'s. Each row says whether the block extension was us
 
 The machine's load average is recorded before and after: on a shared machine the times are
 only comparable within one run. Results go to
-benchmarks/results/adapters-speed-<date>-vm-<commit>.json.
+benchmarks/results/adapters-speed-<date>-vm-<commit>.json (``--out``); ``--compare`` an earlier
+one compares the answers (peaks, fits, notes), not the times (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 warnings.filterwarnings("ignore")
 
+from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -61,6 +63,8 @@ BASE = dict(precision="bf16-mixed", batch_size=1, seq_len=512, target="cuda")
 FIT_GPU = "h200"
 TARGET_RATIO = 2.0
 """The issue: a LoRA or QLoRA estimate (and fit) in at most 2x full fine-tuning's."""
+IGNORED = {**compare.IGNORED, "targets_met": "verdicts on times, not answers"}
+"""What ``--compare`` leaves out: the shared keys and the speed verdicts."""
 
 
 def load() -> list[float]:
@@ -126,12 +130,15 @@ def measure(model: Path, repeats: int, fit_repeats: int) -> dict[str, dict]:
     return out
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=3, help="estimates per variant")
     parser.add_argument("--fit-repeats", type=int, default=2, help="fits per variant")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args, IGNORED)) is not None:
+        return status
     load_before = load()
     estimate(model=str(WARM_UP), lora=LORA, quantize="nf4", precision="bf16-mixed", seq_len=64)
     rows = []
@@ -189,10 +196,13 @@ def main() -> None:
         "targets_met": verdicts,
         "rows": rows,
     }
-    out = ROOT / "benchmarks" / "results" / f"adapters-speed-{datetime.date.today()}-vm-{sha}.json"
+    out = args.out or (
+        ROOT / "benchmarks" / "results" / f"adapters-speed-{datetime.date.today()}-vm-{sha}.json"
+    )
     out.write_text(json.dumps(record, indent=2) + "\n")
     console.print(f"written: {out}")
+    return compare.after_run(args, out, IGNORED)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -17,7 +17,9 @@ For each case, in a cache folder of its own (``VRAMLEDGER_CACHE_DIR``):
 Targets (issue 22): a warm 70B estimate, fit or plan in at most 2 s of wall time, process start
 included; a cold 70B fit in at most 8 s; a cold 70B 64-GPU plan in at most 40 s. The machine's
 load average is recorded before each run (the development VM is shared). Results go to
-benchmarks/results/cache-speed-<date>-<host>-<commit>.json.
+benchmarks/results/cache-speed-<date>-<host>-<commit>.json (``--out``); ``--compare`` an earlier
+one compares the answers (the commands, whether the outputs agree), not the times
+(``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from benchkit import compare
 from rich.console import Console
 from rich.table import Table
 
@@ -51,6 +54,8 @@ TARGETS = {("estimate", "warm"): 2.0, ("fit", "warm"): 2.0, ("plan", "warm"): 2.
 TARGETS.update({("fit", "cold"): 8.0, ("plan", "cold"): 40.0})
 """Issue 22's targets, seconds of wall time including process start."""
 TIMINGS = {"seconds", "search_seconds", "workers"}
+IGNORED = {**compare.IGNORED, "targets": "verdicts on times, not answers"}
+"""What ``--compare`` leaves out: the shared keys and the speed targets met or missed."""
 
 
 def without_timings(value):
@@ -80,10 +85,13 @@ def timed(args: list[str], cache: str) -> dict:
     return {"wall_seconds": round(wall, 2), "load_1min": load, "stdout": done.stdout}
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cases", default=",".join(CASES))
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args, IGNORED)) is not None:
+        return status
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
     ).stdout.strip()
@@ -140,7 +148,7 @@ def main() -> None:
         )
     Console().print(table)
     out = ROOT / "benchmarks" / "results"
-    path = out / f"cache-speed-{datetime.date.today()}-{platform.node()}-{commit}.json"
+    path = args.out or out / f"cache-speed-{datetime.date.today()}-{platform.node()}-{commit}.json"
     path.write_text(
         json.dumps(
             {
@@ -153,8 +161,9 @@ def main() -> None:
         )
         + "\n"
     )
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {path}")
+    return compare.after_run(args, path, IGNORED)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -13,7 +13,8 @@ the paper's per-GPU figures. Then a Llama-3-70B-shaped model on 1 and 1024 ranks
 that ranks are not simulated one by one. ``--verify`` compares each rank's prediction with real
 multi-process runs of DDP, ZeroRedundancyOptimizer and FSDP2 (tests/test_distributed_real.py)
 and of DeepSpeed ZeRO-1/2 (tests/test_deepspeed_real.py: the CPU allocator's own count).
-Results go to benchmarks/results/distributed-<date>-<host>.json.
+Results go to benchmarks/results/distributed-<date>-<host>.json (``--out``); ``--compare`` an
+earlier one (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
+from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -145,7 +147,10 @@ def paper_table(console: Console) -> list[dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--verify", action="store_true")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args)) is not None:
+        return status
     console = Console(width=160)
     rows = []
     table = Table(
@@ -240,7 +245,7 @@ def main() -> int:
                     )
         console.print(vt)
         verify += deepspeed_verify(console)
-    out = (
+    out = args.out or (
         ROOT
         / "benchmarks"
         / "results"
@@ -254,7 +259,7 @@ def main() -> int:
         )
     )
     console.print(f"[dim]wrote {out}[/dim]")
-    return 0
+    return compare.after_run(args, out)
 
 
 def deepspeed_verify(console: Console) -> list[dict]:

@@ -9,7 +9,8 @@ sequence 4096, activation checkpointing on, the default 2 GiB margin. Neither mo
 state fits one GPU, so the 8B is sharded with FSDP2 over 8 GPUs and the 70B over 64 (the
 answers are per GPU of those runs). Each answer was re-estimated with the real engines, and so
 was the next micro-batch up (which does not fit). Results go to
-benchmarks/results/fit-<date>-<host>.json.
+benchmarks/results/fit-<date>-<host>.json (``--out``); ``--compare`` an earlier one compares the
+answers, not the times (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
+from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -46,10 +48,13 @@ TARGET_SECONDS = 10
 """The issue: a 70B answer in at most 10 s on this machine."""
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS))
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args)) is not None:
+        return status
     rows = []
     for name in args.models.split(","):
         path, gpus = MODELS[name]
@@ -107,10 +112,11 @@ def main() -> None:
     slow = [r for r in rows if r["model"] == "70b" and r["seconds"] > TARGET_SECONDS]
     verdict = "met" if not slow else f"missed on {len(slow)} of the 70B rows"
     console.print(f"target: a 70B answer in <= {TARGET_SECONDS} s: {verdict}")
-    out = ROOT / "benchmarks" / "results" / f"fit-{datetime.date.today()}-vm.json"
+    out = args.out or ROOT / "benchmarks" / "results" / f"fit-{datetime.date.today()}-vm.json"
     out.write_text(json.dumps(rows, indent=2))
     console.print(f"written: {out}")
+    return compare.after_run(args, out)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -9,11 +9,14 @@ For each case of the accuracy panel (benchmarks/accuracy.py), ``--target cuda``:
 steady-state step peak as the caching allocator counts it (``allocated_peak_bytes``) against
 ``torch.cuda.max_memory_allocated()`` measured over step 2 after ``reset_peak_memory_stats()`` at
 its start (memory held from before the step is included in both). Target (issue 2): within 1 %.
-With no estimates file, ``measure`` estimates first (on the GPU machine's PyTorch).
+With no estimates file, ``measure`` estimates first (on the GPU machine's PyTorch). ``--out``
+moves either mode's result (``measure``'s default: ``$OUT/gpu_check.json``, else
+benchmarks/results/); ``--compare`` an earlier one of the same mode (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import sys
@@ -26,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
 import torch  # noqa: E402
 from accuracy import CASES  # noqa: E402
+from benchkit import compare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB = ROOT / "tests" / "fixtures" / "hub"
@@ -77,7 +81,7 @@ ESTIMATES = RESULTS / "gpu_estimates.json"
 TARGET = 0.01
 
 
-def estimate_all() -> dict:
+def estimate_all(path: Path = ESTIMATES) -> dict:
     from vramledger import estimate
 
     out = {"torch": torch.__version__, "cases": {}}
@@ -85,20 +89,21 @@ def estimate_all() -> dict:
         ledger = estimate(target="cuda", **{**kwargs, "model": str(kwargs["model"])})
         out["cases"][name] = ledger.to_dict()
         print(f"{name}: allocated peak {ledger.allocated_peak_bytes / 2**20:.2f} MiB", flush=True)
-    RESULTS.mkdir(exist_ok=True)
-    ESTIMATES.write_text(json.dumps(out, indent=1))
-    print(f"wrote {ESTIMATES}")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(out, indent=1))
+    print(f"wrote {path}")
     return out
 
 
-def measure_all() -> int:
+def measure_all(path: Path | None = None) -> tuple[int, Path | None]:
+    """The exit status, and the result's path (None where nothing was measured)."""
     from vramledger.measure import measure
 
     if not torch.cuda.is_available():
         print(
             "no CUDA GPU here: run `python benchmarks/gpu_check.py estimate` here and `measure` on a GPU"
         )
-        return 2
+        return 2, None
     estimates = json.loads(ESTIMATES.read_text()) if ESTIMATES.exists() else estimate_all()
     rows, errors = [], []
     print(
@@ -138,15 +143,30 @@ def measure_all() -> int:
         f"worst |error| {100 * worst:.3f} % (target {100 * TARGET:.0f} %): "
         + ("target met" if worst <= TARGET else "TARGET MISSED")
     )
-    out_dir = Path(os.environ.get("OUT", RESULTS))
-    (out_dir / "gpu_check.json").write_text(json.dumps(rows, indent=1))
-    return 0 if worst <= TARGET else 1
+    path = path or Path(os.environ.get("OUT", RESULTS)) / "gpu_check.json"
+    path.write_text(json.dumps(rows, indent=1))
+    return (0 if worst <= TARGET else 1), path
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "mode",
+        nargs="?",
+        choices=("estimate", "measure"),
+        default="measure" if torch.cuda.is_available() else "estimate",
+    )
+    compare.add_arguments(parser)
+    args = parser.parse_args(argv)
+    if (status := compare.against_only(args)) is not None:
+        return status
+    if args.mode == "estimate":
+        out = args.out or ESTIMATES
+        estimate_all(out)
+        return compare.after_run(args, out)
+    status, out = measure_all(args.out)
+    return (compare.after_run(args, out) if out is not None else 0) or status
 
 
 if __name__ == "__main__":
-    mode = (
-        sys.argv[1]
-        if len(sys.argv) > 1
-        else ("measure" if torch.cuda.is_available() else "estimate")
-    )
-    sys.exit(estimate_all() and 0 if mode == "estimate" else measure_all())
+    sys.exit(main())

@@ -9,8 +9,8 @@ Each run is the command line ``vramledger plan examples/configs/llama-3-70b.json
 a fixed pure-Python loop is timed: this machine's single-core speed drifts from minute to minute,
 and the loop says how fast it was just then. The table gives each run's planning time, its search
 part, the re-estimates and the loop; the runs must give the same answers (checked, field for
-field; ``--compare`` an earlier results file). Results go to
-benchmarks/results/layout-plan-<date>-<host>-<commit>.json.
+field; ``--compare`` an earlier results file, ``benchkit/compare.py``). Results go to
+benchmarks/results/layout-plan-<date>-<host>-<commit>.json (``--out``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchkit import provenance
+from benchkit import compare, provenance
 from rich.console import Console
 from rich.table import Table
 
@@ -49,6 +49,8 @@ ABOUT = 0.10
 PROBE_ITERATIONS = 20_000_000
 """The speed probe: a Python loop adding this many integers (0.5-0.9 s on this VM)."""
 TIMING_KEYS = ("seconds", "search_seconds", "estimates", "workers")
+IGNORED = {**compare.IGNORED, "runs": "each run's times and speed probe (timings only)"}
+"""What ``--compare`` leaves out: the shared keys, and the runs' timings (one row per ``--runs``)."""
 
 
 def probe_seconds() -> float:
@@ -59,13 +61,13 @@ def probe_seconds() -> float:
     return time.perf_counter() - start
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument(
-        "--compare", metavar="RESULTS.json", help="an earlier results file: same answers?"
-    )
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args, IGNORED)) is not None:
+        return status
     rows, answers = [], []
     for _ in range(args.runs):
         probe = probe_seconds()
@@ -100,13 +102,8 @@ def main() -> None:
         f"median {median:.1f} s against about {TARGET_SECONDS} s: {verdict}; the runs give "
         + ("the same answers" if same else "DIFFERENT ANSWERS")
     )
-    if args.compare:
-        before = json.loads(Path(args.compare).read_text())["answers"]
-        console.print(
-            f"answers {'the same as' if before == answers[0] else 'DIFFERENT FROM'} {args.compare}"
-        )
     commit = provenance.commit()
-    path = provenance.result_path("layout-plan", commit)
+    path = args.out or provenance.result_path("layout-plan", commit)
     path.write_text(
         json.dumps(
             {
@@ -119,8 +116,9 @@ def main() -> None:
             indent=1,
         )
     )
-    console.print(f"results: {path.relative_to(ROOT)}")
+    console.print(f"results: {path}")
+    return compare.after_run(args, path, IGNORED)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

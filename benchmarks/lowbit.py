@@ -9,7 +9,8 @@ from the same initial weights on the same batches with AdamW (the reference), to
 AdamW8bit and AdamW4bit, SGD with momentum, and bitsandbytes' AdamW8bit. Reports, per optimizer,
 the measured peak memory of a step, the optimizer state (bytes per parameter), the final-loss gap
 and the largest gap along the way. On a CUDA GPU the runs use it (and bitsandbytes' CUDA
-kernels). Writes benchmarks/results/lowbit-<date>-<host>.json and .png.
+kernels). Writes benchmarks/results/lowbit-<date>-<host>.json and .png (``--out``: the JSON,
+the plot beside it); ``--compare`` an earlier JSON (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pathlib import Path
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
+from benchkit import compare as bench_compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 
@@ -48,7 +50,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=500)
     parser.add_argument("--tolerance", type=float, default=0.05)
+    bench_compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := bench_compare.against_only(args)) is not None:
+        return status
     spec = TrainingSpec(
         model=str(HERE / "configs" / "gpt2-bytes-small.json"), batch_size=8, seq_len=128
     )
@@ -77,10 +82,11 @@ def main() -> int:
         )
     console.print(comparison_table(result))
     stem = HERE / "results" / f"lowbit-{datetime.date.today()}-{platform.node() or 'host'}"
-    stem.with_suffix(".json").write_text(json.dumps(result.to_dict(), indent=1))
-    comparison_plot(result, stem.with_suffix(".png"))
-    console.print(f"[dim]wrote {stem}.json and .png[/dim]")
-    return 0
+    out = args.out or stem.with_suffix(".json")
+    out.write_text(json.dumps(result.to_dict(), indent=1))
+    comparison_plot(result, out.with_suffix(".png"))
+    console.print(f"[dim]wrote {out} and its .png[/dim]")
+    return bench_compare.after_run(args, out)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Per-rank predictions of tensor, expert and pipeline parallelism against real gloo runs.
 
-    python benchmarks/mesh.py [--json FILE]
+    python benchmarks/mesh.py [--json FILE] [--compare OLD.json]
 
 For each case the estimate (PyTorch's own engines on a fake process group, ``parallel/mesh.py``
 and ``parallel/pipeline.py``) gives every rank's steady-state peak; the same spec then runs for
@@ -25,6 +25,8 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
+from benchkit import compare  # noqa: E402
+
 
 def cases() -> dict[int, dict[str, dict]]:
     """The multi-process tests' cases (``tests/mesh_real.py``): one definition for both."""
@@ -41,7 +43,10 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", type=Path)
+    compare.add_arguments(parser, out=False)
     args = parser.parse_args(argv)
+    if (status := compare.against_only(args)) is not None:
+        return status
     rows = []
     print(
         f"{'case':<22}{'rank':>5}{'mesh (dp tp pp ep)':>20}{'predicted':>12}{'tracked':>12}"
@@ -83,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"worst |error| against the allocator's count: {100 * worst:.3f} % (bound 1 %)")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    return 0
+    return compare.after_run(args, args.json or rows)
 
 
 if __name__ == "__main__":

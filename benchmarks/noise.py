@@ -16,7 +16,9 @@ them up as the spread (max - min) and the largest distance of any run from the p
 named allowances in the tests cite these figures. The JSON is rewritten after every run, so an
 interrupted measurement keeps what it has; groups already in the file and not run again are kept.
 ``--merge`` joins the files of invocations run side by side (each on some of a group's cases)
-into one, the summaries made again over all their runs.
+into one, the summaries made again over all their runs. ``--compare`` an earlier result compares
+its predictions (``benchkit/compare.py``): the real runs' counts are what this script measures
+the spread of, different from run to run by nature (``MEASURED``).
 
 ``benchmarks/results/noise-2026-12-02-vm.json`` was made with (on this 2-core VM, with other
 work running): ``--groups gloo-2,gloo-4`` on the data-parallel cases, 2 spawns x 10;
@@ -42,9 +44,26 @@ ROOT = HERE.parent
 sys.path.insert(0, str(ROOT / "src"))
 sys.path.insert(0, str(ROOT))
 
-from benchkit import provenance  # noqa: E402
+from benchkit import compare, provenance  # noqa: E402
 
 GROUPS = ("gloo-2", "gloo-4", "deepspeed-2", "deepspeed-4", "library")
+MEASURED = {
+    "runs": "every real run's counts (and, in a summary row, how many runs)",
+    "counted_min": "the real runs' counts",
+    "counted_max": "the real runs' counts",
+    "counted_spread": "the real runs' counts",
+    "distinct_counts": "the real runs' counts",
+    "counted_minus_predicted": "the real runs' counts",
+    "worst_bytes_from_prediction": "the real runs' counts",
+    "counted_minus_tracked_min": "the real runs' counts",
+    "counted_minus_tracked_max": "the real runs' counts",
+    "failures": "spawns that failed",
+    "invocations": "the merged invocations' own times, commits and runs",
+    "isa_emulation": "runs of docs/test-bounds.md's CPU-emulation check",
+}
+"""What ``--compare`` leaves out besides the shared keys: what the real runs counted, whose
+spread is this benchmark's subject. The predictions are compared."""
+IGNORED = {**compare.IGNORED, **MEASURED}
 
 
 def _run_spawn(
@@ -164,7 +183,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     today = datetime.date.today().isoformat()
     parser.add_argument("--json", type=Path, default=HERE / "results" / f"noise-{today}-vm.json")
+    compare.add_arguments(parser, out=False)
     args = parser.parse_args(argv)
+    if (status := compare.against_only(args, IGNORED)) is not None:
+        return status
     data = json.loads(args.json.read_text()) if args.json.exists() else {"groups": {}}
     data.update(
         date=today,
@@ -187,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         for merged in data["groups"].values():
             merged["summary"] = _summary(merged["runs"], merged.pop("predicted"))
         args.json.write_text(json.dumps(data, indent=1) + "\n")
-        return 0
+        return compare.after_run(args, args.json, IGNORED)
     workdir = Path(tempfile.mkdtemp(prefix="vramledger-noise-"))
     groups = args.groups.split(",")
     only = set(args.cases.split(",")) if args.cases else None
@@ -219,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(data, indent=1) + "\n")
             print(f"{group} spawn {i + 1}/{args.spawns}: {seconds[group][-1]} s", flush=True)
-    return 0
+    return compare.after_run(args, args.json, IGNORED)
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ bf16-master precision, batch 1 x 4096 tokens, activation checkpointing on and of
 none/DDP/ZeRO-1/2/3, optimizer offload on and off, up to 1024 GPUs and the default 2 GiB
 margin. The table gives the fewest GPUs per optimizer (with offload allowed, and on GPU memory
 alone), each answer re-estimated with the real engines, and the wall time of each plan. Results
-go to benchmarks/results/plan-<date>-<host>.json.
+go to benchmarks/results/plan-<date>-<host>.json (``--out``); ``--compare`` an earlier one
+compares the answers, not the times (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ warnings.filterwarnings("ignore")
 for _name in ("torchao", "torch.utils._pytree"):  # import-time chatter, also in the workers
     logging.getLogger(_name).setLevel(logging.ERROR)
 
+from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -64,7 +66,10 @@ def describe(answer: dict | None) -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="7b,13b,70b")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args)) is not None:
+        return status
     console = Console(width=200)
     table = Table(title="fewest GPUs per optimizer (bf16-master, batch 1 x 4096, margin 2 GiB)")
     for col in (
@@ -120,15 +125,15 @@ def main() -> int:
             f"{max(r['seconds'] for r in others):.1f} s): their ZeRO-1/2 re-estimates trace "
             "every layer"
         )
-    out = (
+    out = args.out or (
         ROOT
         / "benchmarks"
         / "results"
         / f"plan-{datetime.date.today()}-{platform.node() or 'host'}.json"
     )
     out.write_text(json.dumps(rows, indent=1))
-    console.print(f"results: {out.relative_to(ROOT)}")
-    return 0
+    console.print(f"results: {out}")
+    return compare.after_run(args, out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,8 @@ allocator counts), `vramledger run --measure` (the real CPU run, counted by
 `cpu_allocator_count`) and `vramledger run --gpu h100-80gb` (the CUDA prediction, for
 reference). The table compares each optimizer's steady peak; where the real CPU run counts host
 memory a GPU's allocator would not see, the difference is named (`HOST`). Results are written to
-benchmarks/results/programs-<date>-<host>-<commit>.json with the date, commit and machine.
+benchmarks/results/programs-<date>-<host>-<commit>.json (``--out``) with the date, commit and
+machine; ``--compare`` an earlier one (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from benchkit import provenance
+from benchkit import compare, provenance
 from rich.console import Console
 from rich.table import Table
 
@@ -117,7 +118,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", help=f"these programs, comma-separated: {', '.join(CASES)}")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args)) is not None:
+        return status
     cases = CASES[:4] if args.quick else CASES
     if args.only:
         cases = [c.strip() for c in args.only.split(",") if c.strip()]
@@ -172,7 +176,7 @@ def main() -> int:
     unexplained = [r for r in rows if r["difference_bytes"] and not r["host_memory_named"]]
     for name, why in HOST.items():
         console.print(f"[dim]host: {name}: {why}[/dim]")
-    out = provenance.result_path("programs", commit)
+    out = args.out or provenance.result_path("programs", commit)
     out.write_text(
         json.dumps(
             {
@@ -188,7 +192,7 @@ def main() -> int:
         )
     )
     console.print(f"[dim]wrote {out}[/dim]")
-    return 1 if unexplained else 0
+    return compare.after_run(args, out) or (1 if unexplained else 0)
 
 
 if __name__ == "__main__":

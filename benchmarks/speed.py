@@ -13,11 +13,14 @@ target cuda. Measured in one run:
 3. the proof that tracing 3 and 4 blocks and extending is exact: a full trace of all 80 layers
    gives the same timeline and the same ledger.
 
-Target: at least 10x faster than MemTracker. Results go to benchmarks/results/speed-<date>-<host>.json.
+Target: at least 10x faster than MemTracker. Results go to benchmarks/results/speed-<date>-<host>.json
+(``--out``); ``--compare`` an earlier one compares the answers (the predicted peak, extended ==
+full), not the times (``benchkit/compare.py``).
 """
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import json
 import os
@@ -32,6 +35,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 warnings.filterwarnings("ignore")
 
 import torch  # noqa: E402
+from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
@@ -122,6 +126,11 @@ def full_trace_equals_extended() -> tuple[bool, float, float]:
 
 
 def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    compare.add_arguments(parser)
+    args = parser.parse_args()
+    if (status := compare.against_only(args)) is not None:
+        return status
     console = Console(width=120)
     console.print(
         f"[bold]{CONFIG.name}[/bold] {ARGS} target cuda — torch {torch.__version__}, {os.cpu_count()} CPUs"
@@ -164,7 +173,7 @@ def main() -> int:
     table.add_row("extended == full 80-layer trace", str(same), "True", "yes" if same else "NO")
     table.add_row("predicted steady-state peak", f"{ours['peak'] / 2**30:.2f} GiB", "", "")
     console.print(table)
-    out = (
+    out = args.out or (
         ROOT
         / "benchmarks"
         / "results"
@@ -189,7 +198,7 @@ def main() -> int:
     )
     console.print(f"[dim]wrote {out}[/dim]")
     ok = speedup >= TARGET_SPEEDUP and ours["rss"] <= TARGET_RSS and same
-    return 0 if ok else 1
+    return compare.after_run(args, out) or (0 if ok else 1)
 
 
 if __name__ == "__main__":

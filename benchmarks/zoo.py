@@ -5,6 +5,7 @@
     python benchmarks/zoo.py --only llama,bert --tasks causal-lm,masked-lm
     python benchmarks/zoo.py --precisions fp32,bf16-master --dtype-variants none
     python benchmarks/zoo.py --retriage benchmarks/results/zoo-DATE-HOST.json   # no runs
+    python benchmarks/zoo.py --cases llama:causal-lm --compare OLD.json   # same answers?
 
 Every model type of the installed transformers with a causal-LM, masked-LM, seq2seq-LM,
 image-classification, sequence-classification or audio (audio classification, CTC, speech
@@ -32,7 +33,8 @@ every rank compared.
 
 Targets: >= 95 % of the runs estimated without error, >= 90 % within 0.5 % of the real run.
 Output: a table, the totals and every failure grouped by cause, written to
-benchmarks/results/zoo-<date>-<host>.{json,txt}.
+benchmarks/results/zoo-<date>-<host>.{json,txt}; ``--compare`` an earlier JSON compares every
+answer, not the times (``benchkit/compare.py``).
 
 This file is the command line; the sweep lives in ``benchkit/zoo/`` (``settings``,
 ``shrink_keys`` and ``shrink``, ``cases``, ``build``, ``worker``, ``sweep``, ``results``).
@@ -54,6 +56,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+from benchkit import compare
 from benchkit.zoo.cases import (
     DISTRIBUTED_SAMPLE,
     DISTRIBUTED_STRATEGIES,
@@ -142,6 +145,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="ZOO.json",
         help="recompute the totals, triage and text of an earlier result (no runs)",
     )
+    compare.add_arguments(p, out=False)
     return p.parse_args(argv)
 
 
@@ -161,8 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         distributed_worker(Case(arch, task, cls), strategy, Path(folder))
         return 0
     args = parse_args(argv)
+    if (status := compare.against_only(args)) is not None:
+        return status
     if args.retriage:
-        return retriage(args.retriage, args.out)
+        out = args.out or args.retriage
+        return retriage(args.retriage, out) or compare.after_run(args, out)
     from vramledger.precision import PRECISIONS as KNOWN_PRECISIONS
 
     tasks = set(_csv(args.tasks)) | {n.split(":", 1)[-1] for n in _csv(args.cases)}
@@ -237,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     out = args.out or RESULTS / f"zoo-{datetime.date.today()}-{platform.node() or 'host'}.json"
     report(result, out)
-    return 0
+    return compare.after_run(args, out)
 
 
 def report(result: dict[str, Any], out: Path) -> None:
