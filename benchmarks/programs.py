@@ -47,6 +47,7 @@ CASES = [
     "accelerate_ema",
     "default_device",
     "cuda_timing",
+    "compiled_autocast",
     "grad_scaler",
     "data_loader",
     "hf_llama",
