@@ -309,8 +309,8 @@ def test_console_script(capsys):
 
 def test_the_process_is_restored():
     """Everything run patches is put back: torch.cuda, Module.to/cuda, autocast, autograd's
-    entry points, torch.save, the optimizer step hooks, the device a fake tensor reports and
-    how autograd calls a custom Function's backward."""
+    entry points, torch.save, the optimizer step hooks, the device a fake tensor reports, how
+    autograd calls a custom Function's backward, and the default device the program set."""
     from torch._subclasses.fake_tensor import FakeTensor
     from torch.autograd.function import BackwardCFunction
     from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
@@ -337,6 +337,13 @@ def test_the_process_is_restored():
     before = patched()
     run_program(_spec("saves"), target="cuda")
     assert patched() == before
+    # a program that sets the default device leaves no device mode behind
+    from torch.overrides import _get_current_function_mode_stack
+
+    modes = _get_current_function_mode_stack()
+    run_program(_spec("default_device"), target="cpu")
+    assert _get_current_function_mode_stack() == modes
+    assert torch.get_default_device() == torch.device("cpu")
 
 
 def test_resume_from_a_checkpoint(tmp_path, capsys):

@@ -316,6 +316,24 @@ def _argv_and_path(argv0: str, args: tuple[str, ...], script: bool) -> Iterator[
 
 
 @contextlib.contextmanager
+def _default_device_kept() -> Iterator[None]:
+    """``torch.set_default_device`` in the program is undone when it ends: it leaves a
+    ``DeviceContext`` mode on the process's function-mode stack, above the emulation's (which
+    its exit would then pop instead), and a later ``torch.compile`` in the same process fails
+    in Dynamo under it ("Missing hash_impl override": seen with LitGPT's pretrain run after
+    tests/programs/default_device.py, which ends with ``set_default_device("cpu")``)."""
+    import torch
+
+    state = torch._GLOBAL_DEVICE_CONTEXT
+    before = getattr(state, "device_context", None)
+    try:
+        yield
+    finally:
+        if getattr(state, "device_context", None) is not before:
+            torch.set_default_device(None if before is None else before.device)
+
+
+@contextlib.contextmanager
 def _alarm(seconds: float | None) -> Iterator[None]:
     """Raise ``StopProgram('timeout')`` in the main thread after ``seconds``."""
     if seconds is None or threading.current_thread() is not threading.main_thread():
@@ -390,6 +408,7 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     try:
         with (
             _argv_and_path(argv0, spec.args, script=not spec.module),
+            _default_device_kept(),
             skipped_saves(run),
             _alarm(spec.timeout),
         ):
