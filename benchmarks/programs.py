@@ -5,7 +5,9 @@
 
 Each program (tests/programs/, ordinary scripts that run unchanged with plain `python` on a CUDA
 machine; nanoGPT's own train.py on a tiny config and local data, where ``VRAMLEDGER_NANOGPT``
-names a checkout of karpathy/nanoGPT, which is not shipped here) runs three
+names a checkout of karpathy/nanoGPT, which is not shipped here; LitGPT's `finetune_lora`,
+`finetune_full` and `pretrain` on a tiny checkpoint and local data, where litgpt is installed)
+runs three
 times, each in its own process: `vramledger run --target cpu` (the prediction of what the CPU
 allocator counts), `vramledger run --measure` (the real CPU run, counted by
 `cpu_allocator_count`) and `vramledger run --gpu h100-80gb` (the CUDA prediction, for
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib.util
 import json
 import os
 import shutil
@@ -45,6 +48,7 @@ CASES = [
     "accelerate_ema",
     "default_device",
     "cuda_timing",
+    "compiled_autocast",
     "grad_scaler",
     "data_loader",
     "hf_llama",
@@ -54,6 +58,9 @@ CASES = [
     "trl_sft",
     "trl_dpo",
     "nanogpt",
+    "litgpt_finetune_lora",
+    "litgpt_finetune_full",
+    "litgpt_pretrain",
 ]
 HOST = {
     "data_loader": "the TensorDataset in host memory (33,792 B)",
@@ -68,6 +75,11 @@ HOST = {
     "scalars",
     "lightning_bf16_true": "the TensorDataset in host memory (32,768 B) and Lightning's host "
     "scalars",
+    **dict.fromkeys(
+        ("litgpt_finetune_lora", "litgpt_finetune_full", "litgpt_pretrain"),
+        "torchmetrics' RunningMean default states on the host (12 B) and LitGPT's and "
+        "Lightning's host scalars",
+    ),
 }
 """Programs whose real CPU run counts host memory a GPU's allocator would not see."""
 
@@ -76,11 +88,40 @@ NANOGPT_CHECKOUT = "VRAMLEDGER_NANOGPT"
 """A checkout of karpathy/nanoGPT (train.py, model.py, configurator.py); without it the nanogpt
 case is left out, and the table says so."""
 
+LITGPT_STEPS = 3
+"""`--max-steps` of the LitGPT cases (LitGPT would run 100 steps: stopped before its final save
+and merge)."""
+LITGPT_COMMON = [
+    *("--train.global_batch_size", "2", "--train.micro_batch_size", "2"),
+    *("--train.lr_warmup_steps", "1"),
+    *("--eval.interval", "1000", "--eval.final_validation", "false"),
+    *("--devices", "1", "--out_dir", "out", "--logger_name", "csv"),
+]
+LITGPT_FINETUNE = [
+    *("checkpoint", "--data", "JSON", "--data.json_path", "data.json"),
+    *("--data.val_split_fraction", "0.25", "--data.num_workers", "0", "--train.epochs", "100"),
+    *("--train.max_steps", "100"),
+]
+LITGPT = {
+    "litgpt_finetune_lora": ["finetune_lora", *LITGPT_FINETUNE],
+    "litgpt_finetune_full": ["finetune_full", *LITGPT_FINETUNE, "--precision", "bf16-true"],
+    "litgpt_pretrain": [
+        *("pretrain", "tiny", "--model_config", "checkpoint/model_config.yaml"),
+        *("--data", "litgpt_tiny.TinyTokens", "--tokenizer_dir", "checkpoint"),
+        # pretrain takes no max_steps: 100 steps of 2 x 64 tokens
+        *("--train.max_seq_length", "64", "--train.max_tokens", "12800"),
+    ],
+}
+"""LitGPT's console script on the tiny checkpoint and local data of tests/programs/litgpt_tiny.py
+(tests/test_run_litgpt.py runs the same commands); left out where litgpt is not installed."""
+
 
 def _command(case: str, workdir: Path) -> list[str]:
     if case == "nanogpt":
         source = Path(os.environ[NANOGPT_CHECKOUT])
         return [str(source / "train.py"), str(PROGRAMS / "nanogpt_tiny.py")]
+    if case in LITGPT:
+        return ["litgpt", *LITGPT[case], *LITGPT_COMMON]
     if case.startswith("lightning_"):  # Lightning's precision names: bf16-mixed, bf16-true
         precision = case.removeprefix("lightning_").replace("_", "-")
         return [str(PROGRAMS / "lightning_transformer.py"), precision]
@@ -101,13 +142,28 @@ def _nanogpt_workdir() -> Path:
     return workdir
 
 
+def _litgpt_workdir() -> Path:
+    """The tiny checkpoint and data (``litgpt_tiny.make``) in a new folder."""
+    sys.path.insert(0, str(PROGRAMS))
+    from litgpt_tiny import make
+
+    workdir = Path(tempfile.mkdtemp(prefix="vramledger-litgpt-"))
+    make(workdir)
+    return workdir
+
+
 def _run(options: list[str], command: list[str], cwd: Path) -> dict:
+    if command[0] == "litgpt":
+        options = [*options, "--max-steps", str(LITGPT_STEPS)]
+    # litgpt_tiny (the pretraining data module) importable by the program
+    path = os.pathsep.join(p for p in (str(PROGRAMS), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
         [sys.executable, "-m", "vramledger", "run", "--json", *options, "--", *command],
         capture_output=True,
         text=True,
         cwd=cwd,
         check=False,
+        env={**os.environ, "PYTHONPATH": path},
     )
     if out.returncode != 0:
         raise RuntimeError(f"{' '.join(options)} {command[0]}: {out.stderr.strip()[-500:]}")
@@ -130,6 +186,9 @@ def main() -> int:
     if not os.environ.get(NANOGPT_CHECKOUT) and "nanogpt" in cases:
         cases = [c for c in cases if c != "nanogpt"]
         print(f"nanogpt left out: set {NANOGPT_CHECKOUT} to a checkout of karpathy/nanoGPT")
+    if importlib.util.find_spec("litgpt") is None and set(cases) & set(LITGPT):
+        cases = [c for c in cases if c not in LITGPT]
+        print("litgpt cases left out: litgpt is not installed (not in the dev extra)")
     commit = provenance.commit()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     console = Console(width=140)
@@ -138,7 +197,12 @@ def main() -> int:
         table.add_column(col, justify="left" if col in ("program", "optimizer") else "right")
     rows = []
     for case in cases:
-        cwd = _nanogpt_workdir() if case == "nanogpt" else Path(tempfile.mkdtemp())
+        if case == "nanogpt":
+            cwd = _nanogpt_workdir()
+        elif case in LITGPT:
+            cwd = _litgpt_workdir()
+        else:
+            cwd = Path(tempfile.mkdtemp())
         command = _command(case, cwd)
         predicted = _run(["--target", "cpu"], command, cwd)
         measured = _run(["--measure"], command, cwd)

@@ -40,6 +40,7 @@ LAYERS: dict[str, list[str]] = {
         "adapters",
         "cache",
         "attention",
+        "bnb_weights",
         "categories",
         "chatter",
         "checkpoint_shapes",

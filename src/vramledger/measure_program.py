@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import cpu_allocator_count as count
+from .bnb_weights import refused_quantized_weights
 from .gpus import resolve_gpu
 from .predict_program import DEFAULT_GPU, emulated_gpu
 from .program import ProgramRun, ProgramSpec, launch, skipped_saves_note
@@ -119,7 +120,7 @@ def measure_program(spec: ProgramSpec, *, gpu: str | None = None) -> ProgramMeas
     gc.collect()  # earlier garbage must not die inside the counted run
     counter = CountedCpu()
     emulation = CudaEmulation(emulated_gpu(resolve_gpu(gpu or DEFAULT_GPU)), counter, CpuForCuda())
-    with emulation:
+    with emulation, refused_quantized_weights():
         run: ProgramRun = launch(spec, counter)
     if run.steps not in counter.step_peaks or run.ending != "max-steps":
         # what ran after the last step belongs to it, as in a trace (trace/program_trace.py)

@@ -16,11 +16,14 @@ from __future__ import annotations
 import contextlib
 import importlib
 import importlib.metadata
+import importlib.util
+import inspect
 import linecache
 import os
 import runpy
 import signal
 import sys
+import sysconfig
 import threading
 import traceback
 import weakref
@@ -122,18 +125,27 @@ _LIBRARY_DIRS = tuple(
         os.path.dirname(os.__file__),
         str(Path(__file__).parent),
         *(str(Path(m.__file__).parent) for m in (contextlib, runpy) if m.__file__),
+        # console scripts' launchers (bin/vramledger, the outermost frame of every run)
+        sysconfig.get_path("scripts"),
     }
 )
+_PROGRAM_DIRS: list[str] = []
+"""The installed package a console script runs (``litgpt`` for ``litgpt finetune_lora``): its
+frames are the program's, though they sit in site-packages (set while :func:`launch` runs)."""
 
 
 def _library_frame(filename: str) -> bool:
     """A frame of the standard library, torch or vramledger (not the program's)."""
-    if filename.startswith("<frozen") or "site-packages" in filename or "dist-packages" in filename:
+    if filename.startswith("<frozen"):
         return True
     try:
         resolved = str(Path(filename).resolve())
     except OSError:
         return False
+    if resolved.startswith(tuple(_PROGRAM_DIRS)):
+        return False
+    if "site-packages" in filename or "dist-packages" in filename:
+        return True
     return resolved.startswith(_LIBRARY_DIRS)
 
 
@@ -166,15 +178,34 @@ def program_name_of(obj: Any) -> str | None:
     frame = _program_frame()
     if frame is None:
         return None
-    for scope in (frame.f_locals, frame.f_globals):
+    local = _locals_of(frame)
+    for scope in (local, frame.f_globals):
         for name, value in scope.items():
             if value is obj and not name.startswith("_"):
                 return name
-    owner = frame.f_locals.get("self")
+    owner = local.get("self")
     for name, value in getattr(owner, "__dict__", {}).items():
         if value is obj:
             return f"self.{name}"
     return None
+
+
+def _locals_of(frame: Any) -> dict[str, Any]:
+    """A copy of a function frame's local variables that leaves nothing behind.
+
+    Before Python 3.13 (PEP 667), ``frame.f_locals`` of a function is a snapshot dict the frame
+    keeps: it holds each local as it was when read, after the function rebinds the name. Read
+    at a training loop's first ``optimizer.step()``, it kept that step's batch and activations
+    alive through the next step's forward (``litgpt finetune_lora``: its 20,164-byte logits
+    and batch), in the trace and in the real run alike. The snapshot is emptied once copied
+    (the frame refreshes it from its fast locals whenever it is read again, a tracer's call
+    included). A module's or class body's ``f_locals`` is its namespace: returned as it is."""
+    local = frame.f_locals
+    if not frame.f_code.co_flags & inspect.CO_OPTIMIZED or type(local) is not dict:
+        return local
+    copy = dict(local)
+    local.clear()
+    return copy
 
 
 # -- saves -----------------------------------------------------------------------------------------
@@ -261,6 +292,17 @@ def _target(spec: ProgramSpec) -> tuple[str, Callable[[], Any]]:
     return spec.program, lambda: entry.load()()
 
 
+def _package_folders(spec: ProgramSpec) -> list[str]:
+    """The folders of the installed package whose console script ``spec`` runs (none for a
+    ``.py`` file or a module)."""
+    if spec.module or Path(spec.program).suffix == ".py" or Path(spec.program).exists():
+        return []
+    scripts = importlib.metadata.entry_points(group="console_scripts", name=spec.program)
+    found = importlib.util.find_spec(next(iter(scripts)).module.split(".")[0]) if scripts else None
+    folders = (found.submodule_search_locations or []) if found is not None else []
+    return [str(Path(f).resolve()) + os.sep for f in folders]
+
+
 @contextlib.contextmanager
 def _argv_and_path(argv0: str, args: tuple[str, ...], script: bool) -> Iterator[None]:
     saved_argv, saved_path = sys.argv, list(sys.path)
@@ -271,6 +313,24 @@ def _argv_and_path(argv0: str, args: tuple[str, ...], script: bool) -> Iterator[
         yield
     finally:
         sys.argv, sys.path[:] = saved_argv, saved_path
+
+
+@contextlib.contextmanager
+def _default_device_kept() -> Iterator[None]:
+    """``torch.set_default_device`` in the program is undone when it ends: it leaves a
+    ``DeviceContext`` mode on the process's function-mode stack, above the emulation's (which
+    its exit would then pop instead), and a later ``torch.compile`` in the same process fails
+    in Dynamo under it ("Missing hash_impl override": seen with LitGPT's pretrain run after
+    tests/programs/default_device.py, which ends with ``set_default_device("cpu")``)."""
+    import torch
+
+    state = torch._GLOBAL_DEVICE_CONTEXT
+    before = getattr(state, "device_context", None)
+    try:
+        yield
+    finally:
+        if getattr(state, "device_context", None) is not before:
+            torch.set_default_device(None if before is None else before.device)
 
 
 @contextlib.contextmanager
@@ -313,6 +373,7 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     )
 
     argv0, target = _target(spec)
+    _PROGRAM_DIRS[:] = _package_folders(spec)
     run = ProgramRun()
     # by the object, not id(): an optimizer made after another is freed can reuse its id
     optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -347,6 +408,7 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     try:
         with (
             _argv_and_path(argv0, spec.args, script=not spec.module),
+            _default_device_kept(),
             skipped_saves(run),
             _alarm(spec.timeout),
         ):
@@ -366,5 +428,6 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     finally:
         for handle in handles:
             handle.remove()
+        _PROGRAM_DIRS.clear()
         run.seconds = time.perf_counter() - start
     return run

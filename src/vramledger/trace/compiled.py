@@ -130,8 +130,17 @@ def _empty_strided(device: str) -> Callable[..., torch.Tensor]:
     def make(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
         anchor = _Active.anchor
         if anchor is not None and anchor.device.type == device:
-            return anchor.new_empty_strided(size, stride, dtype=dtype)
-        return torch.empty_strided(size, stride, dtype=dtype, device=device)
+            buffer = anchor.new_empty_strided(size, stride, dtype=dtype)
+        else:
+            buffer = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        # The kernels that would fill it are no-ops here: its values are unknown, not the
+        # uninitialised memory the value store computed for the empty tensor (a gradient
+        # norm read from them decided `clip_grad_norm_`'s non-finite check: litgpt pretrain
+        # under bf16-mixed raised there).
+        values = getattr(_Active.context[-1][0], "values", None) if _Active.context else None
+        if values is not None:
+            values.forget(buffer)
+        return buffer
 
     return make
 

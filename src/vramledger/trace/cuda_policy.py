@@ -79,20 +79,24 @@ CUBLAS_WORKSPACE_DEFAULT = 4096 * 1024 * 2 + 16 * 1024 * 8
 CUBLAS_WORKSPACE_LARGE_MAJORS = (9, 10, 12)
 """``parseChosenWorkspaceSize`` in CublasHandlePool.cpp of PyTorch 2.13: Hopper and Blackwell."""
 CUBLAS_OPS = frozenset(
-    {
-        aten.mm.default,
-        aten.addmm.default,
-        aten.bmm.default,
-        aten.baddbmm.default,
-        aten.addbmm.default,
-        aten.mv.default,
-        aten.addmv.default,
-        aten.dot.default,
-        aten.vdot.default,
-        aten._addmm_activation.default,
-    }
+    getattr(getattr(aten, name), overload)
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "addbmm",
+        "mv",
+        "addmv",
+        "dot",
+        "vdot",
+        "_addmm_activation",
+    )
+    for overload in ("default", "out")
 )
-"""Operators whose CUDA kernels call cuBLAS/cuBLASLt (``at::cuda::blas``)."""
+"""Operators whose CUDA kernels call cuBLAS/cuBLASLt (``at::cuda::blas``), and their ``out=``
+variants, which Inductor's generated code calls (``extern_kernels.mm(..., out=buf)``): a
+compiled region's matrix products take the workspace too."""
 
 
 class CudaPolicy(DevicePolicy):

@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import AllocatorModel
+from ..bnb_weights import refused_quantized_weights
 from ..categories import Category, Phase
 from ..checkpoint_shapes import weights_without_data
 from ..errors import TraceError
@@ -53,6 +54,7 @@ from ..event_totals import EventTotals, sizes_in
 from ..offline_hub import offline_hub
 from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from ..timeline import Timeline
+from .compiled import compiled_regions
 from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values_once_imported
@@ -321,12 +323,15 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             noop_conversions(),
             torch.compiler.set_stance("force_eager"),
             tracker,
+            # the program's torch.compile'd modules and functions run as Inductor runs them
+            compiled_regions(tracker, notes, policy.name),
             phases.hooks(),
             emulation,
             foreach as decided,
             weights_without_data() as shapes,
             offline_hub() as hub,
             hf_known_values_once_imported(values) as phases.on_forward,
+            refused_quantized_weights(),
         ):
             # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")

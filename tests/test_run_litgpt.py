@@ -1,0 +1,161 @@
+"""LitGPT's own commands under `vramledger run` (issue 20): `litgpt finetune_lora`,
+`finetune_full` and `pretrain`, run by their console script on a tiny Llama-shaped checkpoint and
+local data made here (tests/programs/litgpt_tiny.py; nothing is downloaded), against the same
+command run for real on CPU (`run --measure`).
+
+LitGPT's Fabric takes the emulated GPU (`accelerator="auto"`), so the precision is the one a
+GPU run gets by default (bf16-mixed: Lightning's CUDA autocast) unless asked; `pretrain`
+compiles the model (`torch.compile`, modelled as Inductor runs it) and steps a fused AdamW.
+`--quantize bnb.nf4` is refused in one line (``bnb_weights.py`` says why).
+
+litgpt is not in the dev extra: the newest (0.5.13) pins ``huggingface-hub<1.4``, which the
+pinned ``datasets`` 5.2 refuses (``>=1.31``), and the newest that resolves beside the pins
+(0.5.9) pins ``numpy<2``, which breaks pyarrow 26 (datasets). Install it beside them
+(`pip install litgpt`, then numpy 2 again) to run these tests.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+from vramledger.cli import main
+from vramledger.errors import TraceError
+from vramledger.measure_program import measure_program
+from vramledger.predict_program import run_program
+from vramledger.program import ProgramSpec
+
+pytestmark = pytest.mark.skipif(
+    importlib.util.find_spec("litgpt") is None,
+    reason="litgpt is not installed (not in the dev extra: see this module's docstring)",
+)
+
+PROGRAMS = Path(__file__).parent / "programs"
+STEPS = 3
+"""Optimizer steps run (`--max-steps`): the first, and a steady window of two."""
+
+COMMON = (
+    "--train.global_batch_size",
+    "2",
+    "--train.micro_batch_size",
+    "2",
+    "--train.lr_warmup_steps",
+    "1",
+    "--eval.interval",
+    "1000",
+    "--eval.final_validation",
+    "false",
+    "--devices",
+    "1",
+    "--out_dir",
+    "out",
+    "--logger_name",
+    "csv",
+)
+FINETUNE = (
+    "checkpoint",
+    "--data",
+    "JSON",
+    "--data.json_path",
+    "data.json",
+    "--data.val_split_fraction",
+    "0.25",
+    "--data.num_workers",
+    "0",
+    "--train.epochs",
+    "100",
+    "--train.max_steps",
+    "100",
+)
+COMMANDS = {
+    # the default precision a GPU gets: bf16-mixed
+    "finetune_lora": ("finetune_lora", *FINETUNE),
+    "finetune_full": ("finetune_full", *FINETUNE, "--precision", "bf16-true"),
+    "pretrain": (
+        "pretrain",
+        "tiny",
+        "--model_config",
+        "checkpoint/model_config.yaml",
+        "--data",
+        "litgpt_tiny.TinyTokens",
+        "--tokenizer_dir",
+        "checkpoint",
+        "--train.max_seq_length",
+        "64",
+        # pretrain takes no max_steps: 100 steps of 2 x 64 tokens
+        "--train.max_tokens",
+        "12800",
+    ),
+}
+"""Each command's arguments after ``litgpt`` (run in the folder litgpt_tiny.make filled)."""
+
+HOST_SCALARS = 64
+"""Host memory the real CPU run's allocator counts and a GPU's would not: 20 bytes with
+finetune_full and pretrain, 36 with finetune_lora (torchmetrics' ``RunningMean``, which LitGPT
+makes for the running loss, keeps its default states on the host: 12 bytes when built; LitGPT's
+and Lightning's host scalars the rest)."""
+
+
+@pytest.fixture
+def workdir(tmp_path, monkeypatch):
+    """A tiny checkpoint and data in the working folder; litgpt_tiny importable (the
+    pretraining data module, given to litgpt as ``--data litgpt_tiny.TinyTokens``)."""
+    monkeypatch.syspath_prepend(str(PROGRAMS))
+    from litgpt_tiny import make
+
+    make(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _spec(command: str, *extra: str) -> ProgramSpec:
+    return ProgramSpec(
+        program="litgpt", args=(*COMMANDS[command], *COMMON, *extra), max_steps=STEPS
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", list(COMMANDS))
+def test_litgpt_command_matches_the_real_cpu_run(command, workdir):
+    """--target cpu predicts the real CPU run's allocator count, step by step and in the steady
+    window, to within the host scalars named (LitGPT would run 100 steps; vramledger stops it
+    after three, before its final save and merge)."""
+    spec = _spec(command)
+    predicted = run_program(spec, target="cpu")
+    measured = measure_program(spec)
+    assert predicted.steps == measured.steps == STEPS
+    assert predicted.ending == measured.ending == "max-steps"
+    assert predicted.step_peaks.keys() == measured.step_peaks.keys()
+    for step, peak in predicted.step_peaks.items():
+        assert 0 <= measured.step_peaks[step] - peak <= HOST_SCALARS, (step, predicted, measured)
+    [window] = predicted.windows
+    [truth] = measured.windows
+    assert window.optimizer == truth.optimizer == "AdamW"
+    assert 0 <= truth.peak_bytes - window.peak_bytes <= HOST_SCALARS
+    notes = " ".join(predicted.notes)
+    # the notes name LitGPT's lines (the console script's package is the program)
+    assert f"{command.removeprefix('finetune_')}.py:" in notes
+    if command == "pretrain":
+        assert "modelled as Inductor runs them: GPT (torch.compile'd module)" in notes
+        assert "could not be modelled" not in notes
+    if command == "finetune_lora":
+        assert "torch.autocast('cuda') to bfloat16" in notes
+
+
+@pytest.mark.slow
+def test_quantize_bnb_nf4_is_refused_in_one_line(workdir, capsys):
+    """QLoRA through Lightning's bitsandbytes plugin needs a real CUDA device: the trace and the
+    real CPU run both stop where the first 4-bit weight is made, with one line saying why."""
+    spec = _spec("finetune_lora", "--precision", "bf16-true", "--quantize", "bnb.nf4")
+    with pytest.raises(TraceError, match=r"bitsandbytes' quantized weights \(Params4bit\)"):
+        run_program(spec, target="cuda")
+    with pytest.raises(TraceError, match="neither the fake-tensor trace nor the real CPU run"):
+        measure_program(spec)
+    capsys.readouterr()
+    assert main(["run", "--measure", "--", "litgpt", *spec.args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("vramledger: error: the program makes bitsandbytes' quantized")
+    assert "--quantize nf4" in err[-1]
+    assert not any("the program raised" in line for line in err)  # not labelled the program's
