@@ -146,6 +146,27 @@ def test_compiled_mlp_block_matches_plain_compiled_run():
     assert eager.peak_bytes > 1.5 * steady
 
 
+@pytest.mark.slow
+def test_compiled_hugging_face_model_matches_plain_compiled_run():
+    """``torch.compile`` of a Hugging Face causal LM that computes its own loss: one forward
+    and one backward graph, and the zero tangents autograd makes for the logits and KV cache it
+    also returns (estimated 4.3 % above the plain run at dadce74; exact since, cause of the
+    change not isolated)."""
+    first, steady = fn.plain_run(fn.compiled_tiny_llama, fn.llama_inputs, fn.llama_loss, 2)
+    ledger = estimate(
+        model=f"{FUNCTIONS}:compiled_tiny_llama",
+        inputs=f"{FUNCTIONS}:llama_inputs",
+        loss=f"{FUNCTIONS}:llama_loss",
+        batch_size=2,
+        seq_len=32,
+        optimizer="sgd",
+        target="cpu",
+    )
+    assert any(MODELLED in n and "(2 graphs)" in n for n in ledger.notes), ledger.notes
+    assert _within(ledger.peak_bytes, steady), (ledger.peak_bytes, steady)
+    assert _within(ledger.first_step_peak_bytes, first), (ledger.first_step_peak_bytes, first)
+
+
 def test_region_inductor_does_not_run_is_traced_eagerly_with_both_figures():
     """Another backend than Inductor is not modelled: the answer is the eager trace's and the
     notes say so, with the region's eager and outputs-only figures."""

@@ -60,6 +60,10 @@ run's allocator counts it (measure_program.py)."""
         # Inductor runs them (traced eagerly before: LitGPT's pretrain was 15 % above), with
         # the CPU scratch of Inductor's out= matrix products
         pytest.param("compiled_autocast", 0, marks=pytest.mark.slow),
+        # the zero tangent autograd makes for a compiled model's unused logits: a real CPU
+        # tensor here (emulated tensors report the CPU), never passed to a dispatching operator
+        # by Inductor's code, so it was missed (906,504 B predicted, 1,004,300 B measured)
+        pytest.param("compiled_outputs", 0, marks=pytest.mark.slow),
     ],
 )
 def test_target_cpu_equals_the_real_cpu_run(name, allowance, capsys):

@@ -227,6 +227,9 @@ def _stub_module(
     def _call(args: list[Any]) -> Any:
         modes = _Active.modes
         if modes is None:  # a compiled backward, run by autograd under the trace's own modes
+            adopt = getattr(_Active.context[-1][0], "adopt", None) if _Active.context else None
+            if adopt is not None:  # real tangents autograd materialized (a program's trace)
+                adopt(args)
             fake = detect_fake_mode(args)
             with fake if fake is not None and not _fake_active() else contextlib.nullcontext():
                 return inner(args)

@@ -96,16 +96,28 @@ class ProgramTracker(StorageTracker):
         if not _fake_call(args, kwargs):
             return func(*args, **(kwargs or {}))
         if func not in _DEVICE_COPIES:
-            for t in tree_leaves((args, kwargs)):
-                if (
-                    type(t) in (torch.Tensor, nn.Parameter)
-                    and t.dim() > 0
-                    and t.device.type == "cpu"
-                    and t not in self._twins
-                ):
-                    self._twins[t] = twin = self._mode.from_tensor(t)
-                    self._see(twin)
+            self.adopt(tree_leaves((args, kwargs)))
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def adopt(self, leaves: list[Any]) -> None:
+        """Record the fake twin of each real CPU tensor (but 0-d ones) among ``leaves``, from now
+        on and for as long as it lives: tensors the program's GPU run holds on the device.
+
+        Besides an operator's arguments (above), a compiled backward's inputs come here
+        (``trace/compiled.py``): autograd materializes the gradients of a compiled region's
+        unused outputs (the zero tangents of a model's logits and KV cache when only its loss is
+        differentiated) with ``at::zeros`` on the output's device, the CPU for an emulated
+        tensor, so they are real; Inductor's generated code may never pass them to an operator
+        that dispatches, and on a GPU they are device memory from that moment."""
+        for t in leaves:
+            if (
+                type(t) in (torch.Tensor, nn.Parameter)
+                and t.dim() > 0
+                and t.device.type == "cpu"
+                and t not in self._twins
+            ):
+                self._twins[t] = twin = self._mode.from_tensor(t)
+                self._see(twin)
 
     @property
     def module_names(self) -> dict[int, str]:
