@@ -85,12 +85,21 @@ class ProgramTracker(StorageTracker):
     device=x.device)`` makes a real CPU tensor here, where on the GPU it makes a CUDA tensor
     (a CUDA operator refuses CPU tensors but 0-d ones). Its fake twin, the one ``mode`` converts
     it to, is recorded from that first use for as long as the real tensor lives (autograd
-    keeps what it saves: the real tensor, as a CUDA run keeps its CUDA tensor)."""
+    keeps what it saves: the real tensor, as a CUDA run keeps its CUDA tensor).
 
-    def __init__(self, mode: FakeTensorMode, **kwargs: Any) -> None:
+    A Python number that autograd keeps as a tensor (``(alpha / rank) * lora_b(x)``: the 8-byte
+    ``other`` that ``MulBackward0`` saves, ``trace/wrapped_numbers.py``) is a real CPU tensor
+    here as in any run: on a GPU host memory, which the device's allocator never sees; with
+    ``host_numbers`` (the CPU target) it is recorded, as the CPU allocator counts it. Found on
+    torchtune's ``LoRALinear``: 12 adapted layers, 96 bytes alive at the backward peak, which
+    ``--target cpu`` missed."""
+
+    def __init__(self, mode: FakeTensorMode, *, host_numbers: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._mode = mode
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._host_numbers = host_numbers
+        self._seeing_numbers = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _fake_call(args, kwargs):
@@ -112,8 +121,19 @@ class ProgramTracker(StorageTracker):
         """id(module) -> name, filled in as the program's modules first run."""
         return self._module_names
 
+    def _see_wrapped_numbers(self) -> None:
+        if not self._host_numbers:
+            self._wrapped_out = None
+            return
+        self._seeing_numbers = True
+        try:
+            super()._see_wrapped_numbers()
+        finally:
+            self._seeing_numbers = False
+
     def _see(self, t: torch.Tensor, index: int = 0) -> list[int]:
-        if not isinstance(t, FakeTensor) and not is_traceable_wrapper_subclass(t):
+        real = not isinstance(t, FakeTensor) and not is_traceable_wrapper_subclass(t)
+        if real and not self._seeing_numbers:
             return []  # a real tensor: the program's CPU work, not the device's
         return super()._see(t, index)
 
@@ -300,6 +320,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
     values = KnownValues(mode)
     tracker = ProgramTracker(
         mode,
+        host_numbers=policy.name == "cpu",
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
         substitutes=SUBSTITUTES,
