@@ -130,8 +130,10 @@ _LIBRARY_DIRS = tuple(
     }
 )
 _PROGRAM_DIRS: list[str] = []
-"""The installed package a console script runs (``litgpt`` for ``litgpt finetune_lora``): its
-frames are the program's, though they sit in site-packages (set while :func:`launch` runs)."""
+"""The installed package a console script runs (``litgpt`` for ``litgpt finetune_lora``), and
+the folder of each file the program runs with ``runpy`` (torchtune's ``tune run`` runs its
+recipe, ``site-packages/recipes/lora_finetune_single_device.py``, so): their frames are the
+program's, though they sit in site-packages (set while :func:`launch` runs)."""
 
 
 def _library_frame(filename: str) -> bool:
@@ -304,6 +306,25 @@ def _package_folders(spec: ProgramSpec) -> list[str]:
 
 
 @contextlib.contextmanager
+def _scripts_followed() -> Iterator[None]:
+    """A file run with ``runpy.run_path`` while the program runs is the program's
+    (``_PROGRAM_DIRS``)."""
+    run_path = runpy.run_path
+
+    def followed(path_name: Any, *args: Any, **kwargs: Any) -> Any:
+        folder = str(Path(path_name).resolve().parent) + os.sep
+        if folder not in _PROGRAM_DIRS:
+            _PROGRAM_DIRS.append(folder)
+        return run_path(path_name, *args, **kwargs)
+
+    runpy.run_path = followed
+    try:
+        yield
+    finally:
+        runpy.run_path = run_path
+
+
+@contextlib.contextmanager
 def _argv_and_path(argv0: str, args: tuple[str, ...], script: bool) -> Iterator[None]:
     saved_argv, saved_path = sys.argv, list(sys.path)
     sys.argv = [argv0, *args]
@@ -409,6 +430,7 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
         with (
             _argv_and_path(argv0, spec.args, script=not spec.module),
             _default_device_kept(),
+            _scripts_followed(),
             skipped_saves(run),
             _alarm(spec.timeout),
         ):

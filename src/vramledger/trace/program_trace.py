@@ -222,7 +222,7 @@ class _Phases:
         """id -> elements of every fake parameter seen (no reference kept: a reference would
         keep it alive)."""
         self.trainable: dict[int, int] = {}
-        """The same, of the parameters an optimizer steps."""
+        """The same, of the parameters an optimizer steps that require gradients."""
 
     def register(self, tensors: list[torch.Tensor], category: Category) -> None:
         tensors = [t for t in tensors if t is not None]
@@ -257,7 +257,10 @@ class _Phases:
 
     def before_step(self, optimizer: Any, step: int) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.trainable.update((id(p), p.numel()) for p in params if isinstance(p, FakeTensor))
+        # torchtune's recipes give the optimizer every parameter, the frozen ones too
+        self.trainable.update(
+            (id(p), p.numel()) for p in params if isinstance(p, FakeTensor) and p.requires_grad
+        )
         self.register([p for p in params if isinstance(p, FakeTensor)], Category.PARAMETERS)
         self.register(
             [p.grad for p in params if isinstance(p.grad, FakeTensor)], Category.GRADIENTS
