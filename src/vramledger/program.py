@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from .checkpoint_shapes import replace_everywhere
 from .errors import InputError, VramledgerError
 
 DEFAULT_MAX_STEPS = 20
@@ -227,8 +228,16 @@ SAVE_METHODS = (("transformers.modeling_utils", "PreTrainedModel", "save_pretrai
 
 @contextlib.contextmanager
 def skipped_saves(run: ProgramRun) -> Iterator[None]:
-    """Checkpoint saves write nothing; where each was asked goes into ``run.skipped_saves``."""
+    """Checkpoint saves write nothing; where each was asked goes into ``run.skipped_saves``.
+
+    Every module's name for a save function is replaced, and restored, not only the function's
+    own module's: peft binds ``from safetensors.torch import save_file as safe_save_file`` when
+    imported, so a peft imported before the run saved for real, and one first imported during
+    it kept the stub afterwards (a later ``save_pretrained`` in the same process wrote
+    nothing: seen in the test suite, test_peft_adapter_is_read_as_shapes after
+    tests/test_run_program.py)."""
     restore: list[tuple[Any, str, Any]] = []
+    functions: dict[int, tuple[Any, Any]] = {}
 
     def skip(name: str) -> Callable[..., None]:
         def skipped(*_args: Any, **_kwargs: Any) -> None:
@@ -243,8 +252,10 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
             with contextlib.suppress(ImportError):
                 module = importlib.import_module(module_name)
         if module is not None and hasattr(module, attr):
-            restore.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, skip(f"{module_name.split('.')[0]}.{attr}"))
+            original = getattr(module, attr)
+            if id(original) not in functions:
+                functions[id(original)] = (original, skip(f"{module_name.split('.')[0]}.{attr}"))
+    replace_everywhere(functions)
     for module_name, cls_name, attr in SAVE_METHODS:
         cls = getattr(sys.modules.get(module_name), cls_name, None)
         if cls is not None:
@@ -253,6 +264,7 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
     try:
         yield
     finally:
+        replace_everywhere({id(stub): (stub, original) for original, stub in functions.values()})
         for owner, attr, original in reversed(restore):
             setattr(owner, attr, original)
 
