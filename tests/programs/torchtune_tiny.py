@@ -176,7 +176,9 @@ def make(root: Path, fmt: str = "hf") -> tuple[Path, Path, Path]:
         }
         for i in range(SAMPLES)
     ]
-    _tokenizer(checkpoint / "tokenizer.model", [s[f] for s in samples for f in ("instruction", "output")])
+    _tokenizer(
+        checkpoint / "tokenizer.model", [s[f] for s in samples for f in ("instruction", "output")]
+    )
     _weights(checkpoint, fmt)
     data = root / "data.json"
     data.write_text(json.dumps(samples))
