@@ -10,8 +10,10 @@ single-device LoRA settings): bf16 is allowed where ``torch.cuda.is_bf16_support
 NCCL >= 2.10 (``training.verify_bf16_support``), which the emulation answers as a CUDA build.
 
 torchtune is not in the dev extra: its newest (0.6.1) imports ``torchao.dtypes.nf4tensor``,
-which torchao 0.14.1 has and 0.18 does not. Install ``torchtune==0.6.1 torchao==0.14.1`` beside
-the pins to run these tests.
+which torchao 0.14.1 has and 0.18 does not. Install ``torchtune==0.6.1 torchao==0.14.1`` in a
+venv of its own (beside the pins, ``-c`` torch==2.13.0) to run these tests; there peft 0.21
+refuses that torchao ("only versions above 0.16.0 are supported"), so the peft tests fail in
+that venv and pass in the dev extra's.
 """
 
 from __future__ import annotations
