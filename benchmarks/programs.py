@@ -6,8 +6,9 @@
 Each program (tests/programs/, ordinary scripts that run unchanged with plain `python` on a CUDA
 machine; nanoGPT's own train.py on a tiny config and local data, where ``VRAMLEDGER_NANOGPT``
 names a checkout of karpathy/nanoGPT, which is not shipped here; LitGPT's `finetune_lora`,
-`finetune_full` and `pretrain` on a tiny checkpoint and local data, where litgpt is installed)
-runs three
+`finetune_full` and `pretrain` on a tiny checkpoint and local data, where litgpt is installed;
+torchtune's `tune run lora_finetune_single_device` on a tiny checkpoint in Hugging Face's and
+Meta's formats, where torchtune is installed) runs three
 times, each in its own process: `vramledger run --target cpu` (the prediction of what the CPU
 allocator counts), `vramledger run --measure` (the real CPU run, counted by
 `cpu_allocator_count`) and `vramledger run --gpu h100-80gb` (the CUDA prediction, for
@@ -61,6 +62,8 @@ CASES = [
     "litgpt_finetune_lora",
     "litgpt_finetune_full",
     "litgpt_pretrain",
+    "torchtune_lora_hf",
+    "torchtune_lora_meta",
 ]
 HOST = {
     "data_loader": "the TensorDataset in host memory (33,792 B)",
@@ -116,12 +119,24 @@ LITGPT = {
 (tests/test_run_litgpt.py runs the same commands); left out where litgpt is not installed."""
 
 
+TORCHTUNE = {"torchtune_lora_hf": "hf", "torchtune_lora_meta": "meta"}
+"""torchtune's `tune run lora_finetune_single_device` on the tiny checkpoint (in that format:
+FullModelHFCheckpointer's safetensors, FullModelMetaCheckpointer's torch.save), tokenizer, data
+and config of tests/programs/torchtune_tiny.py (tests/test_run_torchtune.py runs the same);
+left out where torchtune is not installed."""
+TORCHTUNE_COMMAND = ["tune", "run", "lora_finetune_single_device", "--config", "config.yaml"]
+TORCHTUNE_STEPS = 3
+"""`--max-steps` of the torchtune cases (its epoch has 4 steps, then a save)."""
+
+
 def _command(case: str, workdir: Path) -> list[str]:
     if case == "nanogpt":
         source = Path(os.environ[NANOGPT_CHECKOUT])
         return [str(source / "train.py"), str(PROGRAMS / "nanogpt_tiny.py")]
     if case in LITGPT:
         return ["litgpt", *LITGPT[case], *LITGPT_COMMON]
+    if case in TORCHTUNE:
+        return TORCHTUNE_COMMAND
     if case.startswith("lightning_"):  # Lightning's precision names: bf16-mixed, bf16-true
         precision = case.removeprefix("lightning_").replace("_", "-")
         return [str(PROGRAMS / "lightning_transformer.py"), precision]
@@ -152,9 +167,22 @@ def _litgpt_workdir() -> Path:
     return workdir
 
 
+def _torchtune_workdir(fmt: str) -> Path:
+    """The tiny checkpoint in ``fmt``, tokenizer, data and config (``torchtune_tiny.make``) in a
+    new folder."""
+    sys.path.insert(0, str(PROGRAMS))
+    from torchtune_tiny import make
+
+    workdir = Path(tempfile.mkdtemp(prefix="vramledger-torchtune-"))
+    make(workdir, fmt)
+    return workdir
+
+
 def _run(options: list[str], command: list[str], cwd: Path) -> dict:
     if command[0] == "litgpt":
         options = [*options, "--max-steps", str(LITGPT_STEPS)]
+    if command[0] == "tune":
+        options = [*options, "--max-steps", str(TORCHTUNE_STEPS)]
     # litgpt_tiny (the pretraining data module) importable by the program
     path = os.pathsep.join(p for p in (str(PROGRAMS), os.environ.get("PYTHONPATH")) if p)
     out = subprocess.run(
@@ -189,6 +217,9 @@ def main() -> int:
     if importlib.util.find_spec("litgpt") is None and set(cases) & set(LITGPT):
         cases = [c for c in cases if c not in LITGPT]
         print("litgpt cases left out: litgpt is not installed (not in the dev extra)")
+    if importlib.util.find_spec("torchtune") is None and set(cases) & set(TORCHTUNE):
+        cases = [c for c in cases if c not in TORCHTUNE]
+        print("torchtune cases left out: torchtune is not installed (not in the dev extra)")
     commit = provenance.commit()
     started = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     console = Console(width=140)
@@ -201,6 +232,8 @@ def main() -> int:
             cwd = _nanogpt_workdir()
         elif case in LITGPT:
             cwd = _litgpt_workdir()
+        elif case in TORCHTUNE:
+            cwd = _torchtune_workdir(TORCHTUNE[case])
         else:
             cwd = Path(tempfile.mkdtemp())
         command = _command(case, cwd)

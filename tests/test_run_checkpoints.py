@@ -53,6 +53,78 @@ def test_safetensors_and_torch_save_files_equal_the_real_cpu_run(tmp_path, capsy
     assert f"weights read as shapes from {head} (no data read)" in predicted.notes
 
 
+def _legacy_save(state_dict: dict[str, torch.Tensor], path: Path) -> int:
+    """``torch.save`` in the format before PyTorch 1.6; the offset where the storages' bytes
+    begin (each storage: its element count, 8 bytes, then its bytes, after the pickles)."""
+    torch.save(state_dict, path, _use_new_zipfile_serialization=False)
+    storages = {
+        t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in state_dict.values()
+    }
+    return path.stat().st_size - sum(8 + n for n in storages.values())
+
+
+def test_legacy_torch_save_file_is_read_as_shapes(tmp_path, capsys):
+    """A torch.save file in the format before PyTorch 1.6 (``_use_new_zipfile_serialization=
+    False``, which cannot be mapped) is read from its pickles alone: the same count as the real
+    CPU run that reads it, to the byte; and with its bytes cut off the file still loads (a real
+    run fails: "unexpected EOF")."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64))
+    from safetensors.torch import save_file
+
+    body, head = tmp_path / "body.safetensors", tmp_path / "head.pt"
+    save_file(model[0].state_dict(), body)
+    data_offset = _legacy_save(model[2].state_dict(), head)
+    spec = _spec("load_checkpoints", str(body), str(head))
+    predicted = run_program(spec, target="cpu")
+    measured = measure_program(spec)
+    assert predicted.step_peaks == measured.step_peaks
+    assert f"weights read as shapes from {head} (no data read)" in predicted.notes
+    with open(head, "r+b") as f:
+        f.truncate(data_offset)
+    with pytest.raises(RuntimeError, match="unexpected EOF"):
+        torch.load(head)
+    assert run_program(spec, target="cpu").step_peaks == measured.step_peaks
+    capsys.readouterr()
+
+
+def test_tar_format_is_refused_in_one_line(tmp_path):
+    """torch.save's tar format (PyTorch before 0.4) keeps each storage's size with its bytes: no
+    shapes without the data, so the load stops with one line saying so."""
+    import tarfile
+
+    body, head = tmp_path / "body.safetensors", tmp_path / "head.pt"
+    from safetensors.torch import save_file
+
+    save_file(nn.Linear(64, 256).state_dict(), body)
+    with tarfile.open(head, "w", format=tarfile.PAX_FORMAT) as tar:
+        for member in ("storages", "tensors", "pickle"):
+            (tmp_path / member).write_bytes(b"")
+            tar.add(tmp_path / member, arcname=member)
+    with pytest.raises(InputError) as raised:
+        run_program(_spec("load_checkpoints", str(body), str(head)), target="cpu")
+    message = str(raised.value)
+    assert f"{head} is in torch.save's tar format" in message and "\n" not in message
+
+
+def test_lit_model_pth_is_read_as_shapes(tmp_path, capsys):
+    """LitGPT's ``lit_model.pth`` (``torch.save`` of the state dict) as ``litgpt.utils.
+    load_checkpoint`` reads it on one device, with Lightning's lazy loader (which copies each
+    record out of the archive on first use): mapped instead, no data read, and the count is the
+    real CPU run's. litgpt itself is not needed (tests/test_run_litgpt.py runs LitGPT)."""
+    pytest.importorskip("lightning")
+    torch.manual_seed(0)
+    path = tmp_path / "lit_model.pth"
+    torch.save(nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 64)).state_dict(), path)
+    spec = _spec("load_lit_model", str(path))
+    predicted = run_program(spec, target="cpu")
+    printed = _printed(capsys.readouterr().out)
+    measured = measure_program(spec)
+    assert printed == _printed(capsys.readouterr().out)
+    assert predicted.step_peaks == measured.step_peaks
+    assert f"weights read as shapes from {path} (no data read)" in predicted.notes
+
+
 LARGE_ROWS, LARGE_COLS = 2**19, 1024
 """A 2 GiB fp32 tensor."""
 
@@ -183,24 +255,22 @@ def test_a_download_is_refused_in_one_line():
 
 def test_the_readers_are_restored():
     """Every reader run replaces is put back, those the program imported by name too."""
+    import lightning.fabric.utilities.load as lightning_load
     import safetensors
     import safetensors.torch
     import transformers.modeling_utils as modeling
 
-    before = (
-        torch.load,
-        safetensors.safe_open,
-        safetensors.torch.load_file,
-        modeling.safe_open,
-        modeling.PreTrainedModel.__dict__["from_pretrained"],
-    )
+    def readers() -> tuple:
+        return (
+            torch.load,
+            safetensors.safe_open,
+            safetensors.torch.load_file,
+            modeling.safe_open,
+            modeling.PreTrainedModel.__dict__["from_pretrained"],
+            lightning_load._lazy_load,
+        )
+
+    before = readers()
     with pytest.raises(InputError):
         run_program(_spec("hf_download", "some-org/not-cached"))
-    after = (
-        torch.load,
-        safetensors.safe_open,
-        safetensors.torch.load_file,
-        modeling.safe_open,
-        modeling.PreTrainedModel.__dict__["from_pretrained"],
-    )
-    assert after == before
+    assert readers() == before

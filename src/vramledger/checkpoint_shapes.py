@@ -9,8 +9,18 @@ A program that loads a checkpoint needs its tensors' shapes and dtypes, never th
   and give uninitialised tensors of those shapes and dtypes (``torch.empty``: host pages that
   are never written stay unmapped, so a 2 GiB file costs no resident memory), on the device
   asked for (on "cuda" they are emulated, fake tensors);
-- ``torch.load`` of a file ``torch.save`` wrote (a zip archive) maps it (``mmap=True``)
-  instead of reading it: no page is read unless the program reads its values;
+- ``torch.load`` of a file ``torch.save`` wrote (a zip archive) maps it (``mmap=True``, also
+  where the program asked for ``mmap=False``: torchtune reads its recipe state so) instead of
+  reading it: no page is read unless the program reads its values. A file in the format before
+  PyTorch 1.6 (``_use_new_zipfile_serialization=False``: pickles, then each storage's bytes)
+  cannot be mapped; it is read under ``torch.serialization.skip_data``, which rebuilds every
+  tensor, view and shared storage from the pickles and stops before the bytes (uninitialised
+  storages, as for safetensors). The tar format of PyTorch before 0.4 keeps each storage's
+  size beside its bytes, read together (``torch.serialization._legacy_load``'s
+  ``legacy_load``): refused in one line;
+- Lightning's lazy loader (``lightning.fabric.utilities.load._lazy_load``, with which LitGPT
+  reads ``lit_model.pth``: ``litgpt.utils.load_checkpoint``) reads a tensor's bytes from the
+  archive when it is first used; it maps the file instead, as ``torch.load`` does;
 - ``from_pretrained`` of transformers' models on a local folder with only ``config.json``
   builds the model from its config, with random weights, instead of raising ``OSError``.
 
@@ -23,16 +33,22 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import io
 import json
 import os
 import struct
 import sys
+import tarfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import Any, Literal
 
 import torch
+
+from .bnb_weights import _OnImport
+from .errors import InputError
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file opens with its header's length, an unsigned 64-bit little-endian int."""
@@ -61,6 +77,13 @@ SYNCHRONOUS_LOADING = "HF_DEACTIVATE_ASYNC_LOAD"
 thread pool unless this is set; the CUDA emulation is a thread-local TorchFunctionMode, so a
 worker's ``.to("cuda")`` would reach the real (absent) CUDA backend. Shapes need no parallel
 reads."""
+
+LIGHTNING_LAZY_LOAD = (
+    "lightning.fabric.utilities.load",
+    "lightning_fabric.utilities.load",
+)
+"""Where Lightning's ``_lazy_load`` lives (the ``lightning`` package and the standalone
+``lightning_fabric`` one); ``litgpt.utils`` binds it as ``lazy_load``."""
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack")
 """Files in a model folder that hold weights; a folder with none is built from its config."""
@@ -172,20 +195,75 @@ def _load_file(shapes: CheckpointShapes) -> Callable[..., dict[str, torch.Tensor
 def _torch_load(shapes: CheckpointShapes, original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if isinstance(f, (str, os.PathLike)) and "mmap" not in kwargs and _zip_archive(f):
+        kind = saved_format(f)
+        if kind == "zip" and isinstance(f, (str, os.PathLike)):
             shapes.saw(f)
-            return original(f, *args, mmap=True, **kwargs)
+            return original(f, *args, **{**kwargs, "mmap": True})
+        if kind == "legacy" and not kwargs.get("mmap"):
+            shapes.saw(_name_of(f))
+            with torch.serialization.skip_data():
+                return original(f, *args, **kwargs)
+        if kind == "tar":
+            raise InputError(
+                f"{_name_of(f)} is in torch.save's tar format (PyTorch before 0.4), whose "
+                "storage sizes are read together with their bytes: its shapes cannot be had "
+                "without reading all its data",
+                hint="load and save it again with a current PyTorch (torch.save), then rerun",
+            )
         return original(f, *args, **kwargs)
 
     return load
 
 
-def _zip_archive(path: str | os.PathLike[str]) -> bool:
-    """``torch.save``'s format since PyTorch 1.6 (the one ``mmap=True`` reads)."""
-    if not os.path.isfile(path):
-        return False
-    with open(path, "rb") as f:
-        return torch.serialization._is_zipfile(f)
+Format = Literal["zip", "legacy", "tar"]
+
+
+def saved_format(f: Any) -> Format | None:
+    """Which of ``torch.save``'s formats a file (a path or a seekable binary file) holds: "zip"
+    (since PyTorch 1.6, the one ``mmap=True`` reads), "tar" (before 0.4) or "legacy" (the
+    pickles between them); None for anything else (a missing file, an in-memory buffer)."""
+    if isinstance(f, (str, os.PathLike)):
+        if not os.path.isfile(f):
+            return None
+        with open(f, "rb") as opened:
+            return saved_format(opened)
+    if not all(hasattr(f, a) for a in ("read", "seek", "tell")) or isinstance(f, io.BytesIO):
+        return None
+    start = f.tell()
+    try:
+        if torch.serialization._is_zipfile(f):
+            return "zip"
+        f.seek(start)
+        if tarfile.is_tarfile(f):
+            return "tar"
+        f.seek(start)
+        return "legacy" if f.read(2) == PICKLE_PROTOCOL_2 else None
+    finally:
+        f.seek(start)
+
+
+PICKLE_PROTOCOL_2 = b"\x80\x02"
+"""How the legacy format opens: its magic number pickled with protocol 2 (``torch.save``'s
+``DEFAULT_PROTOCOL``)."""
+
+
+def _name_of(f: Any) -> str:
+    return str(getattr(f, "name", f))
+
+
+def _lazy_load(shapes: CheckpointShapes, original: Callable[..., Any]) -> Callable[..., Any]:
+    """Lightning's ``_lazy_load``: the archive mapped (``torch.load(mmap=True)``, every tensor
+    a view of the file, no page read) instead of a reader that copies a record out on first
+    use. The result is the same state dict of the same tensors."""
+
+    @functools.wraps(original)
+    def lazy_load(filename: Any) -> Any:
+        if saved_format(filename) != "zip":
+            return original(filename)
+        shapes.saw(filename)
+        return torch.load(filename, mmap=True, weights_only=False, map_location="cpu")
+
+    return lazy_load
 
 
 def _config_only(path: Any) -> bool:
@@ -220,6 +298,32 @@ def _from_pretrained(shapes: CheckpointShapes, original: Any) -> classmethod:
     return classmethod(from_pretrained)
 
 
+def _lazy_loads_replaced(
+    shapes: CheckpointShapes, replacements: dict[int, tuple[Any, Any]]
+) -> list[_OnImport]:
+    """Lightning's ``_lazy_load`` (``LIGHTNING_LAZY_LOAD``) entered in ``replacements`` where
+    imported, else replaced when the program imports it (before ``litgpt.utils`` binds it):
+    the import hooks waiting, for removal on exit."""
+    finders = []
+
+    def replace(module: ModuleType) -> None:
+        original = getattr(module, "_lazy_load", None)
+        if original is not None and id(original) not in replacements:
+            replacements[id(original)] = (original, _lazy_load(shapes, original))
+            module._lazy_load = replacements[id(original)][1]  # type: ignore[attr-defined]
+
+    for module_name in LIGHTNING_LAZY_LOAD:
+        module = sys.modules.get(module_name)
+        if module is not None:
+            original = getattr(module, "_lazy_load", None)
+            if original is not None:
+                replacements[id(original)] = (original, _lazy_load(shapes, original))
+        else:
+            finders.append(_OnImport(module_name, replace))
+            sys.meta_path.insert(0, finders[-1])
+    return finders
+
+
 def replace_everywhere(replacements: dict[int, Any]) -> list[tuple[Any, str, Any]]:
     """Every module attribute that is one of the originals (by id) -> its replacement
     (``from safetensors import safe_open`` bound the original under the importer's name);
@@ -244,6 +348,7 @@ def weights_without_data() -> Iterator[CheckpointShapes]:
     replacements: dict[int, tuple[Any, Any]] = {}
     torch_load = torch.load
     replacements[id(torch_load)] = (torch_load, _torch_load(shapes, torch_load))
+    finders = _lazy_loads_replaced(shapes, replacements)
     with contextlib.suppress(ImportError):
         import safetensors
         import safetensors.torch
@@ -266,6 +371,9 @@ def weights_without_data() -> Iterator[CheckpointShapes]:
     try:
         yield shapes
     finally:
+        for finder in finders:
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
         if synchronous is None:
             os.environ.pop(SYNCHRONOUS_LOADING, None)
         else:

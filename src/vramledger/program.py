@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from .checkpoint_shapes import replace_everywhere
 from .errors import InputError, VramledgerError
 
 DEFAULT_MAX_STEPS = 20
@@ -130,8 +131,10 @@ _LIBRARY_DIRS = tuple(
     }
 )
 _PROGRAM_DIRS: list[str] = []
-"""The installed package a console script runs (``litgpt`` for ``litgpt finetune_lora``): its
-frames are the program's, though they sit in site-packages (set while :func:`launch` runs)."""
+"""The installed package a console script runs (``litgpt`` for ``litgpt finetune_lora``), and
+the folder of each file the program runs with ``runpy`` (torchtune's ``tune run`` runs its
+recipe, ``site-packages/recipes/lora_finetune_single_device.py``, so): their frames are the
+program's, though they sit in site-packages (set while :func:`launch` runs)."""
 
 
 def _library_frame(filename: str) -> bool:
@@ -225,8 +228,16 @@ SAVE_METHODS = (("transformers.modeling_utils", "PreTrainedModel", "save_pretrai
 
 @contextlib.contextmanager
 def skipped_saves(run: ProgramRun) -> Iterator[None]:
-    """Checkpoint saves write nothing; where each was asked goes into ``run.skipped_saves``."""
+    """Checkpoint saves write nothing; where each was asked goes into ``run.skipped_saves``.
+
+    Every module's name for a save function is replaced, and restored, not only the function's
+    own module's: peft binds ``from safetensors.torch import save_file as safe_save_file`` when
+    imported, so a peft imported before the run saved for real, and one first imported during
+    it kept the stub afterwards (a later ``save_pretrained`` in the same process wrote
+    nothing: seen in the test suite, test_peft_adapter_is_read_as_shapes after
+    tests/test_run_program.py)."""
     restore: list[tuple[Any, str, Any]] = []
+    functions: dict[int, tuple[Any, Any]] = {}
 
     def skip(name: str) -> Callable[..., None]:
         def skipped(*_args: Any, **_kwargs: Any) -> None:
@@ -241,8 +252,10 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
             with contextlib.suppress(ImportError):
                 module = importlib.import_module(module_name)
         if module is not None and hasattr(module, attr):
-            restore.append((module, attr, getattr(module, attr)))
-            setattr(module, attr, skip(f"{module_name.split('.')[0]}.{attr}"))
+            original = getattr(module, attr)
+            if id(original) not in functions:
+                functions[id(original)] = (original, skip(f"{module_name.split('.')[0]}.{attr}"))
+    replace_everywhere(functions)
     for module_name, cls_name, attr in SAVE_METHODS:
         cls = getattr(sys.modules.get(module_name), cls_name, None)
         if cls is not None:
@@ -251,6 +264,7 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
     try:
         yield
     finally:
+        replace_everywhere({id(stub): (stub, original) for original, stub in functions.values()})
         for owner, attr, original in reversed(restore):
             setattr(owner, attr, original)
 
@@ -301,6 +315,25 @@ def _package_folders(spec: ProgramSpec) -> list[str]:
     found = importlib.util.find_spec(next(iter(scripts)).module.split(".")[0]) if scripts else None
     folders = (found.submodule_search_locations or []) if found is not None else []
     return [str(Path(f).resolve()) + os.sep for f in folders]
+
+
+@contextlib.contextmanager
+def _scripts_followed() -> Iterator[None]:
+    """A file run with ``runpy.run_path`` while the program runs is the program's
+    (``_PROGRAM_DIRS``)."""
+    run_path = runpy.run_path
+
+    def followed(path_name: Any, *args: Any, **kwargs: Any) -> Any:
+        folder = str(Path(path_name).resolve().parent) + os.sep
+        if folder not in _PROGRAM_DIRS:
+            _PROGRAM_DIRS.append(folder)
+        return run_path(path_name, *args, **kwargs)
+
+    runpy.run_path = followed
+    try:
+        yield
+    finally:
+        runpy.run_path = run_path
 
 
 @contextlib.contextmanager
@@ -409,6 +442,7 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
         with (
             _argv_and_path(argv0, spec.args, script=not spec.module),
             _default_device_kept(),
+            _scripts_followed(),
             skipped_saves(run),
             _alarm(spec.timeout),
         ):

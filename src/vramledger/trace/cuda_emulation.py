@@ -9,6 +9,8 @@ While :class:`CudaEmulation` is active:
   ``get_device_name()`` and ``get_device_capability()`` describe the GPU (``gpus.py``);
   ``current_device()``, ``set_device()``, ``synchronize()``, ``empty_cache()`` and
   ``manual_seed*()`` do what they do on one GPU with nothing to wait for;
+  ``torch.distributed.is_nccl_available()`` is True and ``torch.cuda.nccl.version()`` names
+  the NCCL a CUDA build ships;
 - ``memory_allocated()``, ``max_memory_allocated()``, ``memory_reserved()``,
   ``max_memory_reserved()``, ``memory_stats()``, ``reset_peak_memory_stats()`` and
   ``mem_get_info()`` answer from a :class:`MemoryCounter` at the moment they are called (the
@@ -53,6 +55,12 @@ from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
 from .values import KNOWN_VALUE_CAP_BYTES
+
+NCCL_VERSION = (2, 27, 3)
+"""What ``torch.cuda.nccl.version()`` answers: a recent NCCL (``nvidia-nccl-cu12`` 2.27.3, the
+pin of PyTorch 2.8's CUDA wheels; the pinned 2.13's own is not visible from its CPU wheel); no
+memory depends on it. torchtune's ``verify_bf16_support`` asks for NCCL >= 2.10 before
+it allows bf16 on a GPU (``training/precision.py``)."""
 
 CUDA_MODULES = ("torch.cuda", "torch.cuda.memory")
 """Where ``torch.cuda``'s functions are looked up (``torch.cuda.memory_allocated`` is
@@ -579,12 +587,16 @@ class CudaEmulation:
 
     def __enter__(self) -> CudaEmulation:
         import torch.cuda.memory
+        import torch.cuda.nccl
 
         for module_name in CUDA_MODULES:
             module = sys.modules[module_name]
             for name, function in self._functions().items():
                 if module_name == "torch.cuda" or hasattr(module, name):
                     self._patch(module, name, function)
+        # a CUDA build has NCCL; a CPU-only one has neither it nor torch._C._nccl_version
+        self._patch(torch.distributed, "is_nccl_available", lambda: True)
+        self._patch(sys.modules["torch.cuda.nccl"], "version", lambda: NCCL_VERSION)
         nvtx = torch.cuda.nvtx
         for name in ("range_push", "range_pop", "mark", "range_start", "range_end"):
             self._patch(nvtx, name, _nothing())

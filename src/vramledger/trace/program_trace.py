@@ -85,12 +85,21 @@ class ProgramTracker(StorageTracker):
     device=x.device)`` makes a real CPU tensor here, where on the GPU it makes a CUDA tensor
     (a CUDA operator refuses CPU tensors but 0-d ones). Its fake twin, the one ``mode`` converts
     it to, is recorded from that first use for as long as the real tensor lives (autograd
-    keeps what it saves: the real tensor, as a CUDA run keeps its CUDA tensor)."""
+    keeps what it saves: the real tensor, as a CUDA run keeps its CUDA tensor).
 
-    def __init__(self, mode: FakeTensorMode, **kwargs: Any) -> None:
+    A Python number that autograd keeps as a tensor (``(alpha / rank) * lora_b(x)``: the 8-byte
+    ``other`` that ``MulBackward0`` saves, ``trace/wrapped_numbers.py``) is a real CPU tensor
+    here as in any run: on a GPU host memory, which the device's allocator never sees; with
+    ``host_numbers`` (the CPU target) it is recorded, as the CPU allocator counts it. Found on
+    torchtune's ``LoRALinear``: 12 adapted layers, 96 bytes alive at the backward peak, which
+    ``--target cpu`` missed."""
+
+    def __init__(self, mode: FakeTensorMode, *, host_numbers: bool, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._mode = mode
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
+        self._host_numbers = host_numbers
+        self._seeing_numbers = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _fake_call(args, kwargs):
@@ -124,8 +133,19 @@ class ProgramTracker(StorageTracker):
         """id(module) -> name, filled in as the program's modules first run."""
         return self._module_names
 
+    def _see_wrapped_numbers(self) -> None:
+        if not self._host_numbers:
+            self._wrapped_out = None
+            return
+        self._seeing_numbers = True
+        try:
+            super()._see_wrapped_numbers()
+        finally:
+            self._seeing_numbers = False
+
     def _see(self, t: torch.Tensor, index: int = 0) -> list[int]:
-        if not isinstance(t, FakeTensor) and not is_traceable_wrapper_subclass(t):
+        real = not isinstance(t, FakeTensor) and not is_traceable_wrapper_subclass(t)
+        if real and not self._seeing_numbers:
             return []  # a real tensor: the program's CPU work, not the device's
         return super()._see(t, index)
 
@@ -214,7 +234,7 @@ class _Phases:
         """id -> elements of every fake parameter seen (no reference kept: a reference would
         keep it alive)."""
         self.trainable: dict[int, int] = {}
-        """The same, of the parameters an optimizer steps."""
+        """The same, of the parameters an optimizer steps that require gradients."""
 
     def register(self, tensors: list[torch.Tensor], category: Category) -> None:
         tensors = [t for t in tensors if t is not None]
@@ -249,7 +269,10 @@ class _Phases:
 
     def before_step(self, optimizer: Any, step: int) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.trainable.update((id(p), p.numel()) for p in params if isinstance(p, FakeTensor))
+        # torchtune's recipes give the optimizer every parameter, the frozen ones too
+        self.trainable.update(
+            (id(p), p.numel()) for p in params if isinstance(p, FakeTensor) and p.requires_grad
+        )
         self.register([p for p in params if isinstance(p, FakeTensor)], Category.PARAMETERS)
         self.register(
             [p.grad for p in params if isinstance(p.grad, FakeTensor)], Category.GRADIENTS
@@ -312,6 +335,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
     values = KnownValues(mode)
     tracker = ProgramTracker(
         mode,
+        host_numbers=policy.name == "cpu",
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
         substitutes=SUBSTITUTES,
