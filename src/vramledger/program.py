@@ -59,7 +59,8 @@ class ProgramSpec:
     with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), its process group a fake
     one (a real gloo one with --measure), one ledger per distinct rank."""
     nnodes: int = 1
-    """Nodes, as ``torchrun --nnodes M``: the world is M x N ranks."""
+    """Nodes, as ``torchrun --nnodes M``: the world is M x --nproc-per-node ranks, every one
+    traced (or run, with --measure) on this machine."""
 
     def __post_init__(self) -> None:
         for option, value in (("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes)):

@@ -44,6 +44,8 @@ from .fake_group import fake_process_group
 
 Register = Callable[[list[torch.Tensor], Category], None]
 """Tags tensors with a category in the trace (``program_trace._Phases.register``)."""
+Replaced = Callable[[torch.Tensor, torch.Tensor], None]
+"""Tells the trace a parameter was replaced by another (``program_trace._Phases.replaced``)."""
 
 MIB = 1024**2
 """DDP's ``bucket_cap_mb`` is in MiB (``_MB_TO_BYTES = 1024 * 1024`` in
@@ -88,9 +90,12 @@ class ProgramWorld:
         ]
 
     @contextlib.contextmanager
-    def entered(self, device: torch.device, register: Register) -> Iterator[None]:
+    def entered(
+        self, device: torch.device, register: Register, replaced: Replaced
+    ) -> Iterator[None]:
         """The rank's environment, process group, DDP and FSDP2 while the program runs;
-        ``device``: the object emulated tensors report (FSDP2's device)."""
+        ``device``: the object emulated tensors report (FSDP2's device); ``register`` tags
+        tensors, ``replaced(old, new)`` says a parameter was replaced by its shard."""
         groups = contextlib.ExitStack()
         where = self.where
 
@@ -103,7 +108,26 @@ class ProgramWorld:
             stack.callback(groups.close)
             stack.enter_context(self._ddp(register))
             stack.enter_context(self._fsdp_device(device))
+            stack.enter_context(self._fsdp_shards(replaced))
             yield
+
+    @contextlib.contextmanager
+    def _fsdp_shards(self, replaced: Replaced) -> Iterator[None]:
+        """Each parameter FSDP2 replaces by its sharded DTensor is told to the trace (its count
+        of the model's parameters keeps one of the two)."""
+        from torch.distributed.fsdp._fully_shard._fsdp_param import FSDPParam
+
+        original = FSDPParam.__dict__["_init_sharded_param"]
+
+        def init_sharded_param(fsdp_param: Any, param: nn.Parameter, *args: Any, **kw: Any) -> None:
+            original(fsdp_param, param, *args, **kw)
+            replaced(param, fsdp_param.sharded_param)
+
+        FSDPParam._init_sharded_param = init_sharded_param  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            FSDPParam._init_sharded_param = original  # type: ignore[method-assign]
 
     @contextlib.contextmanager
     def _fsdp_device(self, device: torch.device) -> Iterator[None]:

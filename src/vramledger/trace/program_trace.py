@@ -233,6 +233,11 @@ class _Phases:
         for t in tensors:  # FSDP2's DTensor shards are sharded parameters and gradients
             self.tracker.track([t], kind(t))
 
+    def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` takes ``old``'s place as a parameter (FSDP2's shard of it): counted once."""
+        if self.parameters.pop(id(old), None) is not None:
+            self.parameters[id(new)] = new.numel()
+
     def forward_pre(self, module: nn.Module, _args: Any) -> None:
         if self.depth == 0:
             self.on_forward()
@@ -317,7 +322,10 @@ class ProgramWorld(Protocol):
     resize_category: Category | None
 
     def entered(
-        self, device: torch.device, register: Callable[[list[torch.Tensor], Category], None]
+        self,
+        device: torch.device,
+        register: Callable[[list[torch.Tensor], Category], None],
+        replaced: Callable[[torch.Tensor, torch.Tensor], None],
     ) -> contextlib.AbstractContextManager[None]: ...
 
     def notes(self) -> list[str]: ...
@@ -349,7 +357,7 @@ def trace_program(
     fake_cuda = FakeCuda(mode, phases.register, stand_ins)
     emulation = CudaEmulation(gpu, TimelineCounter(tracker.timeline, policy.allocator), fake_cuda)
     ranks = (
-        world.entered(fake_cuda.device, phases.register)
+        world.entered(fake_cuda.device, phases.register, phases.replaced)
         if world is not None
         else contextlib.nullcontext()
     )
