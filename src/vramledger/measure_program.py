@@ -16,16 +16,23 @@ counted from its creation on the host rather than from the copy.
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
+import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import cpu_allocator_count as count
 from .bnb_weights import refused_quantized_weights
+from .errors import VramledgerError
 from .gpus import resolve_gpu
-from .predict_program import DEFAULT_GPU, emulated_gpu
-from .program import ProgramRun, ProgramSpec, launch, skipped_saves_note
+from .measure.local import run_on_local_gloo
+from .predict_program import DEFAULT_GPU, RANK_FIELDS, emulated_gpu
+from .program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
+from .torchrun_env import TorchrunRank, as_rank
 from .trace.cuda_emulation import CpuForCuda, CudaEmulation
 from .windows import OptimizerWindow, optimizer_windows
 
@@ -94,8 +101,28 @@ class ProgramMeasurement:
     notes: list[str] = field(default_factory=list)
     exit_code: int = 0
     seconds: float = 0.0
+    world_size: int = 1
+    rank: int = 0
+    """The rank this measurement describes: on several ranks, the one with the largest peak."""
+    ranks: list[tuple[int, ProgramMeasurement]] = field(
+        default_factory=list, repr=False, compare=False
+    )
+    """On several ranks, every rank's measurement, in rank order."""
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._dict()
+        if self.world_size > 1:
+            out.update(
+                world_size=self.world_size,
+                rank=self.rank,
+                rank_programs=[
+                    {"rank_ids": [rank], **{k: m._dict()[k] for k in RANK_FIELDS}}
+                    for rank, m in self.ranks
+                ],
+            )
+        return out
+
+    def _dict(self) -> dict[str, Any]:
         return {
             "program": self.program,
             "target": "cpu",
@@ -113,13 +140,24 @@ class ProgramMeasurement:
         }
 
 
-def measure_program(spec: ProgramSpec, *, gpu: str | None = None) -> ProgramMeasurement:
+def measure_program(
+    spec: ProgramSpec, *, gpu: str | None = None, quiet: bool = False
+) -> ProgramMeasurement:
     """Run ``spec``'s program for real on CPU ("cuda" mapped onto the CPU; ``gpu`` only names
-    what ``torch.cuda.get_device_properties`` says) and count its allocations."""
+    what ``torch.cuda.get_device_properties`` says) and count its allocations. With
+    ``spec.world_size`` > 1, on that many local gloo processes as torchrun would launch it,
+    each rank counted in its own process (``quiet``: their output goes to stderr)."""
+    if spec.world_size > 1:
+        return _measure_ranks(spec, gpu, quiet)
+    return _measure_one(spec, gpu)
+
+
+def _measure_one(spec: ProgramSpec, gpu: str | None) -> ProgramMeasurement:
     start = time.perf_counter()
     gc.collect()  # earlier garbage must not die inside the counted run
     counter = CountedCpu()
-    emulation = CudaEmulation(emulated_gpu(resolve_gpu(gpu or DEFAULT_GPU)), counter, CpuForCuda())
+    emulated = emulated_gpu(resolve_gpu(gpu or DEFAULT_GPU), spec.nproc_per_node)
+    emulation = CudaEmulation(emulated, counter, CpuForCuda())
     with emulation, refused_quantized_weights():
         run: ProgramRun = launch(spec, counter)
     if run.steps not in counter.step_peaks or run.ending != "max-steps":
@@ -144,3 +182,131 @@ def measure_program(spec: ProgramSpec, *, gpu: str | None = None) -> ProgramMeas
         exit_code=run.exit_code,
         seconds=time.perf_counter() - start,
     )
+
+
+# -- several ranks ---------------------------------------------------------------------------------
+def _measure_ranks(spec: ProgramSpec, gpu: str | None, quiet: bool) -> ProgramMeasurement:
+    """Every rank on its own gloo process (``measure/local.py``'s harness), the worst rank's
+    measurement with every rank's in ``ranks``; a rank whose program raised raises its
+    ``ProgramFailed`` here (the other processes are stopped)."""
+    start = time.perf_counter()
+    world = spec.world_size
+    items = run_on_local_gloo(
+        world, _measure_rank, (spec, gpu, quiet), world, stop_on=lambda item: item[1] is None
+    )
+    for rank, measured, failure in items:
+        if measured is None:
+            raise RankFailed(rank, *failure)
+    ranks = sorted((rank, m) for rank, m, _ in items)
+    worst_rank, worst = max(ranks, key=lambda item: _steady(item[1]))
+    note = (
+        f"{world} ranks on {world} gloo processes on this machine (torchrun's environment; "
+        "the program's init_process_group answered by their gloo group), each counted by its "
+        "own allocator"
+    )
+    return replace(
+        worst,
+        notes=[*worst.notes, note],
+        world_size=world,
+        rank=worst_rank,
+        ranks=ranks,
+        seconds=time.perf_counter() - start,
+    )
+
+
+def _steady(m: ProgramMeasurement) -> int:
+    return max((v for k, v in m.step_peaks.items() if k >= 2), default=m.peak_bytes)
+
+
+class RankFailed(ProgramFailed):
+    """A rank's program raised, in its own process: its traceback as text."""
+
+    def __init__(self, rank: int, program_traceback: str, message: str) -> None:
+        VramledgerError.__init__(
+            self,
+            f"rank {rank}: {message}",
+            hint="its traceback is above; the error is in the program, not in vramledger",
+        )
+        self.exception = None
+        self.program_traceback = program_traceback
+        self.steps = 0
+
+
+def _measure_rank(
+    rank: int, world: int, queue: Any, spec: ProgramSpec, gpu: str | None, quiet: bool
+) -> None:
+    """One rank, in its own process, inside the harness's gloo group (``run_on_local_gloo``
+    work): ``(rank, measurement, None)`` or ``(rank, None, (traceback, message))``."""
+    where = TorchrunRank(
+        rank=rank,
+        nproc_per_node=spec.nproc_per_node,
+        nnodes=spec.nnodes,
+        master_port=int(os.environ["MASTER_PORT"]),
+    )
+    output = contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()
+    try:
+        with output, as_rank(where, _the_gloo_group), _group_kept(), _ddp_on_cpu():
+            measured = _measure_one(spec, gpu)
+    except ProgramFailed as failed:
+        queue.put((rank, None, (failed.program_traceback, failed.one_line())))
+        return
+    except VramledgerError as error:
+        queue.put((rank, None, ("", error.one_line())))
+        return
+    queue.put((rank, measured, None))
+
+
+def _the_gloo_group(_backend: str | None, _kwargs: dict[str, Any]) -> None:
+    """The program's ``init_process_group`` (any backend): the harness's gloo group is its."""
+
+
+@contextlib.contextmanager
+def _group_kept() -> Iterator[None]:
+    """The program's ``destroy_process_group()`` of the default group leaves the harness's
+    group (which it shuts down itself, after a barrier)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    original = c10d.destroy_process_group
+
+    def destroy_process_group(group: Any = None) -> None:
+        if group is not None and group is not c10d.GroupMember.WORLD:
+            original(group)
+
+    owners = (dist, c10d)
+    for owner in owners:
+        owner.destroy_process_group = destroy_process_group
+    try:
+        yield
+    finally:
+        for owner in owners:
+            owner.destroy_process_group = original
+
+
+@contextlib.contextmanager
+def _ddp_on_cpu() -> Iterator[None]:
+    """``DDP(model, device_ids=[local_rank])`` of a model on the CPU (its "cuda" is the CPU
+    here): DDP refuses device ids for CPU modules, so they are dropped (a CPU module's
+    ``device_ids`` must be None)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    original = DDP.__dict__["__init__"]
+
+    def init(
+        ddp: Any,
+        module: Any,
+        device_ids: Any = None,
+        output_device: Any = None,
+        *args: Any,
+        **kwargs: Any,
+    ) -> None:
+        on_cpu = all(p.device.type == "cpu" for p in module.parameters())
+        if on_cpu:
+            device_ids = output_device = None
+        original(ddp, module, device_ids, output_device, *args, **kwargs)
+
+    DDP.__init__ = init
+    try:
+        yield
+    finally:
+        DDP.__init__ = original

@@ -9,14 +9,17 @@ state: the report then holds what was seen (the peak so far, by category) and no
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from .categories import Category
 from .gpus import Gpu, resolve_gpu
 from .ledger import Ledger, build_ledger, replay
+from .parallel.program_world import ProgramWorld
 from .predict import policy_for
 from .program import ProgramSpec
+from .torchrun_env import TorchrunRank
 from .trace.cuda_emulation import EmulatedGpu
 from .trace.program_trace import trace_program
 from .verdict import DEFAULT_MARGIN, verdict
@@ -39,9 +42,15 @@ class _Target:
         return self.gpu
 
 
-def emulated_gpu(gpu: Gpu) -> EmulatedGpu:
+def emulated_gpu(gpu: Gpu, device_count: int = 1) -> EmulatedGpu:
     major, minor = gpu.compute_capability or (9, 0)
-    return EmulatedGpu(name=gpu.name, total_memory=gpu.memory_bytes, major=major, minor=minor)
+    return EmulatedGpu(
+        name=gpu.name,
+        total_memory=gpu.memory_bytes,
+        major=major,
+        minor=minor,
+        device_count=device_count,
+    )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,8 +76,29 @@ class ProgramReport:
     notes: list[str] = field(default_factory=list)
     exit_code: int = 0
     seconds: float = 0.0
+    world_size: int = 1
+    """Ranks the program ran as (``--nnodes x --nproc-per-node``)."""
+    rank: int = 0
+    """The rank this report describes: on several ranks, the one with the largest peak."""
+    ranks: list[tuple[list[int], ProgramReport]] = field(
+        default_factory=list, repr=False, compare=False
+    )
+    """On several ranks, one entry per distinct rank's report: the ranks that share it, and
+    the report (its ledger is the one in ``ledger.ranks``)."""
 
     def to_dict(self) -> dict[str, Any]:
+        out = self._dict()
+        if self.world_size > 1:
+            out.update(
+                world_size=self.world_size,
+                rank=self.rank,
+                rank_programs=[
+                    {"rank_ids": ids, **_rank_fields(report._dict())} for ids, report in self.ranks
+                ],
+            )
+        return out
+
+    def _dict(self) -> dict[str, Any]:
         out: dict[str, Any] = self.ledger.to_dict() if self.ledger is not None else {}
         out.update(
             program=self.program,
@@ -92,10 +122,26 @@ def run_program(
 ) -> ProgramReport:
     """Run ``spec``'s program with CUDA emulated for ``gpu`` (default H100 80GB) on fake
     tensors, under ``target``'s device policy ('cuda', or 'cpu' to predict what a CPU run's
-    allocator counts), and report its memory."""
+    allocator counts), and report its memory. With ``spec.world_size`` > 1 the program runs
+    once per rank, as torchrun would launch it (``parallel/program_world.py``), and the
+    report is the worst rank's with every distinct rank's in ``ranks`` (as ``estimate``)."""
+    if spec.world_size == 1:
+        return _run_rank(spec, target, gpu, None)
+    reports = []
+    for rank in range(spec.world_size):
+        where = TorchrunRank(rank=rank, nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes)
+        world = ProgramWorld(where)
+        reports.append((rank, _run_rank(spec, target, gpu, world), world.strategy))
+    return _ranks_report(spec, reports)
+
+
+def _run_rank(
+    spec: ProgramSpec, target: str, gpu: str | Gpu | None, world: ProgramWorld | None
+) -> ProgramReport:
+    """One run of the program (one rank of ``world``, or the only one)."""
     kind = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu or DEFAULT_GPU)
     policy = policy_for(_Target(target, kind if gpu is not None else None))
-    traced = trace_program(spec, policy, emulated_gpu(kind))
+    traced = trace_program(spec, policy, emulated_gpu(kind, spec.nproc_per_node), world)
     timeline, run = traced.timeline, traced.run
     blocks = replay(timeline, policy.allocator)
     step_peaks = {k: p.total for k, p in blocks.step_peaks.items() if k >= 1}
@@ -138,6 +184,62 @@ def run_program(
         notes=notes,
         exit_code=run.exit_code,
         seconds=traced.seconds,
+    )
+
+
+RANK_FIELDS = ("ending", "steps", "optimizer_windows", "program_peak_bytes", "step_peaks")
+"""What ``rank_programs`` gives of each distinct rank's run (its ledger is in ``ranks``)."""
+
+
+def _rank_fields(report: dict[str, Any]) -> dict[str, Any]:
+    return {k: report[k] for k in RANK_FIELDS}
+
+
+def _signature(report: ProgramReport) -> str:
+    """What must be equal for two ranks to share a report: every figure, not the notes (which
+    name the rank) or the time taken."""
+    out = report._dict()
+    for key in ("notes", "seconds", "ranks", "spec"):
+        out.pop(key, None)
+    return json.dumps(out, sort_keys=True, default=str)
+
+
+def _ranks_report(spec: ProgramSpec, runs: list[tuple[int, ProgramReport, str]]) -> ProgramReport:
+    """The worst rank's report, with every distinct rank's (ranks whose figures are all equal
+    share one) in ``ranks`` and in its ledger's ``ranks``, as ``estimate`` gives them."""
+    groups: dict[str, tuple[list[int], ProgramReport]] = {}
+    for rank, report, _ in runs:
+        groups.setdefault(_signature(report), ([], report))[0].append(rank)
+    distinct = list(groups.values())
+    strategy = next((s for _, _, s in runs if s != "none"), "none")
+
+    def size(item: tuple[list[int], ProgramReport]) -> int:
+        report = item[1]
+        return report.ledger.allocated_peak_bytes if report.ledger else report.peak_bytes
+
+    ids, worst = max(distinct, key=size)
+    note = (
+        f"every rank of {spec.world_size} traced in turn, each a run of the program in this "
+        f"process; {len(distinct)} distinct (ranks with equal figures share one ledger)"
+    )
+    ledger = worst.ledger
+    if ledger is not None and all(r.ledger is not None for _, r in distinct):
+        ledger = replace(
+            ledger,
+            world_size=spec.world_size,
+            strategy=strategy,
+            worst_rank=ids[0],
+            ranks=[(i, r.ledger) for i, r in distinct],  # type: ignore[misc]
+            notes=[*ledger.notes, note],
+        )
+    return replace(
+        worst,
+        ledger=ledger,
+        notes=[*worst.notes, note],
+        world_size=spec.world_size,
+        rank=ids[0],
+        ranks=distinct,
+        seconds=sum(r.seconds for _, r, _ in runs),
     )
 
 

@@ -55,8 +55,21 @@ class ProgramSpec:
     """Stop the program after this many optimizer steps in all."""
     timeout: float | None = None
     """Stop the program after this many seconds (a program that never steps)."""
+    nproc_per_node: int = 1
+    """Run the program as ``torchrun --nproc-per-node N`` would: N processes per node, each
+    with torchrun's environment (RANK, LOCAL_RANK, WORLD_SIZE, ...), its process group a fake
+    one (a real gloo one with --measure), one ledger per distinct rank."""
+    nnodes: int = 1
+    """Nodes, as ``torchrun --nnodes M``: the world is M x --nproc-per-node ranks, every one
+    traced (or run, with --measure) on this machine."""
 
     def __post_init__(self) -> None:
+        for option, value in (("--nproc-per-node", self.nproc_per_node), ("--nnodes", self.nnodes)):
+            if value < 1:
+                raise InputError(
+                    f"{option} must be at least 1, not {value}",
+                    hint=f"{option} 2 runs the program as two ranks",
+                )
         if self.max_steps < 1:
             raise InputError(
                 f"--max-steps must be at least 1, not {self.max_steps}",
@@ -64,6 +77,11 @@ class ProgramSpec:
             )
         if self.timeout is not None and self.timeout <= 0:
             raise InputError(f"--timeout must be positive, not {self.timeout}")
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in all: ``nnodes x nproc_per_node``."""
+        return self.nnodes * self.nproc_per_node
 
 
 class StopProgram(BaseException):

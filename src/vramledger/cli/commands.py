@@ -83,6 +83,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         module=module,
         max_steps=args.max_steps,
         timeout=args.timeout,
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
     )
     # with --json the program's own output goes to stderr, so stdout is the JSON alone
     output = contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext()
@@ -91,7 +93,7 @@ def cmd_run(args: argparse.Namespace) -> int:
             if args.measure:
                 from ..measure_program import measure_program
 
-                result = measure_program(spec, gpu=args.gpu)
+                result = measure_program(spec, gpu=args.gpu, quiet=args.json)
             else:
                 from ..predict_program import run_program
 

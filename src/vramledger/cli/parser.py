@@ -4,12 +4,15 @@ the TrainingSpec fields (options.py) and its own options, written here."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 from typing import Any
 
 from ..plan.fit import MAXIMIZE, SEQ_STEP
 from ..precision import PRECISIONS
+from ..program import ProgramSpec
 from ..spec import TARGETS
+from ..spec_fields import field_docs
 from ..version import __version__
 from .commands import (
     cmd_advise,
@@ -186,6 +189,7 @@ def _add_run(sub: Any) -> None:
         metavar="FILE.pickle",
         help="also write the predicted run as a PyTorch CUDA memory snapshot",
     )
+    _add_launch_options(p)
     _add_output_options(p)
     p.add_argument(
         "command",
@@ -194,6 +198,23 @@ def _add_run(sub: Any) -> None:
         help="a .py script, -m MODULE, or a console script, with its arguments (after --)",
     )
     p.set_defaults(func=cmd_run)
+
+
+def _add_launch_options(parser: argparse.ArgumentParser) -> None:
+    """``run``'s torchrun options, each from its ProgramSpec field: the field's docstring is
+    the help, its default the default."""
+    docs = field_docs(ProgramSpec)
+    defaults = {f.name: f.default for f in dataclasses.fields(ProgramSpec)}
+    for name in ("nproc_per_node", "nnodes"):
+        text = " ".join(docs[name].replace("``", "").split())
+        parser.add_argument(
+            "--" + name.replace("_", "-"),
+            dest=name,
+            type=int,
+            default=defaults[name],
+            metavar="N",
+            help=f"{text} Default: {defaults[name]}.".replace("%", "%%"),
+        )
 
 
 def _add_plan(sub: Any) -> None:

@@ -45,11 +45,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_on_local_gloo(world: int, work: RankWork, args: Sequence[Any], results: int) -> list[Any]:
+def run_on_local_gloo(
+    world: int,
+    work: RankWork,
+    args: Sequence[Any],
+    results: int,
+    stop_on: Callable[[Any], bool] | None = None,
+) -> list[Any]:
     """Run ``work(rank, world, queue, *args)`` on ``world`` spawned processes, each rank in one
     gloo process group (``MASTER_ADDR``/``MASTER_PORT`` on this machine, ``LOCAL_RANK`` set as
     torchrun sets it), and return the ``results`` items the ranks put on the queue, in the
-    order they came. Raises at once if a process dies, and if one exits with an error."""
+    order they came. Raises at once if a process dies, and if one exits with an error.
+    ``stop_on``: an item for which it is true (a rank that failed, while the others may wait
+    for it in a collective) ends the wait at once: the processes are killed and the items so
+    far returned, that one last."""
     cpu_allocator_count.build()  # compiled once here, loaded by the workers
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -60,13 +69,20 @@ def run_on_local_gloo(world: int, work: RankWork, args: Sequence[Any], results: 
     ]
     for p in procs:
         p.start()
+    out: list[Any] = []
+    stopped = False
     try:
-        out = [_next_result(queue, procs) for _ in range(results)]
+        while len(out) < results and not stopped:
+            out.append(_next_result(queue, procs))
+            stopped = stop_on is not None and stop_on(out[-1])
     finally:
         for p in procs:
-            p.join(timeout=JOIN_TIMEOUT_S)
+            p.join(timeout=0 if stopped else JOIN_TIMEOUT_S)
             if p.is_alive():
                 p.kill()
+                p.join()
+    if stopped:
+        return out
     failed = [p.exitcode for p in procs if p.exitcode != 0]
     if failed:
         raise RuntimeError(f"{len(failed)} of {world} processes failed (exit codes {failed})")

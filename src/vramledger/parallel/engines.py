@@ -6,7 +6,6 @@ once; shapes are exact). See ``strategy.py`` for what runs for each strategy.
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -22,6 +21,7 @@ from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
 from ..timeline import Timeline
+from .fake_group import fake_process_group
 from .fsdp_units import apply_fully_shard
 from .strategy import (
     OFFLOADED,
@@ -47,20 +47,9 @@ FSDP_OP_CATEGORIES: dict[str, Category] = {
 def fake_world(rank: int, world_size: int) -> Iterator[Any]:
     """A fake process group for ``world_size`` ranks in this process (and its device mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    if dist.is_initialized():
-        raise InputError(
-            "a distributed estimate cannot run inside an initialised process group",
-            hint="run vramledger estimate outside torchrun",
-        )
-    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:" to tracebacks
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
+    with fake_process_group(rank, world_size):
         yield init_device_mesh("cpu", (world_size,))
-    finally:
-        dist.destroy_process_group()
-        sys.excepthook = hook
 
 
 def adapt_recipe(recipe: Recipe) -> Recipe:
@@ -193,13 +182,17 @@ class RankEngine:
         )
 
 
-def ddp_buckets(params: list[torch.Tensor]) -> list[list[int]]:
-    """DDP's bucket assignment for ``params`` (in reverse order of definition, as DDP does)."""
+def ddp_buckets(
+    params: list[torch.Tensor],
+    caps: tuple[int, int] = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES),
+) -> list[list[int]]:
+    """DDP's bucket assignment for ``params`` (in reverse order of definition, as DDP does),
+    with its first bucket capped at ``caps[0]`` bytes and the others at ``caps[1]``."""
     order = list(reversed(range(len(params))))
     with _no_fake():
         metas = [torch.empty(params[i].shape, dtype=params[i].dtype, device="meta") for i in order]
         buckets, _ = dist._compute_bucket_assignment_by_size(
-            metas, [DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES], [False] * len(metas)
+            metas, list(caps), [False] * len(metas)
         )
     return [[order[i] for i in bucket] for bucket in buckets]
 

@@ -23,13 +23,11 @@ The API other engines build on (the pipeline engine calls these for a stage's in
 from __future__ import annotations
 
 import contextlib
-import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch.distributed as dist
 from torch import nn
 
 from ..categories import Category
@@ -43,6 +41,7 @@ from ..training import assemble
 from .context import check_context_parallel, context_parallel_step
 from .engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
 from .experts import apply_expert_parallel, symmetric_count_exchange
+from .fake_group import fake_process_group
 from .fsdp_units import apply_fully_shard, mixed_precision_policy
 from .tp_plans import tp_plan
 
@@ -147,42 +146,9 @@ def build_mesh(spec: TrainingSpec, device_type: str = "cpu") -> Any:
 def fake_mesh(rank: int, spec: TrainingSpec) -> Iterator[Any]:
     """A fake process group of ``spec.world_size`` ranks in this process, as rank ``rank``,
     and the named DeviceMesh of :func:`build_mesh` on it. Collectives return at once with
-    exact shapes (``torch.testing._internal.distributed.fake_pg``); nothing else runs."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise InputError(
-            "a distributed estimate cannot run inside an initialised process group",
-            hint="run vramledger estimate outside torchrun",
-        )
-    hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:" to tracebacks
-    forget_sharding_propagation()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=spec.world_size)
-    try:
+    exact shapes (``fake_group.py``); nothing else runs."""
+    with fake_process_group(rank, spec.world_size):
         yield build_mesh(spec, "cpu")
-    finally:
-        dist.destroy_process_group()
-        forget_sharding_propagation()
-        sys.excepthook = hook
-
-
-def forget_sharding_propagation() -> None:
-    """Empty DTensor's sharding-propagation caches (Python's and the C++ fast path's:
-    ``torch.distributed.tensor.debug._clear_sharding_prop_cache``). They are keyed by the
-    operator's input specs, whose meshes compare equal across ranks (``DeviceMesh.__eq__``
-    compares the root rank map and the layout, not the rank's own row: the tp mesh of ranks
-    0, 1 equals that of ranks 2, 3), and they return output specs holding the mesh they were
-    first computed with. One process that traces several ranks in turn, each on its own fake
-    process group, would otherwise run a collective on a group of an earlier process group
-    (pipeline stages x tensor parallelism: stage 0's embedding reduce-scattering on the tp
-    group that stage 1's rank had)."""
-    try:
-        from torch.distributed.tensor import debug
-    except ImportError:  # pragma: no cover - torch without torch.distributed
-        return
-    clear = getattr(debug, "_clear_sharding_prop_cache", None)
-    if clear is not None:
-        clear()
 
 
 def submesh(mesh: Any, name: str) -> Any | None:

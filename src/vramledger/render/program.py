@@ -46,12 +46,47 @@ def windows_table(windows: list[OptimizerWindow], peak_bytes: int, allocator: st
     return table
 
 
+def _ids(ids: list[int]) -> str:
+    if len(ids) > 2 and ids == list(range(ids[0], ids[-1] + 1)):
+        return f"{ids[0]}–{ids[-1]}"
+    return ", ".join(map(str, ids))
+
+
+def ranks_windows_table(
+    ranks: list[tuple[list[int], list[OptimizerWindow], int]], world_size: int, allocator: str
+) -> Table:
+    """Each rank's (or group of equal ranks') steady window per optimizer and program peak."""
+    table = Table(
+        title=f"each rank of {world_size}: steady window per optimizer (allocated, {allocator})",
+        title_justify="left",
+    )
+    table.add_column("ranks")
+    table.add_column("optimizer")
+    table.add_column("steady peak", justify="right")
+    table.add_column("program peak", justify="right")
+    for ids, windows, peak in ranks:
+        for i, w in enumerate(windows or [None]):
+            table.add_row(
+                _ids(ids) if i == 0 else "",
+                w.optimizer if w else "(no step)",
+                format_bytes(w.peak_bytes) + ("" if w.steady else " (one step)") if w else "",
+                format_bytes(peak) if i == 0 else "",
+            )
+    return table
+
+
 def program_table(report: ProgramReport) -> Group:
     """The ledger of the program's steady steps, then each optimizer's window; before a
     second step, what was seen."""
-    title = _title(report.program, report.target, report.ending, report.steps, "run")
+    label = "run" + (
+        f" (rank {report.rank} of {report.world_size})" if report.world_size > 1 else ""
+    )
+    title = _title(report.program, report.target, report.ending, report.steps, label)
     allocator = "CUDA caching allocator" if report.target == "cuda" else "CPU allocator"
-    windows = windows_table(report.windows, report.peak_bytes, allocator)
+    windows: Table | Group = windows_table(report.windows, report.peak_bytes, allocator)
+    if report.world_size > 1:
+        rows = [(ids, r.windows, r.peak_bytes) for ids, r in report.ranks]
+        windows = Group(windows, ranks_windows_table(rows, report.world_size, allocator))
     if report.ledger is not None:
         group = ledger_table(report.ledger, label="run")
         group.renderables[0] = title
@@ -71,7 +106,8 @@ def program_table(report: ProgramReport) -> Group:
 
 
 def measured_program_table(m: ProgramMeasurement) -> Group:
-    title = _title(m.program, "cpu (measured)", m.ending, m.steps, "run --measure")
+    label = "run --measure" + (f" (rank {m.rank} of {m.world_size})" if m.world_size > 1 else "")
+    title = _title(m.program, "cpu (measured)", m.ending, m.steps, label)
     steps = Table(title="allocator peak of each step", title_justify="left")
     steps.add_column("step", justify="right")
     steps.add_column("optimizer")
@@ -82,4 +118,8 @@ def measured_program_table(m: ProgramMeasurement) -> Group:
     notes = Text(
         "\n".join([f"counted by {m.method}", *(f"note: {n}" for n in m.notes)]), style="dim"
     )
-    return Group(title, windows_table(m.windows, m.peak_bytes, "CPU allocator"), steps, notes)
+    parts = [title, windows_table(m.windows, m.peak_bytes, "CPU allocator"), steps]
+    if m.world_size > 1:
+        rows = [([rank], r.windows, r.peak_bytes) for rank, r in m.ranks]
+        parts.append(ranks_windows_table(rows, m.world_size, "CPU allocator"))
+    return Group(*parts, notes)

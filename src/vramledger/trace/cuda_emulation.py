@@ -3,11 +3,12 @@ puts on "cuda" goes where a :class:`DeviceMapping` says.
 
 While :class:`CudaEmulation` is active:
 
-- ``torch.cuda.is_available()`` is True, ``device_count()`` 1 (but to an installed package
+- ``torch.cuda.is_available()`` is True, ``device_count()`` the node's GPUs (1, or torchrun's
+  ``--nproc-per-node``; 0 to an installed package
   asking while it is imported, which would load CUDA kernels: ``_library_import``),
   ``get_device_properties(0)``,
   ``get_device_name()`` and ``get_device_capability()`` describe the GPU (``gpus.py``);
-  ``current_device()``, ``set_device()``, ``synchronize()``, ``empty_cache()`` and
+  ``current_device()`` (what ``set_device()`` set), ``synchronize()``, ``empty_cache()`` and
   ``manual_seed*()`` do what they do on one GPU with nothing to wait for;
   ``torch.distributed.is_nccl_available()`` is True and ``torch.cuda.nccl.version()`` names
   the NCCL a CUDA build ships;
@@ -75,6 +76,8 @@ class EmulatedGpu:
     total_memory: int
     major: int
     minor: int
+    device_count: int = 1
+    """GPUs on the node (``torch.cuda.device_count()``): torchrun's ``--nproc-per-node``."""
 
 
 class MemoryCounter(Protocol):
@@ -110,6 +113,16 @@ class DeviceMapping(Protocol):
         ...
 
 
+def _index_as_cuda(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
+    """``to(0)`` names CUDA device 0 (``model.to(rank)``, as PyTorch's DDP tutorial writes it);
+    a CPU-only PyTorch cannot parse a bare index ("Cannot access accelerator device")."""
+    if args and type(args[0]) is int:
+        args = (torch.device("cuda", args[0]), *args[1:])
+    if type(kwargs.get("device")) is int:
+        kwargs = {**kwargs, "device": torch.device("cuda", kwargs["device"])}
+    return args, kwargs
+
+
 def _is_cuda(device: Any) -> bool:
     if device is None:
         return False
@@ -138,9 +151,11 @@ class _DeviceMode(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _TENSOR_TO:
-            to_kwargs = {k: v for k, v in kwargs.items() if k != "copy"}
-            device, dtype, _, _ = torch._C._nn._parse_to(*args[1:], **to_kwargs)
-            if _is_cuda(device) or self._emulated(*args[1:], *to_kwargs.values()):
+            to_args, to_kwargs = _index_as_cuda(
+                args[1:], {k: v for k, v in kwargs.items() if k != "copy"}
+            )
+            device, dtype, _, _ = torch._C._nn._parse_to(*to_args, **to_kwargs)
+            if _is_cuda(device) or self._emulated(*to_args, *to_kwargs.values()):
                 return self.mapping.move(args[0], dtype)
         elif func in _TENSOR_CUDA:
             return self.mapping.move(args[0], None)
@@ -360,6 +375,15 @@ def _mapped_load(load: Callable[..., Any], mapping: DeviceMapping) -> Callable[.
     return mapped
 
 
+def _device_index(device: Any) -> int:
+    """``set_device``'s argument (an index, ``"cuda:1"``, ``torch.device("cuda", 1)``) as an
+    index."""
+    if isinstance(device, int):
+        return device
+    index = torch.device(device).index
+    return 0 if index is None else index
+
+
 def _nothing() -> Callable[..., None]:
     """A function that does nothing (a new one each time: torch.compile's rules refuse one
     object standing for two torch functions)."""
@@ -505,6 +529,7 @@ class CudaEmulation:
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
         gpu, counter = self.gpu, self.counter
+        current = [0]  # set_device's index (torchrun programs: LOCAL_RANK)
         properties = SimpleNamespace(
             name=gpu.name,
             total_memory=gpu.total_memory,
@@ -521,9 +546,9 @@ class CudaEmulation:
         return {
             "is_available": lambda: not _library_import(),
             "is_initialized": lambda: True,
-            "device_count": lambda: 0 if _library_import() else 1,
-            "current_device": lambda: 0,
-            "set_device": _nothing(),
+            "device_count": lambda: 0 if _library_import() else gpu.device_count,
+            "current_device": lambda: current[0],
+            "set_device": lambda device: current.__setitem__(0, _device_index(device)),
             "get_device_properties": lambda *_a, **_k: properties,
             "get_device_name": lambda *_a, **_k: gpu.name,
             "get_device_capability": lambda *_a, **_k: (gpu.major, gpu.minor),
@@ -605,6 +630,7 @@ class CudaEmulation:
         module_to = nn.Module.to
 
         def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+            args, kwargs = _index_as_cuda(args, kwargs)
             device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
             if not _is_cuda(device):
                 return module_to(module, *args, **kwargs)

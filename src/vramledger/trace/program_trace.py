@@ -30,7 +30,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -54,6 +54,7 @@ from ..event_totals import EventTotals, sizes_in
 from ..offline_hub import offline_hub
 from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from ..timeline import Timeline
+from ..training import grad_category, param_category
 from .compiled import compiled_regions
 from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
@@ -74,6 +75,19 @@ def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
     if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
         return True
     return any(isinstance(a, FakeTensor) for a in tree_leaves((args, kwargs)))
+
+
+def _emulated(t: Any) -> bool:
+    """A fake tensor, or a tensor subclass over fake ones (FSDP2's sharded DTensor parameters
+    and gradients)."""
+    if isinstance(t, FakeTensor):
+        return True
+    if not isinstance(t, torch.Tensor) or not is_traceable_wrapper_subclass(t):
+        return False
+    names, _ = t.__tensor_flatten__()
+    # DTensor's flatten names its device mesh too (an opaque object, not a tensor)
+    inner = [x for x in (getattr(t, name) for name in names) if isinstance(x, torch.Tensor)]
+    return bool(inner) and all(_emulated(x) for x in inner)
 
 
 class ProgramTracker(StorageTracker):
@@ -208,6 +222,9 @@ class ProgramTrace:
     seconds: float = 0.0
 
 
+_BY_KIND = {Category.PARAMETERS: param_category, Category.GRADIENTS: grad_category}
+
+
 class _Phases:
     """Tells the tracker where the program's forwards, backwards and steps begin (module
     docstring); implements ``program.StepHooks``."""
@@ -241,7 +258,17 @@ class _Phases:
         if category is Category.PARAMETERS:
             for t in tensors:
                 self.parameters.setdefault(id(t), t.numel())
-        self.tracker.track(tensors, category)
+        kind = _BY_KIND.get(category)
+        if kind is None:
+            self.tracker.track(tensors, category)
+            return
+        for t in tensors:  # FSDP2's DTensor shards are sharded parameters and gradients
+            self.tracker.track([t], kind(t))
+
+    def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
+        """``new`` takes ``old``'s place as a parameter (FSDP2's shard of it): counted once."""
+        if self.parameters.pop(id(old), None) is not None:
+            self.parameters[id(new)] = new.numel()
 
     def forward_pre(self, module: nn.Module, _args: Any) -> None:
         if self.depth == 0:
@@ -250,11 +277,9 @@ class _Phases:
                 self.names.update(
                     {id(m): name or type(module).__name__ for name, m in module.named_modules()}
                 )
-                fake = [p for p in module.parameters() if isinstance(p, FakeTensor)]
+                fake = [p for p in module.parameters() if _emulated(p)]
                 self.register(fake, Category.PARAMETERS)
-                self.register(
-                    [b for b in module.buffers() if isinstance(b, FakeTensor)], Category.BUFFERS
-                )
+                self.register([b for b in module.buffers() if _emulated(b)], Category.BUFFERS)
             backward = torch._C._current_autograd_node() is not None
             if not backward and not self.in_step and self.tracker.phase is not Phase.FORWARD:
                 self.tracker.set_phase(self.completed + 1, Phase.FORWARD)
@@ -271,12 +296,10 @@ class _Phases:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # torchtune's recipes give the optimizer every parameter, the frozen ones too
         self.trainable.update(
-            (id(p), p.numel()) for p in params if isinstance(p, FakeTensor) and p.requires_grad
+            (id(p), p.numel()) for p in params if _emulated(p) and p.requires_grad
         )
-        self.register([p for p in params if isinstance(p, FakeTensor)], Category.PARAMETERS)
-        self.register(
-            [p.grad for p in params if isinstance(p.grad, FakeTensor)], Category.GRADIENTS
-        )
+        self.register([p for p in params if _emulated(p)], Category.PARAMETERS)
+        self.register([p.grad for p in params if _emulated(p.grad)], Category.GRADIENTS)
         self.tracker.set_phase(step, Phase.OPTIMIZER)
         self.mode.__enter__()
         self.in_step = True
@@ -326,10 +349,30 @@ _FAKE_LIMITS = (
 )
 
 
-def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> ProgramTrace:
-    """Run the program with CUDA emulated on fake tensors under ``policy``; return its
-    timeline. The program's exception raises ``ProgramFailed``; one that fake tensors cause
-    (an operator that needs values computed from parameters) raises ``TraceError``."""
+class ProgramWorld(Protocol):
+    """The program as one rank of several (``parallel/program_world.py``): its process group,
+    DDP and FSDP2 while it runs, and the categories of FSDP2's buffers."""
+
+    op_categories: dict[str, Category]
+    resize_category: Category | None
+
+    def entered(
+        self,
+        device: torch.device,
+        register: Callable[[list[torch.Tensor], Category], None],
+        replaced: Callable[[torch.Tensor, torch.Tensor], None],
+    ) -> contextlib.AbstractContextManager[None]: ...
+
+    def notes(self) -> list[str]: ...
+
+
+def trace_program(
+    spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu, world: ProgramWorld | None = None
+) -> ProgramTrace:
+    """Run the program with CUDA emulated on fake tensors under ``policy`` (as one rank of
+    ``world`` when given); return its timeline. The program's exception raises
+    ``ProgramFailed``; one that fake tensors cause (an operator that needs values computed from
+    parameters) raises ``TraceError``."""
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues(mode)
@@ -341,14 +384,18 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
         substitutes=SUBSTITUTES,
         answer_optimizer_scalars=True,
         values=values,
+        op_categories=world.op_categories if world is not None else None,
+        resize_category=world.resize_category if world is not None else None,
     )
     observer = TrackerObserver(tracker, policy.host_resident)
     phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
     stand_ins = ValueStandIns(values)
-    emulation = CudaEmulation(
-        gpu,
-        TimelineCounter(tracker.timeline, policy.allocator),
-        FakeCuda(mode, phases.register, stand_ins),
+    fake_cuda = FakeCuda(mode, phases.register, stand_ins)
+    emulation = CudaEmulation(gpu, TimelineCounter(tracker.timeline, policy.allocator), fake_cuda)
+    ranks = (
+        world.entered(fake_cuda.device, phases.register, phases.replaced)
+        if world is not None
+        else contextlib.nullcontext()
     )
     notes: list[str] = []
     foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
@@ -368,6 +415,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             offline_hub() as hub,
             hf_known_values_once_imported(values) as phases.on_forward,
             refused_quantized_weights(),
+            ranks,
         ):
             # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
             warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
@@ -398,6 +446,7 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             f"the program ran torch.autocast('cuda') to {' and '.join(emulation.autocasts)} "
             f"(as CPU autocast over the emulated tensors, with {policy.name}'s operator lists)"
         )
+    notes += world.notes() if world is not None else []
     notes += shapes.notes()
     notes += stand_ins.notes()
     if values.routed_ops:
