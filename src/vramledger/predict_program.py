@@ -18,7 +18,7 @@ from .ledger import Ledger, build_ledger, replay
 from .predict import policy_for
 from .program import ProgramSpec
 from .trace.cuda_emulation import EmulatedGpu
-from .trace.program_trace import trace_program
+from .trace.program_blocks import trace_program_blocks
 from .verdict import DEFAULT_MARGIN, verdict
 from .version import __version__
 from .windows import OptimizerWindow, optimizer_windows
@@ -95,7 +95,7 @@ def run_program(
     allocator counts), and report its memory."""
     kind = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu or DEFAULT_GPU)
     policy = policy_for(_Target(target, kind if gpu is not None else None))
-    traced = trace_program(spec, policy, emulated_gpu(kind))
+    traced = trace_program_blocks(spec, policy, emulated_gpu(kind))
     timeline, run = traced.timeline, traced.run
     blocks = replay(timeline, policy.allocator)
     step_peaks = {k: p.total for k, p in blocks.step_peaks.items() if k >= 1}
@@ -119,6 +119,7 @@ def run_program(
             seconds=traced.seconds,
             version=__version__,
         )
+        ledger = replace(ledger, blocks_extended=traced.extended)
         if target == "cuda" and gpu is not None:
             ledger = replace(
                 ledger,

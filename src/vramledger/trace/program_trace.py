@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import AllocatorModel
@@ -55,9 +55,16 @@ from ..offline_hub import offline_hub
 from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from ..timeline import Timeline
 from .compiled import compiled_regions
-from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
+from .cuda_emulation import (
+    CudaEmulation,
+    EmulatedGpu,
+    FakeCuda,
+    MemoryCounter,
+    cuda_default_foreach,
+)
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values_once_imported
+from .host_stand_ins import HostStandIns, meta_of
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 from .value_stand_ins import ValueStandIns
@@ -69,11 +76,15 @@ _DEVICE_COPIES = frozenset({torch.ops.aten._to_copy.default})
 (``cuda_emulation.FakeCuda.move``), not a real tensor met on the device."""
 
 
-def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
-    """The call takes a fake tensor or runs under a FakeTensorMode."""
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None, host: FakeTensorMode) -> bool:
+    """The call takes a fake tensor or runs under a FakeTensorMode (but ``host``'s: modules'
+    tensors made without data on the host, ``host_stand_ins.py``)."""
+    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if active is not None and active is not host:
         return True
-    return any(isinstance(a, FakeTensor) for a in tree_leaves((args, kwargs)))
+    return any(
+        isinstance(a, FakeTensor) and a.fake_mode is not host for a in tree_leaves((args, kwargs))
+    )
 
 
 class ProgramTracker(StorageTracker):
@@ -87,15 +98,17 @@ class ProgramTracker(StorageTracker):
     it to, is recorded from that first use for as long as the real tensor lives (autograd
     keeps what it saves: the real tensor, as a CUDA run keeps its CUDA tensor)."""
 
-    def __init__(self, mode: FakeTensorMode, **kwargs: Any) -> None:
+    def __init__(self, mode: FakeTensorMode, host: HostStandIns, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._mode = mode
+        self._host = host
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _fake_call(args, kwargs):
+        if not _fake_call(args, kwargs, self._host.mode):
             return func(*args, **(kwargs or {}))
         if func not in _DEVICE_COPIES:
+            hosted = False
             for t in tree_leaves((args, kwargs)):
                 if (
                     type(t) in (torch.Tensor, nn.Parameter)
@@ -105,6 +118,21 @@ class ProgramTracker(StorageTracker):
                 ):
                     self._twins[t] = twin = self._mode.from_tensor(t)
                     self._see(twin)
+                elif self._host.owns(t):
+                    hosted = True
+                    if t not in self._twins:
+                        self._twins[t] = twin = (
+                            self._mode.fake_tensor_converter.from_meta_and_device(
+                                self._mode, meta_of(t), TRACE_DEVICE
+                            )
+                        )
+                        self._see(twin)
+            if hosted:  # a host stand-in met on the device: its twin, as for a real one
+                args, kwargs = tree_map_only(
+                    FakeTensor,
+                    lambda t: self._twins[t] if self._host.owns(t) else t,
+                    (args, kwargs),
+                )
         return super().__torch_dispatch__(func, types, args, kwargs)
 
     @property
@@ -174,6 +202,9 @@ class ProgramTrace:
     trainable_parameters: int
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    extended: bool = False
+    """The timeline was extended from a few of the model's identical blocks
+    (``program_blocks.py``), not traced in full."""
 
 
 class _Phases:
@@ -188,6 +219,7 @@ class _Phases:
         max_steps: int,
         names: dict[int, str],
     ) -> None:
+        self.emulated = lambda t: isinstance(t, FakeTensor) and t.fake_mode is mode
         self.tracker = tracker
         self.observer = observer
         self.mode = mode
@@ -218,11 +250,9 @@ class _Phases:
                 self.names.update(
                     {id(m): name or type(module).__name__ for name, m in module.named_modules()}
                 )
-                fake = [p for p in module.parameters() if isinstance(p, FakeTensor)]
+                fake = [p for p in module.parameters() if self.emulated(p)]
                 self.register(fake, Category.PARAMETERS)
-                self.register(
-                    [b for b in module.buffers() if isinstance(b, FakeTensor)], Category.BUFFERS
-                )
+                self.register([b for b in module.buffers() if self.emulated(b)], Category.BUFFERS)
             backward = torch._C._current_autograd_node() is not None
             if not backward and not self.in_step and self.tracker.phase is not Phase.FORWARD:
                 self.tracker.set_phase(self.completed + 1, Phase.FORWARD)
@@ -237,11 +267,9 @@ class _Phases:
 
     def before_step(self, optimizer: Any, step: int) -> None:
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        self.trainable.update((id(p), p.numel()) for p in params if isinstance(p, FakeTensor))
-        self.register([p for p in params if isinstance(p, FakeTensor)], Category.PARAMETERS)
-        self.register(
-            [p.grad for p in params if isinstance(p.grad, FakeTensor)], Category.GRADIENTS
-        )
+        self.trainable.update((id(p), p.numel()) for p in params if self.emulated(p))
+        self.register([p for p in params if self.emulated(p)], Category.PARAMETERS)
+        self.register([p.grad for p in params if self.emulated(p.grad)], Category.GRADIENTS)
         self.tracker.set_phase(step, Phase.OPTIMIZER)
         self.mode.__enter__()
         self.in_step = True
@@ -291,15 +319,29 @@ _FAKE_LIMITS = (
 )
 
 
-def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> ProgramTrace:
+def trace_program(
+    spec: ProgramSpec,
+    policy: DevicePolicy,
+    gpu: EmulatedGpu,
+    *,
+    moves: Any = None,
+    counter: Callable[[Timeline, AllocatorModel], MemoryCounter] = TimelineCounter,
+) -> ProgramTrace:
     """Run the program with CUDA emulated on fake tensors under ``policy``; return its
     timeline. The program's exception raises ``ProgramFailed``; one that fake tensors cause
-    (an operator that needs values computed from parameters) raises ``TraceError``."""
+    (an operator that needs values computed from parameters) raises ``TraceError``.
+
+    ``moves``: told of each module the program moves to "cuda" and given the tracker
+    (``program_blocks.ShallowModel``: the model at a few blocks); ``counter``: what
+    ``torch.cuda.memory_allocated()`` and the rest answer from (default: the timeline so
+    far)."""
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues(mode)
+    host = HostStandIns()
     tracker = ProgramTracker(
         mode,
+        host,
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
         substitutes=SUBSTITUTES,
@@ -311,9 +353,11 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
     stand_ins = ValueStandIns(values)
     emulation = CudaEmulation(
         gpu,
-        TimelineCounter(tracker.timeline, policy.allocator),
-        FakeCuda(mode, phases.register, stand_ins),
+        counter(tracker.timeline, policy.allocator),
+        FakeCuda(mode, phases.register, stand_ins, host, moves),
     )
+    if moves is not None:
+        moves.tracker = tracker
     notes: list[str] = []
     foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
     try:
@@ -363,6 +407,8 @@ def trace_program(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> 
             f"(as CPU autocast over the emulated tensors, with {policy.name}'s operator lists)"
         )
     notes += shapes.notes()
+    if (built := host.note()) is not None:
+        notes.append(built)
     notes += stand_ins.notes()
     if values.routed_ops:
         notes.append(
