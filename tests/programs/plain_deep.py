@@ -1,7 +1,7 @@
 """A decoder-only transformer written here in plain PyTorch (pre-norm blocks in an
 nn.ModuleList), moved to the GPU and trained with AdamW for three steps on random tokens;
 prints its peak. Arguments: layers, width, heads, vocabulary, sequence length (default: a tiny
-model)."""
+model), and "indexed" to call the blocks by index up to its own count of layers."""
 
 import sys
 
@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-LAYERS, WIDTH, HEADS, VOCAB, SEQ = (int(a) for a in (sys.argv[1:] or [6, 64, 4, 256, 32]))
+LAYERS, WIDTH, HEADS, VOCAB, SEQ = (int(a) for a in (sys.argv[1:6] or [6, 64, 4, 256, 32]))
+INDEXED = sys.argv[6:] == ["indexed"]
 
 
 class Block(nn.Module):
@@ -42,8 +43,12 @@ class Model(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         x = self.embed(ids)
-        for block in self.blocks:
-            x = block(x)
+        if INDEXED:
+            for i in range(LAYERS):
+                x = self.blocks[i](x)
+        else:
+            for block in self.blocks:
+                x = block(x)
         return self.head(self.norm(x))
 
 

@@ -111,7 +111,10 @@ class ShallowModel:
         """The program's tracker (set by ``trace_program``)."""
         self.length: int | None = None
         """The program's own number of blocks, once found."""
-        self.blocks: nn.ModuleList | None = None
+        self.blocks_id: int | None = None
+        """id() of the list (no reference: the program's model is freed when it ends, as in a
+        run of every block)."""
+        self._moving: nn.ModuleList | None = None
 
     def before_move(self, module: nn.Module) -> None:
         if self.length is not None:
@@ -122,17 +125,19 @@ class ShallowModel:
         self.length = stack.length
         if self.depth is not None:
             truncate_stack(module, stack, self.depth)
-        self.blocks = module.get_submodule(stack.fqn)
+        self._moving = module.get_submodule(stack.fqn)
+        self.blocks_id = id(self._moving)
         self.gates.set(self.then)
 
     def after_move(self, module: nn.Module) -> None:
-        if self.depth is not None and self.blocks is not None and not self.tracker._blocks:
-            self.tracker.set_blocks(list(self.blocks))
+        if self.depth is not None and self._moving is not None:
+            self.tracker.set_blocks(list(self._moving))
+        self._moving = None
 
     def prefix(self) -> str:
         """The list's name in the timeline's module names (from the program's first
         forward)."""
-        name = self.tracker.module_names.get(id(self.blocks)) if self.blocks is not None else None
+        name = self.tracker.module_names.get(self.blocks_id)
         if not name:
             raise NotExtensible("the list of blocks never ran in a forward")
         return name
