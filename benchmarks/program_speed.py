@@ -118,7 +118,7 @@ def main() -> int:
             f"{row['peak_bytes']:,}",
             "met" if met else "MISSED",
         )
-    Console().print(table)
+    Console(width=120).print(table)
     out = args.out or provenance.result_path("program-speed", commit)
     out.write_text(
         json.dumps(
