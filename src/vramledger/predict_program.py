@@ -21,6 +21,7 @@ from .predict import policy_for
 from .program import ProgramSpec
 from .torchrun_env import TorchrunRank
 from .trace.cuda_emulation import EmulatedGpu
+from .trace.program_blocks import trace_program_blocks
 from .trace.program_trace import trace_program
 from .verdict import DEFAULT_MARGIN, verdict
 from .version import __version__
@@ -117,6 +118,12 @@ class ProgramReport:
         return out
 
 
+EVERY_BLOCK_PER_RANK = (
+    "each rank traced every block of its model (the block extension is not applied to a "
+    "program run as several ranks)"
+)
+
+
 def run_program(
     spec: ProgramSpec, *, target: str = "cuda", gpu: str | Gpu | None = None
 ) -> ProgramReport:
@@ -141,7 +148,11 @@ def _run_rank(
     """One run of the program (one rank of ``world``, or the only one)."""
     kind = gpu if isinstance(gpu, Gpu) else resolve_gpu(gpu or DEFAULT_GPU)
     policy = policy_for(_Target(target, kind if gpu is not None else None))
-    traced = trace_program(spec, policy, emulated_gpu(kind, spec.nproc_per_node), world)
+    if world is None:
+        traced = trace_program_blocks(spec, policy, emulated_gpu(kind))
+    else:  # each rank runs its program as it is: every block
+        traced = trace_program(spec, policy, emulated_gpu(kind, spec.nproc_per_node), world)
+        traced = replace(traced, notes=[*traced.notes, EVERY_BLOCK_PER_RANK])
     timeline, run = traced.timeline, traced.run
     blocks = replay(timeline, policy.allocator)
     step_peaks = {k: p.total for k, p in blocks.step_peaks.items() if k >= 1}
@@ -165,6 +176,7 @@ def _run_rank(
             seconds=traced.seconds,
             version=__version__,
         )
+        ledger = replace(ledger, blocks_extended=traced.extended)
         if target == "cuda" and gpu is not None:
             ledger = replace(
                 ledger,

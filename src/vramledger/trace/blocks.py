@@ -251,13 +251,28 @@ def _relative(module: str | None, prefix: str, block: int) -> str | None:
     return module if found is None else f"{prefix}.@{found[0]:+d}{found[1]}"
 
 
-def extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
-    """The timeline of the same run with ``depth`` blocks instead of ``blocks``."""
+def extend(
+    tl: Timeline,
+    blocks: int,
+    depth: int,
+    prefix: str,
+    origins: list[tuple[int, int]] | None = None,
+) -> Timeline:
+    """The timeline of the same run with ``depth`` blocks instead of ``blocks``. ``origins``,
+    when given, receives for each event of the result the event of ``tl`` it was copied from
+    and the block it was emitted as (-1 outside every region): where a moment of the small
+    run lies in the extended one (``program_blocks.ExtendedCounter``)."""
     with gc_paused():  # hundreds of thousands of tuples, no cycles
-        return _extend(tl, blocks, depth, prefix)
+        return _extend(tl, blocks, depth, prefix, origins)
 
 
-def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
+def _extend(
+    tl: Timeline,
+    blocks: int,
+    depth: int,
+    prefix: str,
+    origins: list[tuple[int, int]] | None = None,
+) -> Timeline:
     if blocks < HEAD + 2:
         raise NotExtensible(f"need at least {HEAD + 2} traced blocks")
     regions = _regions(tl, blocks)
@@ -446,13 +461,17 @@ def _extend(tl: Timeline, blocks: int, depth: int, prefix: str) -> Timeline:
             templates: dict[int, list[tuple[Any, ...]]] = {}
             for j in order:
                 source = j if j < HEAD else blocks - 1 if j == depth - 1 else middle
+                pos = source if region.ascending else blocks - 1 - source
                 if source not in templates:
-                    pos = source if region.ascending else blocks - 1 - source
                     templates[source] = chunk_template(r, *region.chunks[pos], source)
                 emit_chunk(templates[source], j)
+                if origins is not None:
+                    origins.extend((ee, j) for ee in range(*region.chunks[pos]))
             e = region.stop
             continue
         emit_outside(e)
+        if origins is not None:
+            origins.append((e, -1))
         e += 1
     return out
 

@@ -55,6 +55,7 @@ from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
+from .host_stand_ins import DATA_FREE, HostStandIns, meta_of
 from .values import KNOWN_VALUE_CAP_BYTES
 
 NCCL_VERSION = (2, 27, 3)
@@ -106,6 +107,11 @@ class DeviceMapping(Protocol):
     def handles(self, func: Any, args: tuple) -> bool: ...
 
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any: ...
+
+    def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """A host tensor made without data (``host_stand_ins.py``), or None: make it for
+        real."""
+        ...
 
     def reported_device(self) -> tuple[FakeTensorMode, torch.device] | None:
         """The fake mode whose CPU tensors stand for CUDA ones and the device object they
@@ -176,6 +182,10 @@ class _DeviceMode(TorchFunctionMode):
             return self.mapping.factory(func, args, kwargs)
         elif self.mapping.handles(func, args):
             return self.mapping.answer(func, args, kwargs)
+        elif func in DATA_FREE and (
+            (made := self.mapping.host_factory(func, args, kwargs)) is not None
+        ):
+            return made
         return func(*args, **kwargs)
 
     def _emulated(self, *devices: Any) -> bool:
@@ -192,17 +202,24 @@ class FakeCuda:
     moved to "cuda" is copied into it (an operator the tracker records; its values stay known,
     ``trace/values.py``), a module's parameters and buffers become fake tensors registered with
     ``register(tensors, category)`` (no operator makes them, as in ``trace/fake.py``).
-    ``values``: answers reads of fake values (``value_stand_ins.py``)."""
+    ``values``: answers reads of fake values (``value_stand_ins.py``); ``host``: makes the
+    tensors of modules the program builds on the host without data (``host_stand_ins.py``);
+    ``moves``: told of each module moved, before (``before_move``) and after its tensors are
+    converted (``after_move``), before they are registered (``program_blocks.ShallowModel``)."""
 
     def __init__(
         self,
         mode: FakeTensorMode,
         register: Callable[[list[torch.Tensor], Category], None],
         values: Any = None,
+        host: HostStandIns | None = None,
+        moves: Any = None,
     ) -> None:
         self.mode = mode
         self.register = register
         self.values = values
+        self.host = host
+        self.moves = moves
         self.device = torch.device("cpu")
         """The device object ``mode``'s CPU tensors report while the emulation runs
         (``FakeTensor.device``, patched by :class:`CudaEmulation`): equal to the CPU, which they
@@ -222,10 +239,17 @@ class FakeCuda:
         with self.mode:
             return func(*args, **{**kwargs, "device": "cpu"})
 
+    def emulated(self, t: Any) -> bool:
+        """``t`` is on the emulated device (a fake tensor of this mode)."""
+        return isinstance(t, FakeTensor) and t.fake_mode is self.mode
+
+    def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        return None if self.host is None else self.host.factory(func, args, kwargs)
+
     def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        if isinstance(t, FakeTensor):
+        if self.emulated(t):
             return t if dtype is None or dtype == t.dtype else t.to(dtype)
-        if t.nbytes > KNOWN_VALUE_CAP_BYTES:
+        if t.nbytes > KNOWN_VALUE_CAP_BYTES or isinstance(t, FakeTensor):
             # values this large are never kept (trace/values.py), and the copy under the mode
             # would run for real (FakeTensorMode propagates constants through ``_to_copy``),
             # reading every page: a checkpoint read as shapes (checkpoint_shapes.py) has none
@@ -238,9 +262,9 @@ class FakeCuda:
         return out
 
     def _fake(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        if isinstance(t, FakeTensor):
+        if self.emulated(t):
             return t if dtype is None else t.to(dtype)
-        meta = t.detach().to("meta")
+        meta = meta_of(t)
         if dtype is not None and (t.is_floating_point() or t.is_complex()):
             meta = meta.to(dtype)
         converter = self.mode.fake_tensor_converter
@@ -254,12 +278,19 @@ class FakeCuda:
         ``torch.__future__.set_swap_module_params_on_conversion``); a fake made by
         ``FakeTensor`` itself has no weak reference, which the swap refuses. Where ``p`` has
         one, a new Parameter object."""
-        meta = p.detach().to("meta")
+        meta = meta_of(p)
         if dtype is not None and p.is_floating_point():
             meta = meta.to(dtype)
         fake = FakeTensor(self.mode, meta, torch.device("cpu"))
         fake.requires_grad_(p.requires_grad)
         fake._is_param = True
+        if self.host is not None and self.host.owns(p):
+            # A host stand-in (host_stand_ins.py) has weak references (its mode keeps them),
+            # which the swap refuses: it takes the fake's data and mode in place instead.
+            with torch.no_grad():
+                p.data = fake
+            p.fake_mode = self.mode
+            return p
         try:
             torch.utils.swap_tensors(p, fake)
         except RuntimeError:
@@ -267,6 +298,8 @@ class FakeCuda:
         return p
 
     def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        if self.moves is not None:
+            self.moves.before_move(module)
         memo: dict[int, torch.Tensor] = {}
         params: list[torch.Tensor] = []
         buffers: list[torch.Tensor] = []
@@ -274,7 +307,7 @@ class FakeCuda:
             for name, p in sub._parameters.items():
                 if p is None:
                     continue
-                if id(p) not in memo and isinstance(p, FakeTensor) and dtype in (None, p.dtype):
+                if id(p) not in memo and self.emulated(p) and dtype in (None, p.dtype):
                     memo[id(p)] = p  # already on the emulated device
                 elif id(p) not in memo:
                     grad = None if p.grad is None else self._fake(p.grad, dtype)
@@ -290,6 +323,8 @@ class FakeCuda:
                     memo[id(b)] = self._fake(b, dtype if b.is_floating_point() else None)
                     buffers.append(memo[id(b)])
                 sub._buffers[name] = memo[id(b)]
+        if self.moves is not None:
+            self.moves.after_move(module)
         self.register(params, Category.PARAMETERS)
         self.register(buffers, Category.BUFFERS)
 
@@ -319,6 +354,9 @@ class CpuForCuda:
 
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
         raise NotImplementedError
+
+    def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
+        return None  # built for real
 
     def reported_device(self) -> None:
         return None

@@ -42,7 +42,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
 from ..allocator import AllocatorModel
@@ -56,9 +56,16 @@ from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_sa
 from ..timeline import Timeline
 from ..training import grad_category, param_category
 from .compiled import compiled_regions
-from .cuda_emulation import CudaEmulation, EmulatedGpu, FakeCuda, cuda_default_foreach
+from .cuda_emulation import (
+    CudaEmulation,
+    EmulatedGpu,
+    FakeCuda,
+    MemoryCounter,
+    cuda_default_foreach,
+)
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values_once_imported
+from .host_stand_ins import HostStandIns, meta_of
 from .policy import DevicePolicy
 from .tracker import StorageTracker, TrackerObserver
 from .value_stand_ins import ValueStandIns
@@ -70,24 +77,28 @@ _DEVICE_COPIES = frozenset({torch.ops.aten._to_copy.default})
 (``cuda_emulation.FakeCuda.move``), not a real tensor met on the device."""
 
 
-def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> bool:
-    """The call takes a fake tensor or runs under a FakeTensorMode."""
-    if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None:
+def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None, host: FakeTensorMode) -> bool:
+    """The call takes a fake tensor or runs under a FakeTensorMode (but ``host``'s: modules'
+    tensors made without data on the host, ``host_stand_ins.py``)."""
+    active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
+    if active is not None and active is not host:
         return True
-    return any(isinstance(a, FakeTensor) for a in tree_leaves((args, kwargs)))
+    return any(
+        isinstance(a, FakeTensor) and a.fake_mode is not host for a in tree_leaves((args, kwargs))
+    )
 
 
-def _emulated(t: Any) -> bool:
-    """A fake tensor, or a tensor subclass over fake ones (FSDP2's sharded DTensor parameters
-    and gradients)."""
+def _emulated(t: Any, mode: FakeTensorMode) -> bool:
+    """A fake tensor of ``mode`` (not a host stand-in, ``host_stand_ins.py``), or a tensor
+    subclass over such (FSDP2's sharded DTensor parameters and gradients)."""
     if isinstance(t, FakeTensor):
-        return True
+        return t.fake_mode is mode
     if not isinstance(t, torch.Tensor) or not is_traceable_wrapper_subclass(t):
         return False
     names, _ = t.__tensor_flatten__()
     # DTensor's flatten names its device mesh too (an opaque object, not a tensor)
     inner = [x for x in (getattr(t, name) for name in names) if isinstance(x, torch.Tensor)]
-    return bool(inner) and all(_emulated(x) for x in inner)
+    return bool(inner) and all(_emulated(x, mode) for x in inner)
 
 
 class ProgramTracker(StorageTracker):
@@ -108,23 +119,34 @@ class ProgramTracker(StorageTracker):
     torchtune's ``LoRALinear``: 12 adapted layers, 96 bytes alive at the backward peak, which
     ``--target cpu`` missed."""
 
-    def __init__(self, mode: FakeTensorMode, *, host_numbers: bool, **kwargs: Any) -> None:
+    def __init__(
+        self, mode: FakeTensorMode, host: HostStandIns, *, host_numbers: bool, **kwargs: Any
+    ) -> None:
         super().__init__(**kwargs)
         self._mode = mode
+        self._host = host
         self._twins: WeakIdKeyDictionary = WeakIdKeyDictionary()
         self._host_numbers = host_numbers
         self._seeing_numbers = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if not _fake_call(args, kwargs):
+        if not _fake_call(args, kwargs, self._host.mode):
             return func(*args, **(kwargs or {}))
         if func not in _DEVICE_COPIES:
-            self.adopt(tree_leaves((args, kwargs)))
+            leaves = tree_leaves((args, kwargs))
+            if self.adopt(leaves):  # a host stand-in met on the device: its twin, as for a real one
+                args, kwargs = tree_map_only(
+                    FakeTensor,
+                    lambda t: self._twins[t] if self._host.owns(t) else t,
+                    (args, kwargs),
+                )
         return super().__torch_dispatch__(func, types, args, kwargs)
 
-    def adopt(self, leaves: list[Any]) -> None:
-        """Record the fake twin of each real CPU tensor (but 0-d ones) among ``leaves``, from now
-        on and for as long as it lives: tensors the program's GPU run holds on the device.
+    def adopt(self, leaves: list[Any]) -> bool:
+        """Record the fake twin of each real CPU tensor (but 0-d ones) and of each host stand-in
+        among ``leaves``, from now on and for as long as it lives: tensors the program's GPU run
+        holds on the device. True if a host stand-in was among them (the caller swaps in its
+        twin).
 
         Besides an operator's arguments (above), a compiled backward's inputs come here
         (``trace/compiled.py``): autograd materializes the gradients of a compiled region's
@@ -132,6 +154,7 @@ class ProgramTracker(StorageTracker):
         differentiated) with ``at::zeros`` on the output's device, the CPU for an emulated
         tensor, so they are real; Inductor's generated code may never pass them to an operator
         that dispatches, and on a GPU they are device memory from that moment."""
+        hosted = False
         for t in leaves:
             if (
                 type(t) in (torch.Tensor, nn.Parameter)
@@ -141,6 +164,14 @@ class ProgramTracker(StorageTracker):
             ):
                 self._twins[t] = twin = self._mode.from_tensor(t)
                 self._see(twin)
+            elif self._host.owns(t):
+                hosted = True
+                if t not in self._twins:
+                    self._twins[t] = twin = self._mode.fake_tensor_converter.from_meta_and_device(
+                        self._mode, meta_of(t), TRACE_DEVICE
+                    )
+                    self._see(twin)
+        return hosted
 
     @property
     def module_names(self) -> dict[int, str]:
@@ -220,6 +251,9 @@ class ProgramTrace:
     trainable_parameters: int
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    extended: bool = False
+    """The timeline was extended from a few of the model's identical blocks
+    (``program_blocks.py``), not traced in full."""
 
 
 _BY_KIND = {Category.PARAMETERS: param_category, Category.GRADIENTS: grad_category}
@@ -237,6 +271,7 @@ class _Phases:
         max_steps: int,
         names: dict[int, str],
     ) -> None:
+        self.emulated = lambda t: _emulated(t, mode)
         self.tracker = tracker
         self.observer = observer
         self.mode = mode
@@ -277,9 +312,9 @@ class _Phases:
                 self.names.update(
                     {id(m): name or type(module).__name__ for name, m in module.named_modules()}
                 )
-                fake = [p for p in module.parameters() if _emulated(p)]
+                fake = [p for p in module.parameters() if self.emulated(p)]
                 self.register(fake, Category.PARAMETERS)
-                self.register([b for b in module.buffers() if _emulated(b)], Category.BUFFERS)
+                self.register([b for b in module.buffers() if self.emulated(b)], Category.BUFFERS)
             backward = torch._C._current_autograd_node() is not None
             if not backward and not self.in_step and self.tracker.phase is not Phase.FORWARD:
                 self.tracker.set_phase(self.completed + 1, Phase.FORWARD)
@@ -296,10 +331,10 @@ class _Phases:
         params = [p for g in optimizer.param_groups for p in g["params"]]
         # torchtune's recipes give the optimizer every parameter, the frozen ones too
         self.trainable.update(
-            (id(p), p.numel()) for p in params if _emulated(p) and p.requires_grad
+            (id(p), p.numel()) for p in params if self.emulated(p) and p.requires_grad
         )
-        self.register([p for p in params if _emulated(p)], Category.PARAMETERS)
-        self.register([p.grad for p in params if _emulated(p.grad)], Category.GRADIENTS)
+        self.register([p for p in params if self.emulated(p)], Category.PARAMETERS)
+        self.register([p.grad for p in params if self.emulated(p.grad)], Category.GRADIENTS)
         self.tracker.set_phase(step, Phase.OPTIMIZER)
         self.mode.__enter__()
         self.in_step = True
@@ -367,17 +402,30 @@ class ProgramWorld(Protocol):
 
 
 def trace_program(
-    spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu, world: ProgramWorld | None = None
+    spec: ProgramSpec,
+    policy: DevicePolicy,
+    gpu: EmulatedGpu,
+    world: ProgramWorld | None = None,
+    *,
+    moves: Any = None,
+    counter: Callable[[Timeline, AllocatorModel], MemoryCounter] = TimelineCounter,
 ) -> ProgramTrace:
     """Run the program with CUDA emulated on fake tensors under ``policy`` (as one rank of
     ``world`` when given); return its timeline. The program's exception raises
     ``ProgramFailed``; one that fake tensors cause (an operator that needs values computed from
-    parameters) raises ``TraceError``."""
+    parameters) raises ``TraceError``.
+
+    ``moves``: told of each module the program moves to "cuda" and given the tracker
+    (``program_blocks.ShallowModel``: the model at a few blocks); ``counter``: what
+    ``torch.cuda.memory_allocated()`` and the rest answer from (default: the timeline so
+    far)."""
     start = time.perf_counter()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues(mode)
+    host = HostStandIns()
     tracker = ProgramTracker(
         mode,
+        host,
         host_numbers=policy.name == "cpu",
         op_observer=policy.op_observer(),
         corrections=CORRECTIONS,
@@ -390,13 +438,15 @@ def trace_program(
     observer = TrackerObserver(tracker, policy.host_resident)
     phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
     stand_ins = ValueStandIns(values)
-    fake_cuda = FakeCuda(mode, phases.register, stand_ins)
-    emulation = CudaEmulation(gpu, TimelineCounter(tracker.timeline, policy.allocator), fake_cuda)
+    fake_cuda = FakeCuda(mode, phases.register, stand_ins, host, moves)
+    emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
     ranks = (
         world.entered(fake_cuda.device, phases.register, phases.replaced)
         if world is not None
         else contextlib.nullcontext()
     )
+    if moves is not None:
+        moves.tracker = tracker
     notes: list[str] = []
     foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
     try:
@@ -448,6 +498,8 @@ def trace_program(
         )
     notes += world.notes() if world is not None else []
     notes += shapes.notes()
+    if (built := host.note()) is not None:
+        notes.append(built)
     notes += stand_ins.notes()
     if values.routed_ops:
         notes.append(

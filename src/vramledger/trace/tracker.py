@@ -811,6 +811,14 @@ class StorageTracker(TorchDispatchMode):
             self.plain_branches.linear_calls.__enter__()
         return super().__enter__()
 
+    def set_blocks(self, blocks: list[torch.nn.Module]) -> None:
+        """Label events with ``blocks``' indices from now on (a program's model, whose blocks
+        are known once it is built: ``trace/program_blocks.py``), as the ``blocks`` and
+        ``tensor_blocks`` arguments do from the start."""
+        self._blocks = {id(b): k for k, b in enumerate(blocks)}
+        self._tensor_blocks = {id(p): k for k, b in enumerate(blocks) for p in b.parameters()}
+        self.label_blocks(blocks)
+
     def label_blocks(self, modules: Iterable[torch.nn.Module]) -> None:
         """Hook the repeated blocks so every event is labelled with its block index."""
         for module in modules:
