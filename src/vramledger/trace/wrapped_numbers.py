@@ -74,6 +74,13 @@ def saved_wrapped_numbers(
     saves a wrapped number as it is, never through the hooks (torch/csrc/autograd/
     saved_variable.cpp: ``if (maybe_hooks && !variable.unsafeGetTensorImpl()
     ->is_wrapped_number())``), so activation checkpointing keeps them too."""
+    if out._is_view():
+        # an in-place call on a view (``q /= math.sqrt(d)`` on a Linear's output): its
+        # wrapped number sits in the base's ``CopySlices``, which exposes no saved tensors, and
+        # reading the view's ``grad_fn`` regenerates it, replaying its view functions through
+        # this very mode while autograd holds the view's lock: the tracker's next dispatch would
+        # read it again and deadlock (Longformer's global attention). Its 8 bytes are missed.
+        return []
     node = out.grad_fn
     if node is None:
         return []
