@@ -91,7 +91,28 @@ def titan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
             pytest.skip("torchtitan's test tokenizer is not at hand (set TORCHTITAN_SOURCE)")
         (tmp_path / TOKENIZER_DIR).mkdir(parents=True, exist_ok=True)
         (tmp_path / TOKENIZER_DIR / name).write_bytes(data)
-    words = "the of and to in is was for on that with as by at from his he it an are".split()
+    words = [
+        "the",
+        "of",
+        "and",
+        "to",
+        "in",
+        "is",
+        "was",
+        "for",
+        "on",
+        "that",
+        "with",
+        "as",
+        "by",
+        "at",
+        "from",
+        "his",
+        "he",
+        "it",
+        "an",
+        "are",
+    ]
     (tmp_path / DATA_DIR).mkdir(parents=True)
     with open(tmp_path / DATA_DIR / "data.json", "w") as f:
         for row in range(DATA_ROWS):
