@@ -64,6 +64,7 @@ CASES = [
     "litgpt_pretrain",
     "torchtune_lora_hf",
     "torchtune_lora_meta",
+    "torchtitan_debugmodel_2ranks",
 ]
 HOST = {
     "data_loader": "the TensorDataset in host memory (33,792 B)",
@@ -127,6 +128,25 @@ left out where torchtune is not installed."""
 TORCHTUNE_COMMAND = ["tune", "run", "lora_finetune_single_device", "--config", "config.yaml"]
 TORCHTUNE_STEPS = 3
 """`--max-steps` of the torchtune cases (its epoch has 4 steps, then a save)."""
+
+
+TORCHTITAN_COMMAND = [
+    "-m",
+    "torchtitan.train",
+    *("--module", "llama3", "--config", "llama3_debugmodel"),
+    *("--training.steps", "3", "--training.seq_len", "256", "--training.local_batch_size", "2"),
+    *("--checkpoint.no-enable", "--validator.no-enable"),
+    *("--parallelism.spmd_backend", "partial_dtensor", "--training.disable_cuda_graphs"),
+]
+"""torchtitan's entry point with its debug model as two FSDP2 ranks (`--nproc-per-node 2`),
+tokenizer and local data as tests/test_run_torchtitan.py makes them."""
+BLOCKED = {
+    "torchtitan_debugmodel_2ranks": "torchtitan's language models attend with FlexAttention "
+    "only, which refuses gradients on the CPU (torch/nn/attention/flex_attention.py "
+    "_validate_device): the real CPU run and the trace both stop at the first attention's "
+    "backward (tests/test_run_torchtitan.py)",
+}
+"""Cases that cannot be compared today, and why (printed, not run)."""
 
 
 def _command(case: str, workdir: Path) -> list[str]:
@@ -227,6 +247,9 @@ def main() -> int:
     for col in ("program", "optimizer", "predicted", "measured", "difference", "CUDA (H100)"):
         table.add_column(col, justify="left" if col in ("program", "optimizer") else "right")
     rows = []
+    for case in [c for c in cases if c in BLOCKED]:
+        print(f"{case} left out: blocked: {BLOCKED[case]}")
+    cases = [c for c in cases if c not in BLOCKED]
     for case in cases:
         if case == "nanogpt":
             cwd = _nanogpt_workdir()

@@ -107,6 +107,7 @@ LAYERS: dict[str, list[str]] = {
         "parallel.deepspeed_engine",
         "parallel.deepspeed_layout",
         "parallel.deepspeed_runtime",
+        "parallel.dtensor_rng",
         "parallel.engines",
         "parallel.experts",
         "parallel.fake_group",

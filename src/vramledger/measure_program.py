@@ -30,6 +30,7 @@ from .bnb_weights import refused_quantized_weights
 from .errors import VramledgerError
 from .gpus import resolve_gpu
 from .measure.local import run_on_local_gloo
+from .parallel.dtensor_rng import host_rng_on_emulated_mesh
 from .predict_program import DEFAULT_GPU, RANK_FIELDS, emulated_gpu
 from .program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from .torchrun_env import TorchrunRank, as_rank
@@ -245,7 +246,13 @@ def _measure_rank(
     )
     output = contextlib.redirect_stdout(sys.stderr) if quiet else contextlib.nullcontext()
     try:
-        with output, as_rank(where, _the_gloo_group), _group_kept(), _ddp_on_cpu():
+        with (
+            output,
+            as_rank(where, _the_gloo_group),
+            _group_kept(),
+            _ddp_on_cpu(),
+            host_rng_on_emulated_mesh(),
+        ):
             measured = _measure_one(spec, gpu)
     except ProgramFailed as failed:
         queue.put((rank, None, (failed.program_traceback, failed.one_line())))

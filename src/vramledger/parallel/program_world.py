@@ -39,6 +39,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
 from ..torchrun_env import TorchrunRank, as_rank
+from .dtensor_rng import host_rng_on_emulated_mesh
 from .engines import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, FSDP_OP_CATEGORIES, ddp_buckets
 from .fake_group import fake_process_group
 
@@ -109,6 +110,7 @@ class ProgramWorld:
             stack.enter_context(self._ddp(register))
             stack.enter_context(self._fsdp_device(device))
             stack.enter_context(self._fsdp_shards(replaced))
+            stack.enter_context(host_rng_on_emulated_mesh())
             yield
 
     @contextlib.contextmanager

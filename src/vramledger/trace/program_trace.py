@@ -77,15 +77,54 @@ _DEVICE_COPIES = frozenset({torch.ops.aten._to_copy.default})
 (``cuda_emulation.FakeCuda.move``), not a real tensor met on the device."""
 
 
+_WRAP_COLLECTIVE = "_c10d_functional::_wrap_tensor_autograd"
+"""A functional collective's result wrapped as an ``AsyncCollectiveTensor`` outside a tracing
+mode (``_maybe_wrap_tensor`` in torch/distributed/_functional_collectives.py, where the operator
+is registered; the trace's fake
+mode is not an active dispatch mode, so the eager path runs). The wrapper holds the result's own
+storage; the fake mode would propagate a known result's constant through the real kernel and
+fail on the wrapper it returns ("fake_tensor must be a FakeTensor with a constant"), so the
+result itself is returned, as the wrapper's ``wait_tensor`` would (torchtitan's
+``dist_sum_tensor`` of the batch's token count)."""
+
+
 def _fake_call(args: tuple[Any, ...], kwargs: dict[str, Any] | None, host: FakeTensorMode) -> bool:
     """The call takes a fake tensor or runs under a FakeTensorMode (but ``host``'s: modules'
     tensors made without data on the host, ``host_stand_ins.py``)."""
     active = torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE)
     if active is not None and active is not host:
         return True
-    return any(
-        isinstance(a, FakeTensor) and a.fake_mode is not host for a in tree_leaves((args, kwargs))
-    )
+    return any(_fake_leaf(a, host) for a in tree_leaves((args, kwargs)))
+
+
+def _fake_leaf(t: Any, host: FakeTensorMode) -> bool:
+    """A fake tensor (not ``host``'s), or a tensor subclass over one: a DTensor over an emulated
+    local tensor (``torch.nn.init.trunc_normal_``'s ``if not mask.any()`` on a sharded
+    parameter) runs its own dispatch first, and its local operators come back through the
+    tracker (``tracker.StorageTracker``) to be recorded and have their values answered."""
+    if isinstance(t, FakeTensor):
+        return t.fake_mode is not host
+    if not isinstance(t, torch.Tensor) or not is_traceable_wrapper_subclass(t):
+        return False
+    names, _ = t.__tensor_flatten__()
+    return any(_fake_leaf(getattr(t, name), host) for name in names)
+
+
+def _on_trace_device(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A factory that names CUDA and reaches the fake mode without passing the emulation's
+    function mode (``cuda_emulation._DeviceMode``), made on the trace's device as the emulation
+    makes every "cuda" tensor. DTensor's sharding propagation does this: it rebuilds each
+    argument as ``torch.empty_strided(..., device=mesh.device_type)`` under the fake mode from
+    inside DTensor's own ``__torch_function__`` handling, where no function mode is active
+    (``_rebuild_tensor_from_dtensor_meta`` in torch/distributed/tensor/_op_schema.py); on a
+    mesh of device type "cuda" (torchtitan's, made where ``torch.cuda.is_available()``) the
+    known-value run of that factory would ask a CPU-only PyTorch for a CUDA kernel."""
+    if not kwargs or "device" not in kwargs:
+        return kwargs
+    device = kwargs["device"]
+    if isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda":
+        return {**kwargs, "device": TRACE_DEVICE}
+    return kwargs
 
 
 def _emulated(t: Any, mode: FakeTensorMode) -> bool:
@@ -132,6 +171,9 @@ class ProgramTracker(StorageTracker):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _fake_call(args, kwargs, self._host.mode):
             return func(*args, **(kwargs or {}))
+        kwargs = _on_trace_device(kwargs)
+        if getattr(func, "_name", None) == _WRAP_COLLECTIVE and not args[0].requires_grad:
+            return args[0]
         if func not in _DEVICE_COPIES:
             leaves = tree_leaves((args, kwargs))
             if self.adopt(leaves):  # a host stand-in met on the device: its twin, as for a real one

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
 from ..program import program_location
 from .values import KnownValues
@@ -49,18 +49,20 @@ class ValueStandIns:
         self.used: dict[tuple[str, str], int] = {}
 
     def handles(self, func: Any, args: tuple) -> bool:
-        return func in READS and bool(args) and isinstance(args[0], FakeTensor)
+        return func in READS and bool(args) and _fake_of(args[0]) is not None
 
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        t = args[0]
-        if self.values is not None and self.values.known(t):
+        t = _fake_of(args[0])
+        assert t is not None  # handles() said so
+        whole = isinstance(args[0], FakeTensor) or _replicated(args[0])
+        if whole and self.values is not None and self.values.known(t):
             real = self.values.value(t)
         else:
             where = program_location() or "(no line of the program)"
             key = (READS[func], where)
             self.used[key] = self.used.get(key, 0) + 1
             with _disable_current_modes(), unset_fake_temporarily():
-                real = torch.zeros((), dtype=t.dtype).expand(t.shape)
+                real = torch.zeros((), dtype=t.dtype).expand(args[0].shape)
         with _disable_current_modes(), unset_fake_temporarily(), torch._C.DisableTorchFunction():
             return func(real, *args[1:], **kwargs)
 
@@ -72,3 +74,20 @@ class ValueStandIns:
             + " (code that branches on it took zero's branch)"
             for (read, where), count in self.used.items()
         ]
+
+
+def _fake_of(t: Any) -> FakeTensor | None:
+    """``t`` itself if fake, or the fake local tensor of a DTensor over one (a sharded
+    parameter's ``bool(mask.any())`` in ``nn.init.trunc_normal_``, which torchtitan runs on its
+    FSDP2-sharded parameters): read as the local tensor's value, with no collective."""
+    if isinstance(t, FakeTensor):
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, FakeTensor) and is_traceable_wrapper_subclass(t) else None
+
+
+def _replicated(t: Any) -> bool:
+    """A DTensor whose every placement is ``Replicate``: its local tensor is its whole value
+    (a sharded or partial one's is not: it reads as the stand-in)."""
+    placements = getattr(t, "placements", ())
+    return bool(placements) and all(p.is_replicate() for p in placements)
