@@ -113,20 +113,7 @@ def derive_layout(
     parallelism = Parallelism(strategy=strategy)
     if not parallelism.rank_independent and n is None:
         raise ValueError(f"{strategy}'s layout depends on the rank count: give world_size")
-    out = Timeline(
-        nbytes=list(tl.nbytes),
-        tags=list(tl.tags),
-        on_host=list(tl.on_host),
-        module=list(tl.module),
-        recomputed=list(tl.recomputed),
-        op=list(tl.op),
-        origin=list(tl.origin),
-        labels=dict(tl.labels),
-        events=list(tl.events),
-        marks=list(tl.marks),
-        block=list(tl.block),
-        event_block=list(tl.event_block),
-    )
+    out = tl.copy()
     divided: list[int] = []
 
     def shard(categories: set[Category], rename: dict[Category, Category]) -> None:

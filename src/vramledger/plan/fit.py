@@ -168,14 +168,7 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
         n = min(2 * n, hi)
     if n == hi:
         return n
-    bad = min(2 * n, hi)
-    while bad - n > 1:
-        mid = (n + bad) // 2
-        if fits(mid):
-            n = mid
-        else:
-            bad = mid
-    return n
+    return _bisect(fits, n, min(2 * n, hi))
 
 
 class _Sizer:
