@@ -88,13 +88,18 @@ class OptimizerRun:
 @dataclass(frozen=True, kw_only=True)
 class Comparison:
     reference: str
+    """The optimizer the others are compared with (the first one given)."""
     runs: list[OptimizerRun]
+    """One run per optimizer, the reference first."""
     steps: int
     tolerance: float
+    """Largest relative final-loss gap that still ``matches`` (:func:`verdict`)."""
     device: str
     memory_method: str
+    """How ``peak_bytes`` was measured on this device."""
     notes: list[str] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
+    """The spec's summary (``TrainingSpec.summary``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -25,6 +25,7 @@ from ..plan.candidates import DERIVED
 from ..plan.fit import Fit, NoFit
 from ..plan.search import Plan
 from ..units import format_bytes
+from .planning import FIT_COLUMNS
 
 COLOURS = {
     Category.PARAMETERS: "#4e79a7",
@@ -557,19 +558,7 @@ def fit_body(f: Fit) -> list[str]:
         )
     return [
         f"<p>{_e(f.gpu.name)}, margin {_e(format_bytes(f.margin_bytes))}</p>",
-        _table(
-            [
-                "optimizer",
-                "checkpointing",
-                "micro-batch",
-                "seq-len",
-                "reserved peak",
-                "headroom",
-                "next size up",
-            ],
-            rows,
-            {2, 3, 4, 5},
-        ),
+        _table(list(FIT_COLUMNS), rows, {2, 3, 4, 5}),
         _notes(f.notes),
     ]
 
