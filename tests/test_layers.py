@@ -100,7 +100,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.values",
         "trace.wrapped_numbers",
     ],
-    "ledger": ["ledger", "peak_modules"],
+    "ledger": ["ledger", "peak_modules", "replay"],
     "engines": [
         "parallel",
         "parallel.context",

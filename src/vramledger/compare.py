@@ -24,9 +24,9 @@ import torch
 
 from .categories import Category
 from .errors import InputError
-from .ledger import replay, steady_peak
 from .optimizers import resolve_optimizer
 from .recipe import resolve
+from .replay import replay, steady_peak
 from .sources import BatchShape, load_callable
 from .spec import TrainingSpec
 from .trace.tracker import StorageTracker, TrackerObserver, storages_of

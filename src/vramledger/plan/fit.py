@@ -24,8 +24,9 @@ from typing import Any, Literal
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import Ledger, steady_peaks, steady_tensor_peak
+from ..ledger import Ledger
 from ..predict import estimate
+from ..replay import steady_peaks, steady_tensor_peak
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..verdict import DEFAULT_MARGIN, check_margin, verdict

@@ -23,10 +23,10 @@ import torch
 from ..categories import STEP_PHASES, Category, Phase
 from ..config_depth import config_depth, shallow_config
 from ..errors import InputError
-from ..ledger import breakdown_at, replay, steady_phase_point
 from ..measure import measure
 from ..predict import estimate
 from ..recipe import resolve
+from ..replay import breakdown_at, replay, steady_phase_point
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from .narrow import narrow_config

@@ -17,13 +17,14 @@ from typing import Any
 from ..categories import CATEGORY_PRIORITY, STEP_PHASES, Category
 from ..compare import Comparison
 from ..errors import InputError
-from ..ledger import TOP_MODULES, Ledger, series
+from ..ledger import TOP_MODULES, Ledger
 from ..measure import Measurement
 from ..peak_modules import PASS_NAMES, passes_used, top_modules
 from ..plan.advise import Advice
 from ..plan.candidates import DERIVED
 from ..plan.fit import Fit, NoFit
 from ..plan.search import Plan
+from ..replay import series
 from ..units import format_bytes
 from .planning import FIT_COLUMNS
 
