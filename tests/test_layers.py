@@ -155,6 +155,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "render": [
         "render",
+        "render.charts",
         "render.html",
         "render.planning",
         "render.plots",
