@@ -8,7 +8,7 @@ attention with a causal mask, softmax, attention dropout, output projection and 
 MLP with GELU and dropout), traced for a CUDA A100 in bf16 (``--precision bf16-true``: the
 paper's 16-bit activations). The traced number is what the forward leaves saved for backward in
 the modules of layer 1 (``layers.1``; layer 0 also holds the embedding's output): the trace's
-activations by module at the end of the first forward (``ledger.replay``). Tensor parallelism
+activations by module at the end of the first forward (``replay.replay``). Tensor parallelism
 runs PyTorch's own ``parallelize_module`` with ``gpt_layer.py:tp_plan`` (Megatron's split) and
 ``gpt_layer.py:tp_sp_plan`` (with sequence parallelism), on a fake process group; each rank's
 ledger is the same, rank 0's is shown.
@@ -80,7 +80,7 @@ def paper_bytes(kind: str, s: int, b: int, h: int, a: int, t: int) -> float:
 
 def traced_bytes(kind: str, t: int) -> tuple[int, float]:
     from vramledger import estimate
-    from vramledger.ledger import replay
+    from vramledger.replay import replay
 
     layer = str(HERE / "gpt_layer.py")
     spec = dict(

@@ -6,8 +6,8 @@ import torch
 
 from vramledger import InputError, estimate
 from vramledger.attention import _FlashAttn2
-from vramledger.ledger import replay
 from vramledger.measure import measure
+from vramledger.replay import replay
 
 from .conftest import MODELS_PY, fixture
 

@@ -100,7 +100,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.values",
         "trace.wrapped_numbers",
     ],
-    "ledger": ["ledger", "peak_modules"],
+    "ledger": ["ledger", "peak_modules", "replay"],
     "engines": [
         "parallel",
         "parallel.context",
@@ -155,6 +155,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "render": [
         "render",
+        "render.charts",
         "render.html",
         "render.planning",
         "render.plots",

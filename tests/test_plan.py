@@ -8,7 +8,6 @@ import pytest
 from vramledger import InputError, estimate
 from vramledger.allocator import CUDA_CACHING_ALLOCATOR
 from vramledger.gpus import CATALOGUE, resolve_gpu
-from vramledger.ledger import replay, steady_peak
 from vramledger.measure import measure
 from vramledger.plan.advise import advise
 from vramledger.plan.candidates import Configuration
@@ -17,6 +16,7 @@ from vramledger.plan.narrow import narrow_config
 from vramledger.plan.rehearse import rehearse
 from vramledger.plan.search import model_facts, plan
 from vramledger.recipe import resolve
+from vramledger.replay import replay, steady_peak
 from vramledger.sources import load_hf_config
 from vramledger.spec import TrainingSpec
 from vramledger.trace.cuda_policy import CudaPolicy
@@ -430,13 +430,13 @@ def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
 
 @pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "zero2", "zero3", "zero1-torch"])
 def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
-    """The search's one-pass peaks (``ledger.steady_tensor_peak``, ``ledger.steady_peaks``) are
+    """The search's one-pass peaks (``replay.steady_tensor_peak``, ``replay.steady_peaks``) are
     the full replays': tensor bytes, the allocator's allocated and reserved bytes, and the host
     bytes (of the tensors, not of allocator blocks: offload keeps them out of the allocator) —
     also as the search takes them (``DerivedPeaks``: one derivation resized per count, its
     events converted once; its host bytes were 0 when they came from the allocator replay)."""
-    from vramledger.ledger import steady_peaks, steady_reserved_peak, steady_tensor_peak
     from vramledger.plan.search import DerivedPeaks
+    from vramledger.replay import steady_peaks, steady_reserved_peak, steady_tensor_peak
 
     spec = replace(SMALL, precision="bf16-master", target="cuda")
     timeline = trace(spec, CudaPolicy()).timeline

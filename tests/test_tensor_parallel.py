@@ -118,7 +118,7 @@ def test_block_extension_is_exact_for_tensor_parallel_blocks():
     from vramledger.trace.fake import trace
 
     full = trace(spec, policy_for(spec), extend_blocks=False, engine=MeshParallel(spec))
-    from vramledger.ledger import replay, steady_peak
+    from vramledger.replay import replay, steady_peak
 
     assert steady_peak(replay(full.timeline)).total == extended.peak_bytes
 
@@ -144,7 +144,7 @@ def test_llama_70b_shape_with_tp_8_estimates_in_seconds():
 def test_context_parallel_splits_the_sequence():
     """PyTorch's context_parallel (ring attention around CUDA's kernels): what a rank keeps for
     backward halves with each doubling of cp."""
-    from vramledger.ledger import replay
+    from vramledger.replay import replay
 
     spec = dict(model=LLAMA, seq_len=256, batch_size=4, precision="bf16-master", target="cuda")
     saved = {}
@@ -189,7 +189,7 @@ def test_expert_parallel_gathers_only_the_local_experts():
     """ep borrowed from the cp ranks, FSDP2 over dp x cp (torchtitan's layout): a rank holds
     half the experts either way (FSDP shards them over the 2 ranks, or ep places 4 of 8 whole
     experts on each), but under ep a layer's forward gathers only its own 4 experts."""
-    from vramledger.ledger import series
+    from vramledger.replay import series
 
     spec = dict(
         model=str(HUB / "qwen3-moe-tiny-bf16"),

@@ -158,26 +158,21 @@ def quantize_linears(
 
 def _quantized(bnb: Any, linear: nn.Linear, kind: str, dtype: torch.dtype, device: torch.device):
     weight = linear.weight.detach().to(dtype)
+    # the layer's shape, as both of bitsandbytes' Linear classes take it (built on meta, the
+    # quantized weight set below)
+    shape: dict[str, Any] = {
+        "input_features": linear.in_features,
+        "output_features": linear.out_features,
+        "bias": linear.bias is not None,
+        "device": "meta",
+    }
     if kind == "int8":
-        layer = bnb.nn.Linear8bitLt(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            has_fp16_weights=False,
-            threshold=LLM_INT8_THRESHOLD,
-            device="meta",
-        )
+        layer = bnb.nn.Linear8bitLt(**shape, has_fp16_weights=False, threshold=LLM_INT8_THRESHOLD)
         layer.weight = bnb.nn.Int8Params(weight, requires_grad=False, has_fp16_weights=False)
         layer.weight = layer.weight._quantize(device)
     else:
         layer = bnb.nn.Linear4bit(
-            linear.in_features,
-            linear.out_features,
-            bias=linear.bias is not None,
-            compute_dtype=dtype,
-            quant_type=kind,
-            compress_statistics=DOUBLE_QUANT,
-            device="meta",
+            **shape, compute_dtype=dtype, quant_type=kind, compress_statistics=DOUBLE_QUANT
         )
         params = bnb.nn.Params4bit(
             weight,

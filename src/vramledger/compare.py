@@ -24,9 +24,9 @@ import torch
 
 from .categories import Category
 from .errors import InputError
-from .ledger import replay, steady_peak
 from .optimizers import resolve_optimizer
 from .recipe import resolve
+from .replay import replay, steady_peak
 from .sources import BatchShape, load_callable
 from .spec import TrainingSpec
 from .trace.tracker import StorageTracker, TrackerObserver, storages_of
@@ -88,13 +88,18 @@ class OptimizerRun:
 @dataclass(frozen=True, kw_only=True)
 class Comparison:
     reference: str
+    """The optimizer the others are compared with (the first one given)."""
     runs: list[OptimizerRun]
+    """One run per optimizer, the reference first."""
     steps: int
     tolerance: float
+    """Largest relative final-loss gap that still ``matches`` (:func:`verdict`)."""
     device: str
     memory_method: str
+    """How ``peak_bytes`` was measured on this device."""
     notes: list[str] = field(default_factory=list)
     spec: dict[str, Any] = field(default_factory=dict)
+    """The spec's summary (``TrainingSpec.summary``)."""
 
     def to_dict(self) -> dict[str, Any]:
         return {

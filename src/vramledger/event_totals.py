@@ -1,7 +1,7 @@
 """The replay of a Timeline's events: the bytes its storages hold after each event.
 
 Every question about a timeline's memory over the run is asked of this one replay: the ledger's
-peaks by step and phase (``ledger.replay``), the planner's steady-state peaks of hundreds of
+peaks by step and phase (``replay.replay``), the planner's steady-state peaks of hundreds of
 re-sized derived timelines, the HTML report's chart, what ``torch.cuda.memory_allocated()``
 answers a traced program, a compiled region's eager peak. It is the running sum of each event's
 signed bytes, ``+size`` for an allocation and ``-size`` for a free, for any sizes of the

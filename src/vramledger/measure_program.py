@@ -31,7 +31,7 @@ from .errors import VramledgerError
 from .gpus import resolve_gpu
 from .measure.local import run_on_local_gloo
 from .parallel.dtensor_rng import host_rng_on_emulated_mesh
-from .predict_program import DEFAULT_GPU, RANK_FIELDS, emulated_gpu
+from .predict_program import DEFAULT_GPU, emulated_gpu, with_rank_programs
 from .program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from .torchrun_env import TorchrunRank, as_rank
 from .trace.cuda_emulation import CpuForCuda, CudaEmulation
@@ -111,17 +111,8 @@ class ProgramMeasurement:
     """On several ranks, every rank's measurement, in rank order."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = self._dict()
-        if self.world_size > 1:
-            out.update(
-                world_size=self.world_size,
-                rank=self.rank,
-                rank_programs=[
-                    {"rank_ids": [rank], **{k: m._dict()[k] for k in RANK_FIELDS}}
-                    for rank, m in self.ranks
-                ],
-            )
-        return out
+        ranks = (([rank], m) for rank, m in self.ranks)
+        return with_rank_programs(self._dict(), self.world_size, self.rank, ranks)
 
     def _dict(self) -> dict[str, Any]:
         return {

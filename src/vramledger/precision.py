@@ -61,55 +61,37 @@ class PrecisionPolicy:
     """The setup this mode models, in the words of the frameworks that run it (for the notes)."""
 
 
+_MODES: tuple[tuple[str, torch.dtype, torch.dtype | None, bool, bool], ...] = (
+    # name, parameter dtype, autocast dtype, fp32 master weights, loss scaling
+    ("fp32", torch.float32, None, False, False),
+    ("bf16-mixed", torch.float32, torch.bfloat16, False, False),
+    ("16-mixed", torch.float32, torch.float16, False, True),
+    ("bf16-master", torch.bfloat16, None, True, False),
+    ("fp16-master", torch.float16, None, True, True),
+    ("bf16-true", torch.bfloat16, None, False, False),
+)
+"""The module docstring's table, a row a mode (in the order ``--precision`` lists them)."""
+
+_MODELS: dict[str, str] = {
+    "fp32": "fp32 weights and compute (Lightning 32-true; HF Trainer and accelerate with no mixed precision)",
+    "bf16-mixed": "torch.autocast to bf16 over fp32 weights (Lightning bf16-mixed, HF Trainer bf16=True, accelerate mixed_precision bf16)",
+    "16-mixed": "torch.autocast to fp16 over fp32 weights with a GradScaler (Lightning 16-mixed, HF Trainer fp16=True, accelerate mixed_precision fp16)",
+    "bf16-master": "bf16 weights and gradients, the optimizer stepping an fp32 master copy (DeepSpeed bf16, Megatron bf16)",
+    "fp16-master": "fp16 weights and gradients, the optimizer stepping an fp32 master copy, dynamic loss scaling (DeepSpeed fp16, apex O2)",
+    "bf16-true": "bf16 weights, gradients and optimizer state, no fp32 copy (Lightning bf16-true)",
+}
+"""What each mode models, in the frameworks' words (:attr:`PrecisionPolicy.models`)."""
+
 PRECISIONS: dict[str, PrecisionPolicy] = {
-    "fp32": PrecisionPolicy(
-        name="fp32",
-        param_dtype=torch.float32,
-        autocast_dtype=None,
-        master_weights=False,
-        loss_scaling=False,
-        models="fp32 weights and compute (Lightning 32-true; HF Trainer and accelerate with no mixed precision)",
-    ),
-    "bf16-mixed": PrecisionPolicy(
-        name="bf16-mixed",
-        param_dtype=torch.float32,
-        autocast_dtype=torch.bfloat16,
-        master_weights=False,
-        loss_scaling=False,
-        models="torch.autocast to bf16 over fp32 weights (Lightning bf16-mixed, HF Trainer bf16=True, accelerate mixed_precision bf16)",
-    ),
-    "16-mixed": PrecisionPolicy(
-        name="16-mixed",
-        param_dtype=torch.float32,
-        autocast_dtype=torch.float16,
-        master_weights=False,
-        loss_scaling=True,
-        models="torch.autocast to fp16 over fp32 weights with a GradScaler (Lightning 16-mixed, HF Trainer fp16=True, accelerate mixed_precision fp16)",
-    ),
-    "bf16-master": PrecisionPolicy(
-        name="bf16-master",
-        param_dtype=torch.bfloat16,
-        autocast_dtype=None,
-        master_weights=True,
-        loss_scaling=False,
-        models="bf16 weights and gradients, the optimizer stepping an fp32 master copy (DeepSpeed bf16, Megatron bf16)",
-    ),
-    "fp16-master": PrecisionPolicy(
-        name="fp16-master",
-        param_dtype=torch.float16,
-        autocast_dtype=None,
-        master_weights=True,
-        loss_scaling=True,
-        models="fp16 weights and gradients, the optimizer stepping an fp32 master copy, dynamic loss scaling (DeepSpeed fp16, apex O2)",
-    ),
-    "bf16-true": PrecisionPolicy(
-        name="bf16-true",
-        param_dtype=torch.bfloat16,
-        autocast_dtype=None,
-        master_weights=False,
-        loss_scaling=False,
-        models="bf16 weights, gradients and optimizer state, no fp32 copy (Lightning bf16-true)",
-    ),
+    name: PrecisionPolicy(
+        name=name,
+        param_dtype=params,
+        autocast_dtype=autocast,
+        master_weights=master,
+        loss_scaling=scaling,
+        models=_MODELS[name],
+    )
+    for name, params, autocast, master, scaling in _MODES
 }
 
 

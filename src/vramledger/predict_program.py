@@ -10,6 +10,7 @@ state: the report then holds what was seen (the peak so far, by category) and no
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -88,16 +89,7 @@ class ProgramReport:
     the report (its ledger is the one in ``ledger.ranks``)."""
 
     def to_dict(self) -> dict[str, Any]:
-        out = self._dict()
-        if self.world_size > 1:
-            out.update(
-                world_size=self.world_size,
-                rank=self.rank,
-                rank_programs=[
-                    {"rank_ids": ids, **_rank_fields(report._dict())} for ids, report in self.ranks
-                ],
-            )
-        return out
+        return with_rank_programs(self._dict(), self.world_size, self.rank, self.ranks)
 
     def _dict(self) -> dict[str, Any]:
         out: dict[str, Any] = self.ledger.to_dict() if self.ledger is not None else {}
@@ -205,6 +197,21 @@ RANK_FIELDS = ("ending", "steps", "optimizer_windows", "program_peak_bytes", "st
 
 def _rank_fields(report: dict[str, Any]) -> dict[str, Any]:
     return {k: report[k] for k in RANK_FIELDS}
+
+
+def with_rank_programs(
+    out: dict[str, Any], world_size: int, rank: int, ranks: Iterable[tuple[list[int], Any]]
+) -> dict[str, Any]:
+    """``out``, a program's report or measurement as JSON, with (on several ranks) the rank it
+    describes and ``rank_programs``: each distinct rank's ``RANK_FIELDS`` (``ranks``: the ranks
+    sharing a report or measurement, and it)."""
+    if world_size > 1:
+        out.update(
+            world_size=world_size,
+            rank=rank,
+            rank_programs=[{"rank_ids": ids, **_rank_fields(r._dict())} for ids, r in ranks],
+        )
+    return out
 
 
 def _signature(report: ProgramReport) -> str:

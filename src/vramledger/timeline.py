@@ -9,7 +9,8 @@ replay. ``marks`` say where each (step, phase) begins.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 
 from .categories import CATEGORY_RANK, Category, Phase
 
@@ -128,6 +129,10 @@ class Timeline:
         current = self.tags[sid]
         if current is None or CATEGORY_RANK[category] < CATEGORY_RANK[current]:
             self.tags[sid] = category
+
+    def copy(self) -> Timeline:
+        """A copy to change (a derived layout): its own lists and labels, the same items."""
+        return Timeline(**{f.name: copy.copy(getattr(self, f.name)) for f in fields(self)})
 
     # -- reading ---------------------------------------------------------------------------------
     def category(self, sid: int) -> Category:

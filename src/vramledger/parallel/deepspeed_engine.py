@@ -375,25 +375,11 @@ class DeepSpeedRank:
         pass
 
     def assemble(
-        self,
-        *,
-        model: nn.Module,
-        batch: Any,
-        loss_fn: LossFn,
-        optimizer: OptimizerChoice,
-        precision: PrecisionPolicy,
-        observer: StepObserver,
-        **_: Any,
+        self, *, device: Any, grad_accum: int, owned: Any = None, **parts: Any
     ) -> DeepSpeedRun:
-        run, notes = build_run(
-            model=model,
-            batch=batch,
-            loss_fn=loss_fn,
-            optimizer=optimizer,
-            precision=precision,
-            spec=self.spec,
-            observer=observer,
-            fake=True,
-        )
+        """DeepSpeed's engine over ``training.assemble``'s parts (model, batch, loss_fn,
+        optimizer, precision, observer); the device, the accumulation and the partition each
+        rank steps are DeepSpeed's own (its config, from the spec)."""
+        run, notes = build_run(**parts, spec=self.spec, fake=True)
         self.notes.extend(notes)
         return run

@@ -28,6 +28,10 @@ DERIVED = "derived"
 """Derived from a single-GPU trace (``derive.py``), not re-estimated."""
 
 
+RUN_FIELDS = ("optimizer", "precision", "checkpointing", "micro_batch")
+"""What a configuration and its layouts (``layouts.py``) share: the run on each GPU."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class Configuration:
     optimizer: str
@@ -51,9 +55,7 @@ class Configuration:
         """The TrainingSpec ``estimate`` takes for this configuration."""
         return planned_spec(
             base,
-            self.optimizer,
-            self.precision,
-            self.checkpointing,
+            self,
             batch_size=self.micro_batch,
             grad_accum=self.grad_accum,
             world_size=self.gpus,
@@ -62,17 +64,15 @@ class Configuration:
         )
 
 
-def planned_spec(
-    base: TrainingSpec, optimizer: str, precision: str, checkpointing: bool, **layout: Any
-) -> TrainingSpec:
-    """``base`` as a plan estimates one of its answers: this optimizer, precision and
-    checkpointing on a CUDA target, the GPUs given by ``layout`` (world size or axes), not by
-    the user's nodes."""
+def planned_spec(base: TrainingSpec, run: Any, **layout: Any) -> TrainingSpec:
+    """``base`` as a plan estimates one of its answers: the optimizer, precision and
+    checkpointing of ``run`` (a :class:`Configuration` or a layout of one) on a CUDA target, the
+    GPUs given by ``layout`` (world size or axes), not by the user's nodes."""
     return replace(
         base,
-        optimizer=optimizer,
-        precision=precision,
-        grad_checkpointing=checkpointing and not base.checkpoint_modules,
+        optimizer=run.optimizer,
+        precision=run.precision,
+        grad_checkpointing=run.checkpointing and not base.checkpoint_modules,
         nodes=None,
         gpus_per_node=None,
         target="cuda",

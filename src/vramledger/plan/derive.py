@@ -113,20 +113,7 @@ def derive_layout(
     parallelism = Parallelism(strategy=strategy)
     if not parallelism.rank_independent and n is None:
         raise ValueError(f"{strategy}'s layout depends on the rank count: give world_size")
-    out = Timeline(
-        nbytes=list(tl.nbytes),
-        tags=list(tl.tags),
-        on_host=list(tl.on_host),
-        module=list(tl.module),
-        recomputed=list(tl.recomputed),
-        op=list(tl.op),
-        origin=list(tl.origin),
-        labels=dict(tl.labels),
-        events=list(tl.events),
-        marks=list(tl.marks),
-        block=list(tl.block),
-        event_block=list(tl.event_block),
-    )
+    out = tl.copy()
     divided: list[int] = []
 
     def shard(categories: set[Category], rename: dict[Category, Category]) -> None:
@@ -270,6 +257,27 @@ def _deepspeed_layout(
     ]
 
 
+def _zero2_kept_at(
+    tl: Timeline,
+    grads: list[tuple[int, int]],
+    rank: RankPartition,
+    numels: list[int],
+    order: list[int],
+    item: int,
+    end: int,
+) -> int:
+    """Where ZeRO-2 makes the kept gradients: when the first bucket holding one of the rank's
+    is reduced (``grads``: (event index, storage) of autograd's gradients, in order)."""
+    buckets = reduction_buckets(numels, order, REDUCE_BUCKET_ELEMENTS)
+    first = min((buckets[i] for i in rank.params), default=0)
+    # the bucket each gradient fills as autograd makes them: the first of the next one
+    # arrives when DeepSpeed reduces that one
+    filled = reduction_buckets(
+        [tl.nbytes[sid] // item for _, sid in grads], range(len(grads)), REDUCE_BUCKET_ELEMENTS
+    )
+    return next((i for (i, _), b in zip(grads, filled, strict=True) if b > first), end)
+
+
 def _deepspeed_step(
     tl: Timeline,
     step: int,
@@ -292,16 +300,7 @@ def _deepspeed_step(
     ]
     if not grads:
         return
-    kept_at = end
-    if stage == 2:  # the kept gradients are made when the first bucket holding one is reduced
-        buckets = reduction_buckets(numels, order, REDUCE_BUCKET_ELEMENTS)
-        first = min((buckets[i] for i in rank.params), default=0)
-        # the bucket each gradient fills as autograd makes them: the first of the next one
-        # arrives when DeepSpeed reduces that one
-        filled = reduction_buckets(
-            [tl.nbytes[sid] // item for _, sid in grads], range(len(grads)), REDUCE_BUCKET_ELEMENTS
-        )
-        kept_at = next((i for (i, _), b in zip(grads, filled, strict=True) if b > first), end)
+    kept_at = _zero2_kept_at(tl, grads, rank, numels, order, item, end) if stage == 2 else end
     step_end = _mark(tl, step + 1, Phase.OPTIMIZER, after=end) or len(tl.events)
     master_grads = [
         i

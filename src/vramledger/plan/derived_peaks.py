@@ -8,9 +8,9 @@ from collections.abc import Callable
 
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..event_totals import EventTotals
-from ..ledger import steady_peaks, steady_tensor_peak
 from ..parallelism import Parallelism
 from ..recipe import resolve
+from ..replay import steady_peaks, steady_tensor_peak
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..trace.blocks import find_block_stack

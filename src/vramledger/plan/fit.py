@@ -24,8 +24,9 @@ from typing import Any, Literal
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
-from ..ledger import Ledger, steady_peaks, steady_tensor_peak
+from ..ledger import Ledger
 from ..predict import estimate
+from ..replay import steady_peaks, steady_tensor_peak
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..verdict import DEFAULT_MARGIN, check_margin, verdict
@@ -168,14 +169,7 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
         n = min(2 * n, hi)
     if n == hi:
         return n
-    bad = min(2 * n, hi)
-    while bad - n > 1:
-        mid = (n + bad) // 2
-        if fits(mid):
-            n = mid
-        else:
-            bad = mid
-    return n
+    return _bisect(fits, n, min(2 * n, hi))
 
 
 class _Sizer:
@@ -298,39 +292,9 @@ def fit(
         for ckpt in checkpointing:
             base = replace(spec, optimizer=optimizer, grad_checkpointing=ckpt)
             sizer = _Sizer(base, gpu, margin)
-            sizes: list[tuple[int, int]] = []
-            if maximize == "batch-size":
-                # a batch of one is degenerate (some views are already contiguous): trace 2 and 3
-                batch = sizer.largest("batch", base.seq_len, (2, 3), 1, MAX_BATCH)
-                sizes = [(batch, base.seq_len)] if batch else []
-            elif maximize == "seq-len":
-                seq = sizer.largest("seq", base.batch_size, (1, 2, 3), seq_step, MAX_SEQ)
-                sizes = [(base.batch_size, seq)] if seq else []
-            else:
-                batch = 1
-                while batch <= MAX_BATCH:
-                    seq = sizer.largest("seq", batch, (1, 2, 3), seq_step, MAX_SEQ)
-                    if not seq:
-                        break
-                    sizes.append((batch, seq))
-                    batch *= 2
+            sizes = _largest_sizes(sizer, maximize, seq_step)
             if not sizes:
-                smallest = {
-                    "batch-size": (1, base.seq_len),
-                    "seq-len": (base.batch_size, seq_step),
-                    "both": (1, seq_step),
-                }[maximize]
-                peak = device_peak(sizer.ledger(*smallest))
-                no_fit.append(
-                    NoFit(
-                        optimizer=optimizer,
-                        checkpointing=ckpt,
-                        batch_size=smallest[0],
-                        seq_len=smallest[1],
-                        reserved_peak_bytes=peak,
-                        headroom_bytes=verdict(gpu, peak, margin).headroom_bytes,
-                    )
-                )
+                no_fit.append(_smallest(sizer, maximize, seq_step))
             for batch, seq in sizes:
                 ledger = sizer.ledger(batch, seq)
                 notes += [n for n in ledger.notes if _states_a_kernel(n) and n not in notes]
@@ -363,6 +327,47 @@ def fit(
         seconds=time.perf_counter() - start,
         notes=notes,
         no_fit=no_fit,
+    )
+
+
+def _largest_sizes(sizer: _Sizer, maximize: str, seq_step: int) -> list[tuple[int, int]]:
+    """The (micro-batch, sequence length) answers of one configuration (``sizer.spec``): one
+    when maximising one size, one per power-of-two micro-batch for ``both``; none fits: []."""
+    base = sizer.spec
+    if maximize == "batch-size":
+        # a batch of one is degenerate (some views are already contiguous): trace 2 and 3
+        batch = sizer.largest("batch", base.seq_len, (2, 3), 1, MAX_BATCH)
+        return [(batch, base.seq_len)] if batch else []
+    if maximize == "seq-len":
+        seq = sizer.largest("seq", base.batch_size, (1, 2, 3), seq_step, MAX_SEQ)
+        return [(base.batch_size, seq)] if seq else []
+    sizes: list[tuple[int, int]] = []
+    batch = 1
+    while batch <= MAX_BATCH:
+        seq = sizer.largest("seq", batch, (1, 2, 3), seq_step, MAX_SEQ)
+        if not seq:
+            break
+        sizes.append((batch, seq))
+        batch *= 2
+    return sizes
+
+
+def _smallest(sizer: _Sizer, maximize: str, seq_step: int) -> NoFit:
+    """A configuration none of whose sizes fits: its smallest size, and what that needs."""
+    base = sizer.spec
+    smallest = {
+        "batch-size": (1, base.seq_len),
+        "seq-len": (base.batch_size, seq_step),
+        "both": (1, seq_step),
+    }[maximize]
+    peak = device_peak(sizer.ledger(*smallest))
+    return NoFit(
+        optimizer=base.optimizer,
+        checkpointing=base.grad_checkpointing,
+        batch_size=smallest[0],
+        seq_len=smallest[1],
+        reserved_peak_bytes=peak,
+        headroom_bytes=verdict(sizer.gpu, peak, sizer.margin).headroom_bytes,
     )
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..errors import VramledgerError
 from ..spec import TrainingSpec
-from .candidates import RECOMPUTE_FRACTION, Configuration, planned_spec
+from .candidates import RECOMPUTE_FRACTION, RUN_FIELDS, Configuration, planned_spec
 
 VERIFY_TRIES = 4
 """Re-estimates allowed per layout when moving its data-parallel degree."""
@@ -55,9 +55,7 @@ class Layout:
         """The TrainingSpec ``estimate`` takes for this layout."""
         return planned_spec(
             base,
-            self.optimizer,
-            self.precision,
-            self.checkpointing,
+            self,
             batch_size=self.micro_batch * self.pp,
             grad_accum=1,
             world_size=1,
@@ -166,15 +164,8 @@ def start_layout(answer: Configuration, tp: int, pp: int) -> Layout:
     in one GPU fewer than the answer (rounded down): a layout shards the model state over its
     GPUs as FSDP does and splits the activations too, so it rarely needs as many GPUs (where it
     does, the search moves up; this only decides which count is estimated first)."""
-    return Layout(
-        optimizer=answer.optimizer,
-        precision=answer.precision,
-        checkpointing=answer.checkpointing,
-        micro_batch=answer.micro_batch,
-        tp=tp,
-        pp=pp,
-        dp=max(1, (answer.gpus - 1) // (tp * pp)),
-    )
+    shared = {name: getattr(answer, name) for name in RUN_FIELDS}
+    return Layout(**shared, tp=tp, pp=pp, dp=max(1, (answer.gpus - 1) // (tp * pp)))
 
 
 def likely_layouts(answer: Configuration, pairs: Sequence[tuple[int, int]]) -> list[Layout]:

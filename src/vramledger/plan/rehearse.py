@@ -23,10 +23,10 @@ import torch
 from ..categories import STEP_PHASES, Category, Phase
 from ..config_depth import config_depth, shallow_config
 from ..errors import InputError
-from ..ledger import breakdown_at, replay, steady_phase_point
 from ..measure import measure
 from ..predict import estimate
 from ..recipe import resolve
+from ..replay import breakdown_at, replay, steady_phase_point
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from .narrow import narrow_config
@@ -156,6 +156,28 @@ MIN_WIDTHS = 3
 """Distinct widths a narrow rehearsal needs: the fit is quadratic in the width."""
 
 
+def _rehearsed_sizes(
+    depths: Sequence[int], widths: Sequence[float] | None, full: int
+) -> tuple[list[int], list[float]]:
+    """The depths and width fractions to rehearse (sorted, each once; no widths: the full
+    width), refused unless they can be fitted and extrapolated to the ``full`` depth."""
+    depths = sorted(set(depths))
+    if len(depths) < 2 or depths[0] < 1 or depths[-1] >= full:
+        raise InputError(
+            f"rehearse needs at least two depths from 1 to below the model's {full} layers, "
+            f"not {depths}",
+            hint="--depths 1,2,3",
+        )
+    fractions = sorted(set(widths)) if widths else [1.0]
+    if widths and len(fractions) < MIN_WIDTHS:
+        raise InputError(
+            f"narrower rehearsals need at least {MIN_WIDTHS} widths (the fit is quadratic in "
+            f"the width), not {fractions}",
+            hint="--widths 0.25,0.5,0.75",
+        )
+    return depths, fractions
+
+
 def rehearse(
     spec: TrainingSpec,
     *,
@@ -176,20 +198,7 @@ def rehearse(
             "rehearse needs a Hugging Face config with a layer count",
             hint="give a config.json of a decoder or encoder model",
         )
-    depths = sorted(set(depths))
-    if len(depths) < 2 or depths[0] < 1 or depths[-1] >= full:
-        raise InputError(
-            f"rehearse needs at least two depths from 1 to below the model's {full} layers, "
-            f"not {depths}",
-            hint="--depths 1,2,3",
-        )
-    fractions = sorted(set(widths)) if widths else [1.0]
-    if widths and len(fractions) < MIN_WIDTHS:
-        raise InputError(
-            f"narrower rehearsals need at least {MIN_WIDTHS} widths (the fit is quadratic in "
-            f"the width), not {fractions}",
-            hint="--widths 0.25,0.5,0.75",
-        )
+    depths, fractions = _rehearsed_sizes(depths, widths, full)
     copies = [
         (depth, width, narrow_config(config, width) if width != 1.0 else config)
         for width in fractions

@@ -123,43 +123,11 @@ def plan(
     answer without offload (``layouts.py``); ``tp_degrees=None``: 2, 4, 8 when an answer spans
     more than one node of ``gpus_per_node`` GPUs, else none; pipeline layouts only when
     asked."""
-    if max_gpus < 1:
-        raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
-    if workers is not None and workers < 1:
-        raise InputError(f"--workers must be at least 1, not {workers}")
-    if gpus_per_node < 1:
-        raise InputError(f"--gpus-per-node must be at least 1, not {gpus_per_node}")
-    if not optimizers:
-        raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
-    for name in optimizers:  # a misspelt name is refused before any tracing
-        resolve_optimizer(name, spec.optimizer_kwargs)
-    check_margin(gpu, margin)
+    _check(spec, gpu, optimizers, max_gpus, margin, workers, gpus_per_node)
     # every trace and re-estimate emulates this GPU (its compute capability's CUDA decisions)
     spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
     start = time.perf_counter()
-    precisions = list(precisions or [spec.precision])
-    micro = _micro_batches(spec.batch_size * spec.grad_accum)
-    bases = [
-        replace(
-            spec,
-            optimizer=optimizer,
-            precision=precision,
-            grad_checkpointing=ckpt,
-            batch_size=micro_batch,
-            grad_accum=accum,
-            world_size=1,
-            nodes=None,
-            gpus_per_node=None,
-            strategy=None,
-            offload="none",
-            target="cuda",
-        )
-        for optimizer in optimizers
-        for precision in precisions
-        for ckpt in checkpointing
-        for micro_batch, accum in micro
-    ]
-    traces = configurations = 0
+    bases = _bases(spec, optimizers, list(precisions or [spec.precision]), checkpointing)
     facts_cache: dict[tuple[str, bool], ModelFacts] = {}
     fewest_gpus: dict[str, Candidate | None] = {}
     on_gpu: dict[str, Candidate | None] = {}
@@ -179,65 +147,18 @@ def plan(
             runner=runner,
             reference=optimizers[0],
         )
-        ranked: dict[str, list[Candidate]] = {name: [] for name in optimizers}
-        left = {name: sum(b.optimizer == name for b in bases) for name in optimizers}
-        for base, timeline in runner.traces(bases):
-            key = (base.precision, base.grad_checkpointing)
-            if key not in facts_cache:
-                facts_cache[key] = model_facts(base)
-            traces += 1
-            if progress is not None:
-                progress("traces", traces, len(bases))
-            configurations += planner.add(base, timeline, facts_cache[key], offloads)
-            left[base.optimizer] -= 1
-            if not left[base.optimizer]:
-                name = base.optimizer
-                ranked[name] = sorted(
-                    (c for c in planner.candidates if c.configuration.optimizer == name),
-                    key=preference,
-                )
-                if verify:  # its answers' re-estimates start while the others are derived
-                    plain = [c for c in ranked[name] if c.configuration.offload == "none"]
-                    runner.ahead(
-                        (cfg, cfg.spec(spec))
-                        for best in (ranked[name][:1], plain[:1])
-                        for cfg in _likely_counts(best[0].configuration if best else None, max_gpus)
-                    )
+        ahead = (lambda best: _ahead(runner, spec, best, max_gpus)) if verify else None
+        ranked, traces, configurations = _search(
+            bases, planner, optimizers, offloads, facts_cache, progress, ahead
+        )
         searched = time.perf_counter()
         if verify:
-            for name in optimizers:
-                if progress is not None:
-                    progress("re-estimating answers", optimizers.index(name), len(optimizers))
-                fewest_gpus[name] = planner.answer(ranked[name])
-                on_gpu[name] = planner.answer(
-                    [c for c in ranked[name] if c.configuration.offload == "none"]
-                )
-                # its layouts' re-estimates start while the other optimizers are settled
-                _layouts_ahead(planner, on_gpu[name], tp_degrees, pp_degrees)
-            front = planner.front()
-            # the answers are the front's best per optimizer: the tables agree
-            for table in (fewest_gpus, on_gpu):
-                for name in table:
-                    better = [
-                        c
-                        for c in planner.current()
-                        if c.configuration.optimizer == name
-                        and c.method == ESTIMATED
-                        and (table is fewest_gpus or c.configuration.offload == "none")
-                    ]
-                    if better:
-                        table[name] = min(better, key=preference)
-            planner.notes += [
-                note for note in (planner.roomier(c) for c in fewest_gpus.values() if c) if note
-            ]
+            front = _settle(
+                planner, optimizers, ranked, fewest_gpus, on_gpu, tp_degrees, pp_degrees, progress
+            )
             layouts = _layouts(spec, planner, on_gpu, tp_degrees, pp_degrees, facts_cache, progress)
         else:
-            error = "not re-estimated (--no-verify)"
-            for name in optimizers:
-                fewest_gpus[name] = ranked[name][0] if ranked[name] else None
-                plain = [c for c in ranked[name] if c.configuration.offload == "none"]
-                on_gpu[name] = plain[0] if plain else None
-            front = [replace(c, error=error) for c in pareto(planner.candidates)]
+            front = _derived_answers(planner, optimizers, ranked, fewest_gpus, on_gpu)
             layouts = {}
         return Plan(
             gpu=gpu,
@@ -258,6 +179,164 @@ def plan(
             notes=list(dict.fromkeys(planner.notes)),
             layouts=layouts,
         )
+
+
+def _check(
+    spec: TrainingSpec,
+    gpu: Gpu,
+    optimizers: Sequence[str],
+    max_gpus: int,
+    margin: int,
+    workers: int | None,
+    gpus_per_node: int,
+) -> None:
+    """Refuse a request ``plan`` cannot answer before any tracing, saying what to change."""
+    if max_gpus < 1:
+        raise InputError(f"--max-gpus must be at least 1, not {max_gpus}")
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers must be at least 1, not {workers}")
+    if gpus_per_node < 1:
+        raise InputError(f"--gpus-per-node must be at least 1, not {gpus_per_node}")
+    if not optimizers:
+        raise InputError("no optimizers to plan for", hint="pass --optimizers adamw,sgd-momentum")
+    for name in optimizers:  # a misspelt name is refused before any tracing
+        resolve_optimizer(name, spec.optimizer_kwargs)
+    check_margin(gpu, margin)
+
+
+def _bases(
+    spec: TrainingSpec,
+    optimizers: Sequence[str],
+    precisions: Sequence[str],
+    checkpointing: Sequence[bool],
+) -> list[TrainingSpec]:
+    """The single-GPU runs traced: every optimizer, precision, checkpointing and split of the
+    step's examples into micro-batches, on one CUDA GPU with no engine."""
+    micro = _micro_batches(spec.batch_size * spec.grad_accum)
+    return [
+        replace(
+            spec,
+            optimizer=optimizer,
+            precision=precision,
+            grad_checkpointing=ckpt,
+            batch_size=micro_batch,
+            grad_accum=accum,
+            world_size=1,
+            nodes=None,
+            gpus_per_node=None,
+            strategy=None,
+            offload="none",
+            target="cuda",
+        )
+        for optimizer in optimizers
+        for precision in precisions
+        for ckpt in checkpointing
+        for micro_batch, accum in micro
+    ]
+
+
+def _search(
+    bases: list[TrainingSpec],
+    planner: Planner,
+    optimizers: Sequence[str],
+    offloads: Sequence[str],
+    facts_cache: dict[tuple[str, bool], ModelFacts],
+    progress: Progress | None,
+    ahead: Callable[[list[Candidate]], None] | None,
+) -> tuple[dict[str, list[Candidate]], int, int]:
+    """Trace every base (in the order the runner's traces come) and derive its configurations;
+    once all of an optimizer's bases are in, rank its candidates (best first) and hand them to
+    ``ahead``. Returns the ranked candidates per optimizer, the traces and the configurations."""
+    traces = configurations = 0
+    ranked: dict[str, list[Candidate]] = {name: [] for name in optimizers}
+    left = {name: sum(b.optimizer == name for b in bases) for name in optimizers}
+    for base, timeline in planner.runner.traces(bases):
+        key = (base.precision, base.grad_checkpointing)
+        if key not in facts_cache:
+            facts_cache[key] = model_facts(base)
+        traces += 1
+        if progress is not None:
+            progress("traces", traces, len(bases))
+        configurations += planner.add(base, timeline, facts_cache[key], offloads)
+        left[base.optimizer] -= 1
+        if not left[base.optimizer]:
+            name = base.optimizer
+            ranked[name] = sorted(
+                (c for c in planner.candidates if c.configuration.optimizer == name),
+                key=preference,
+            )
+            if ahead is not None:  # its answers' re-estimates start while the others are derived
+                ahead(ranked[name])
+    return ranked, traces, configurations
+
+
+def _ahead(runner: Runner, spec: TrainingSpec, ranked: list[Candidate], max_gpus: int) -> None:
+    """Start re-estimating the GPU counts likely to answer for one optimizer (``ranked``: its
+    candidates, best first): its best, and its best without offload."""
+    plain = [c for c in ranked if c.configuration.offload == "none"]
+    runner.ahead(
+        (cfg, cfg.spec(spec))
+        for best in (ranked[:1], plain[:1])
+        for cfg in _likely_counts(best[0].configuration if best else None, max_gpus)
+    )
+
+
+def _derived_answers(
+    planner: Planner,
+    optimizers: Sequence[str],
+    ranked: dict[str, list[Candidate]],
+    fewest_gpus: dict[str, Candidate | None],
+    on_gpu: dict[str, Candidate | None],
+) -> list[Candidate]:
+    """With no re-estimates (``verify=False``): each optimizer's best candidates as derived into
+    ``fewest_gpus`` and ``on_gpu`` (without offload); returns the derived Pareto front, each
+    marked not re-estimated."""
+    error = "not re-estimated (--no-verify)"
+    for name in optimizers:
+        fewest_gpus[name] = ranked[name][0] if ranked[name] else None
+        plain = [c for c in ranked[name] if c.configuration.offload == "none"]
+        on_gpu[name] = plain[0] if plain else None
+    return [replace(c, error=error) for c in pareto(planner.candidates)]
+
+
+def _settle(
+    planner: Planner,
+    optimizers: Sequence[str],
+    ranked: dict[str, list[Candidate]],
+    fewest_gpus: dict[str, Candidate | None],
+    on_gpu: dict[str, Candidate | None],
+    tp_degrees: Sequence[int] | None,
+    pp_degrees: Sequence[int],
+    progress: Progress | None,
+) -> list[Candidate]:
+    """Re-estimate each optimizer's answers (``ranked``: its candidates, best first) into
+    ``fewest_gpus`` and ``on_gpu`` (without offload); returns the Pareto front."""
+    for name in optimizers:
+        if progress is not None:
+            progress("re-estimating answers", optimizers.index(name), len(optimizers))
+        fewest_gpus[name] = planner.answer(ranked[name])
+        on_gpu[name] = planner.answer(
+            [c for c in ranked[name] if c.configuration.offload == "none"]
+        )
+        # its layouts' re-estimates start while the other optimizers are settled
+        _layouts_ahead(planner, on_gpu[name], tp_degrees, pp_degrees)
+    front = planner.front()
+    # the answers are the front's best per optimizer: the tables agree
+    for table in (fewest_gpus, on_gpu):
+        for name in table:
+            better = [
+                c
+                for c in planner.current()
+                if c.configuration.optimizer == name
+                and c.method == ESTIMATED
+                and (table is fewest_gpus or c.configuration.offload == "none")
+            ]
+            if better:
+                table[name] = min(better, key=preference)
+    planner.notes += [
+        note for note in (planner.roomier(c) for c in fewest_gpus.values() if c) if note
+    ]
+    return front
 
 
 def _layouts_ahead(

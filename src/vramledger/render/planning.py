@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Collection, Sequence
+from typing import Any
+
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -15,6 +18,25 @@ from ..units import format_bytes
 
 FRONT_ROWS = 25
 """Rows of the Pareto front shown in the terminal (``--json`` has all of them)."""
+FIT_COLUMNS = (
+    "optimizer",
+    "checkpointing",
+    "micro-batch",
+    "seq-len",
+    "reserved peak",
+    "headroom",
+    "next size up",
+)
+"""The columns of ``fit``'s answers, in the terminal and in the HTML page (``html.py``)."""
+
+
+def _table(title: str, columns: Sequence[str], right: Collection[str]) -> Table:
+    """A table titled on the left, with ``columns``: those in ``right`` (numbers) justified
+    right, the others left."""
+    table = Table(title=title, title_justify="left")
+    for col in columns:
+        table.add_column(col, justify="right" if col in right else "left")
+    return table
 
 
 def _configuration(c: Candidate) -> str:
@@ -32,20 +54,25 @@ def _configuration(c: Candidate) -> str:
     return ", ".join(parts)
 
 
-def _costs(c: Candidate) -> str:
-    k = c.costs
-    out = []
-    if k["recompute_fraction"]:
-        out.append(f"+{100 * k['recompute_fraction']:.0f} % compute")
-    if k["communication_bytes_per_step"]:
-        out.append(f"{format_bytes(k['communication_bytes_per_step'])} comm/step")
-    if k["host_transfer_bytes_per_step"]:
-        out.append(f"{format_bytes(k['host_transfer_bytes_per_step'])} host↔GPU/step")
-    if k["optimizer_behaviour"] != "unchanged":
-        out.append(k["optimizer_behaviour"])
-    if k["numerics"] != "unchanged":
-        out.append(k["numerics"])
-    return "; ".join(out) or "—"
+_COST_WORDS: dict[str, Callable[[Any], str]] = {
+    "recompute_fraction": lambda f: f"+{100 * f:.0f} % compute",
+    "communication_bytes_per_step": lambda n: f"{format_bytes(n)} comm/step",
+    "host_transfer_bytes_per_step": lambda n: f"{format_bytes(n)} host↔GPU/step",
+    "tensor_parallel_bytes_per_step": lambda n: f"{format_bytes(n)} TP comm/step",
+    "fsdp_bytes_per_step": lambda n: f"{format_bytes(n)} FSDP comm/step",
+    "pipeline_bubble_fraction": lambda f: f"{100 * f:.0f} % bubble",
+    "optimizer_behaviour": str,
+    "numerics": str,
+}
+"""How the tables say each cost of a configuration (``candidates.costs``) or a layout
+(``layouts.layout_costs``), in this order; a cost of 0 or ``unchanged`` is not said."""
+
+
+def _costs(costs: dict[str, Any]) -> str:
+    said = [
+        say(costs[k]) for k, say in _COST_WORDS.items() if costs.get(k, 0) not in (0, "unchanged")
+    ]
+    return "; ".join(said) or "—"
 
 
 def _host(c: Candidate) -> str:
@@ -68,22 +95,12 @@ def plan_table(p: Plan) -> Group:
         ),
         style="bold",
     )
-    fewest = Table(title="fewest GPUs per optimizer", title_justify="left")
-    for col in (
-        "optimizer",
-        "GPUs",
-        "configuration",
-        "peak per GPU",
-        "headroom",
-        "host / node",
-        "without offload",
-    ):
-        fewest.add_column(
-            col,
-            justify="right"
-            if col in ("GPUs", "peak per GPU", "headroom", "host / node")
-            else "left",
-        )
+    numbers = ("GPUs", "peak per GPU", "headroom", "host / node")
+    fewest = _table(
+        "fewest GPUs per optimizer",
+        ("optimizer", "GPUs", "configuration", *numbers[1:], "without offload"),
+        numbers,
+    )
     for name, c in p.fewest_gpus.items():
         plain = p.fewest_gpus_without_offload.get(name)
         if c is None:
@@ -107,22 +124,11 @@ def plan_table(p: Plan) -> Group:
             _host(c),
             alt,
         )
-    front = Table(
-        title=f"Pareto front of configurations that fit ({len(p.front)}; GPUs, memory and costs)",
-        title_justify="left",
+    front = _table(
+        f"Pareto front of configurations that fit ({len(p.front)}; GPUs, memory and costs)",
+        ("GPUs", "optimizer", "configuration", "peak per GPU", "host / node", "costs", "peak"),
+        ("GPUs", "peak per GPU", "host / node"),
     )
-    for col in (
-        "GPUs",
-        "optimizer",
-        "configuration",
-        "peak per GPU",
-        "host / node",
-        "costs",
-        "peak",
-    ):
-        front.add_column(
-            col, justify="right" if col in ("GPUs", "peak per GPU", "host / node") else "left"
-        )
     for c in p.front[:FRONT_ROWS]:
         front.add_row(
             str(c.configuration.gpus),
@@ -130,7 +136,7 @@ def plan_table(p: Plan) -> Group:
             _configuration(c),
             format_bytes(c.peak_bytes_per_gpu),
             _host(c),
-            _costs(c),
+            _costs(c.costs),
             _how(c),
         )
     facts = [
@@ -159,24 +165,14 @@ def plan_table(p: Plan) -> Group:
 
 
 def layouts_table(p: Plan) -> Table:
-    table = Table(
-        title="model-parallel layouts from each answer without offload (each re-estimated)",
-        title_justify="left",
+    table = _table(
+        "model-parallel layouts from each answer without offload (each re-estimated)",
+        ("optimizer", "GPUs", "tp × pp × dp", "peak per GPU", "headroom", "costs", "fit"),
+        ("GPUs", "peak per GPU", "headroom"),
     )
-    for col in ("optimizer", "GPUs", "tp × pp × dp", "peak per GPU", "headroom", "costs", "fit"):
-        table.add_column(
-            col, justify="right" if col in ("GPUs", "peak per GPU", "headroom") else "left"
-        )
     for name, results in p.layouts.items():
         for r in results:
-            x, k = r.layout, r.costs
-            costs = [f"+{100 * k['recompute_fraction']:.0f} % compute"] * bool(x.checkpointing)
-            if k["tensor_parallel_bytes_per_step"]:
-                costs.append(f"{format_bytes(k['tensor_parallel_bytes_per_step'])} TP comm/step")
-            if k["fsdp_bytes_per_step"]:
-                costs.append(f"{format_bytes(k['fsdp_bytes_per_step'])} FSDP comm/step")
-            if k["pipeline_bubble_fraction"]:
-                costs.append(f"{100 * k['pipeline_bubble_fraction']:.0f} % bubble")
+            x = r.layout
             fit = "fits" if r.fits else "does not fit"
             if r.fits and not r.settled:
                 fit += " (one replica fewer not re-estimated)"
@@ -186,7 +182,7 @@ def layouts_table(p: Plan) -> Table:
                 f"{x.tp} × {x.pp} × {x.dp}",
                 format_bytes(r.peak_bytes_per_gpu),
                 format_bytes(r.headroom_bytes),
-                "; ".join(costs) or "—",
+                _costs(r.costs),
                 fit,
             )
     return table
@@ -200,12 +196,12 @@ def advice_table(a: Advice) -> Group:
     )
     parts: list = [head]
     if a.changes:
-        table = Table(
-            title="alternatives, least harm first (each re-estimated on its own)",
-            title_justify="left",
+        columns = ("#", "change", "peak alone", "saves", "fits alone", "training", "host / node")
+        table = _table(
+            "alternatives, least harm first (each re-estimated on its own)",
+            columns,
+            [c for c in columns if c not in ("change", "training")],
         )
-        for col in ("#", "change", "peak alone", "saves", "fits alone", "training", "host / node"):
-            table.add_column(col, justify="left" if col in ("change", "training") else "right")
         for i, ch in enumerate(a.changes, 1):
             table.add_row(
                 str(i),
@@ -218,12 +214,11 @@ def advice_table(a: Advice) -> Group:
             )
         parts.append(table)
     if a.stray_temporaries:
-        temps = Table(
-            title="tensors the training code keeps alive after backward (delete them)",
-            title_justify="left",
+        temps = _table(
+            "tensors the training code keeps alive after backward (delete them)",
+            ("bytes", "made in", "module", "operator"),
+            ("bytes",),
         )
-        for col in ("bytes", "made in", "module", "operator"):
-            temps.add_column(col, justify="right" if col == "bytes" else "left")
         for t in a.stray_temporaries:
             temps.add_row(format_bytes(t["bytes"]), t["phase"], t["module"] or "—", t["op"] or "—")
         parts.append(temps)
@@ -318,17 +313,9 @@ def fit_table(f: Fit) -> Group:
         + " that fits",
         style="bold",
     )
-    table = Table(title="answers (each re-estimated, with the next size up)", title_justify="left")
-    for col in (
-        "optimizer",
-        "checkpointing",
-        "micro-batch",
-        "seq-len",
-        "reserved peak",
-        "headroom",
-        "next size up",
-    ):
-        table.add_column(col, justify="left" if col in ("optimizer", "checkpointing") else "right")
+    table = _table(
+        "answers (each re-estimated, with the next size up)", FIT_COLUMNS, FIT_COLUMNS[2:]
+    )
     for a in f.rows():
         if isinstance(a, NoFit):
             table.add_row(

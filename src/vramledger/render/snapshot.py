@@ -23,7 +23,8 @@ from typing import Any
 from ..allocator import CUDA_CACHING_ALLOCATOR, Blocks
 from ..errors import InputError
 from ..event_totals import live_at
-from ..ledger import Ledger, replay, steady_peak
+from ..ledger import Ledger
+from ..replay import replay, steady_peak
 from ..timeline import Timeline
 
 DEVICE = 0

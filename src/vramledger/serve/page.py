@@ -166,6 +166,38 @@ def _select(field: str, label: str, options: str) -> str:
     )
 
 
+def _spec_fields(choices: dict[str, Any]) -> list[str]:
+    """The form's fields of the spec (each ``data-field`` a TrainingSpec field) and of the
+    questions (fit's ``maximize``, plan's ``max_gpus``)."""
+    return [
+        _select("gpu", "GPU", _options(choices["gpus"], blank="— none —")),
+        _input("gpu_memory", "or GPU memory", extra="placeholder='24GiB'"),
+        _input("margin", "margin", extra="placeholder='2GiB'"),
+        _select("precision", "precision", _options(choices["precisions"], "fp32")),
+        _input(
+            "optimizer",
+            "optimizer",
+            "adamw",
+            extra="list='optimizers' autocomplete='off'",
+        )
+        + "<datalist id='optimizers'>"
+        + "".join(f"<option value='{escape(o)}'>" for o in choices["optimizers"])
+        + "</datalist>",
+        "<label class='check'><input id='f-grad_checkpointing' data-field='grad_checkpointing' "
+        "type='checkbox'>activation checkpointing</label>",
+        _input("batch_size", "micro-batch", 1, "number", "min='1'"),
+        _input("seq_len", "sequence length", 512, "number", "min='1'"),
+        _input("lora", "LoRA", extra="placeholder='r=16,alpha=32,targets=all-linear'"),
+        _select("quantize", "quantized base (QLoRA)", _options(choices["quantize"], blank="none")),
+        _input("world_size", "world size", 1, "number", "min='1'"),
+        _select("strategy", "strategy", _options(choices["strategies"], blank="default")),
+        _input("tp", "tensor parallel", 1, "number", "min='1'"),
+        _input("pp", "pipeline stages", 1, "number", "min='1'"),
+        _select("maximize", "fit: maximise", _options(["batch-size", "seq-len", "both"])),
+        _input("max_gpus", "plan: at most GPUs", 1024, "number", "min='1'"),
+    ]
+
+
 def page(choices: dict[str, Any]) -> str:
     """The page, its form drawn from ``choices`` (the listed configs, the GPU catalogue, the
     precisions, optimizers, strategies and quantizations the CLI takes, and the folders the
@@ -208,33 +240,7 @@ def page(choices: dict[str, Any]) -> str:
             " output.loss)<input id='f-loss' data-field='loss' placeholder='models.py:loss'>"
             "</label></div>"
         )
-    fields = [
-        _select("gpu", "GPU", _options(choices["gpus"], blank="— none —")),
-        _input("gpu_memory", "or GPU memory", extra="placeholder='24GiB'"),
-        _input("margin", "margin", extra="placeholder='2GiB'"),
-        _select("precision", "precision", _options(choices["precisions"], "fp32")),
-        _input(
-            "optimizer",
-            "optimizer",
-            "adamw",
-            extra="list='optimizers' autocomplete='off'",
-        )
-        + "<datalist id='optimizers'>"
-        + "".join(f"<option value='{escape(o)}'>" for o in choices["optimizers"])
-        + "</datalist>",
-        "<label class='check'><input id='f-grad_checkpointing' data-field='grad_checkpointing' "
-        "type='checkbox'>activation checkpointing</label>",
-        _input("batch_size", "micro-batch", 1, "number", "min='1'"),
-        _input("seq_len", "sequence length", 512, "number", "min='1'"),
-        _input("lora", "LoRA", extra="placeholder='r=16,alpha=32,targets=all-linear'"),
-        _select("quantize", "quantized base (QLoRA)", _options(choices["quantize"], blank="none")),
-        _input("world_size", "world size", 1, "number", "min='1'"),
-        _select("strategy", "strategy", _options(choices["strategies"], blank="default")),
-        _input("tp", "tensor parallel", 1, "number", "min='1'"),
-        _input("pp", "pipeline stages", 1, "number", "min='1'"),
-        _select("maximize", "fit: maximise", _options(["batch-size", "seq-len", "both"])),
-        _input("max_gpus", "plan: at most GPUs", 1024, "number", "min='1'"),
-    ]
+    fields = _spec_fields(choices)
     buttons = (
         "<div class='buttons wide'>"
         "<button class='primary' data-kind='estimate' id='ask-estimate'>Estimate</button>"

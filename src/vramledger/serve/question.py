@@ -21,6 +21,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..errors import InputError
+from ..jsonfile import parse_json_object
 
 KINDS: tuple[str, ...] = ("estimate", "fit", "plan", "advise")
 """The answers the page asks for: each is the CLI command of the same name."""
@@ -167,18 +168,7 @@ class Sources:
         """(path of the pasted config written as JSON in the private folder, shown name)."""
         if len(text.encode()) > MAX_CONFIG_BYTES:
             raise InputError(f"the pasted config is larger than {MAX_CONFIG_BYTES} bytes")
-        hint = "paste the contents of a Hugging Face config.json"
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise InputError(
-                f"{PASTED} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}",
-                hint=hint,
-            ) from None
-        if not isinstance(data, dict):
-            raise InputError(
-                f"{PASTED} must be a JSON object, not {type(data).__name__}", hint=hint
-            )
+        data = parse_json_object(text, PASTED, "paste the contents of a Hugging Face config.json")
         if "model_type" not in data:
             raise InputError(
                 f"{PASTED} has no 'model_type'",

@@ -61,7 +61,7 @@ def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
     from ..plan.fit import fit
     from ..plan.search import plan
     from ..predict import estimate
-    from ..render import html
+    from ..render import charts, html
     from ..spec import TrainingSpec
 
     kind, options = question["kind"], question["options"]
@@ -73,7 +73,7 @@ def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
         ledger = estimate(spec)
         return {
             "summary": summary(ledger, question["shown"]),
-            "bar": html.category_bar_svg(ledger),
+            "bar": charts.category_bar_svg(ledger),
             "ledger": "".join(html.ledger_body(ledger)),
         }
     gpu = spec.gpu_kind()

@@ -251,6 +251,7 @@ def _relative(module: str | None, prefix: str, block: int) -> str | None:
     return module if found is None else f"{prefix}.@{found[0]:+d}{found[1]}"
 
 
+@gc_paused()  # hundreds of thousands of tuples, no cycles
 def extend(
     tl: Timeline,
     blocks: int,
@@ -262,17 +263,6 @@ def extend(
     when given, receives for each event of the result the event of ``tl`` it was copied from
     and the block it was emitted as (-1 outside every region): where a moment of the small
     run lies in the extended one (``program_blocks.ExtendedCounter``)."""
-    with gc_paused():  # hundreds of thousands of tuples, no cycles
-        return _extend(tl, blocks, depth, prefix, origins)
-
-
-def _extend(
-    tl: Timeline,
-    blocks: int,
-    depth: int,
-    prefix: str,
-    origins: list[tuple[int, int]] | None = None,
-) -> Timeline:
     if blocks < HEAD + 2:
         raise NotExtensible(f"need at least {HEAD + 2} traced blocks")
     regions = _regions(tl, blocks)

@@ -144,13 +144,7 @@ class CudaPolicy(DevicePolicy):
         threads_with_workspace: set[str] = set()
         workspace = self.cublas_workspace_bytes
 
-        def observe(
-            func: Any,
-            args: tuple[Any, ...],
-            kwargs: dict[str, Any],
-            out: Any,
-            tracker: StorageTracker,
-        ) -> None:
+        def observe(func: Any, args: Any, kwargs: Any, out: Any, tracker: StorageTracker) -> None:
             if func in CUBLAS_OPS:
                 thread = "autograd" if tracker.phase is Phase.BACKWARD else "main"
                 if thread not in threads_with_workspace:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from typing import Any
+from unittest import mock  # torch imports it already
 
 
 @contextlib.contextmanager
@@ -30,8 +31,7 @@ def untracked_sharding_propagation() -> Iterator[None]:
         with _disable_current_modes():
             return original(self, *args, **kwargs)
 
-    ShardingPropagator._propagate_tensor_meta_non_cached = outside_the_trace
-    try:
+    with mock.patch.object(
+        ShardingPropagator, "_propagate_tensor_meta_non_cached", outside_the_trace
+    ):
         yield
-    finally:
-        ShardingPropagator._propagate_tensor_meta_non_cached = original

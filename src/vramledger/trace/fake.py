@@ -273,22 +273,28 @@ def _extended(
     except NotExtensible as exc:
         log.notes.append(f"traced every block of {stack.fqn} ({exc})")
         return None
-    how = (
-        f"traced {SMALL} of the {stack.length} identical blocks in {stack.fqn} and extended the "
-        "timeline to all of them (the extension was verified exact on this run at another "
-        "data-parallel or tensor-parallel degree or offload setting: extending its "
-        f"{SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
-        if verified
-        else f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in "
-        f"{stack.fqn} and extended the timeline to all of them (verified exact on the smaller pair)"
-    )
-    log.notes.append(how)
+    log.notes.append(_extension_note(stack, verified))
     # Identical blocks: each adds the same parameters.
     extra = stack.length - (SMALL + 1)
     totals = tuple(
         counts[SMALL + 1][i] + extra * (counts[SMALL + 1][i] - counts[SMALL][i]) for i in (0, 1)
     )
     return full_timeline, totals
+
+
+def _extension_note(stack: BlockStack, verified: bool) -> str:
+    """What an extended trace says of how it was made (``_extended``)."""
+    if verified:
+        return (
+            f"traced {SMALL} of the {stack.length} identical blocks in {stack.fqn} and extended "
+            "the timeline to all of them (the extension was verified exact on this run at another "
+            "data-parallel or tensor-parallel degree or offload setting: extending its "
+            f"{SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
+        )
+    return (
+        f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in "
+        f"{stack.fqn} and extended the timeline to all of them (verified exact on the smaller pair)"
+    )
 
 
 def _run(
@@ -386,6 +392,19 @@ def _run_rank(
     if (note := implementation_note(attention, built_attention)) is not None:
         notes.append(note)
     log.routing_dependent.update(values.routing_dependent)
+    _add_run_notes(notes, values, log, engine, tracker)
+    return timeline
+
+
+def _add_run_notes(
+    notes: list[str],
+    values: KnownValues,
+    log: TraceLog,
+    engine: RankEngine,
+    tracker: StorageTracker,
+) -> None:
+    """What a traced run answered in place of values fake tensors lack (random draws, MoE
+    routing, ``.item()`` in the optimizer), the engine's notes and the plain-path branches."""
     if values.draws:
         notes.append(
             f"{values.draws} uniform random draws answered at the top of their range: code that "
@@ -405,7 +424,6 @@ def _run_rank(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "
             f"{tracker.scalar_answer} was used (scalars never change memory)"
         )
-    return timeline
 
 
 _FAKE_LIMITS = (

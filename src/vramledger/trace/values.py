@@ -407,17 +407,8 @@ def _index_from_masks(values: KnownValues, indices: Any) -> tuple[list[Any], int
 
 
 def _index(values: KnownValues, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    found = _index_from_masks(values, args[1])
-    if found is None:
-        return NotImplemented
-    indices, scratch = found
-    values.pending_scratch += scratch
-    return func(args[0], indices, *args[2:], **kwargs)
-
-
-def _index_put(
-    values: KnownValues, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Any:
+    """``index`` and the ``index_put`` family alike: their second argument, the indices, with
+    each known boolean mask turned into its columns of positions."""
     found = _index_from_masks(values, args[1])
     if found is None:
         return NotImplemented
@@ -530,9 +521,9 @@ def _nll_loss(values: KnownValues, func: Any, args: tuple[Any, ...], kwargs: dic
 
 _PARTLY_KNOWN: dict[Any, Callable[[KnownValues, Any, tuple[Any, ...], dict[str, Any]], Any]] = {
     aten.index.Tensor: _index,
-    aten.index_put.default: _index_put,
-    aten.index_put_.default: _index_put,
-    aten._index_put_impl_.default: _index_put,
+    aten.index_put.default: _index,
+    aten.index_put_.default: _index,
+    aten._index_put_impl_.default: _index,
     aten.masked_select.default: _masked_select,
     aten.embedding.default: _embedding,
     aten._ctc_loss.Tensor: _ctc_loss,
