@@ -334,7 +334,8 @@ class _Phases:
     def register(self, tensors: list[torch.Tensor], category: Category) -> None:
         tensors = [t for t in tensors if t is not None]
         if category is Category.PARAMETERS:
-            for t in tensors:
+            # a quantized weight's state (absmax, codes) is parameter memory, not parameters
+            for t in (t for t in tensors if isinstance(t, nn.Parameter)):
                 self.parameters.setdefault(id(t), logical_numel(t))
         kind = _BY_KIND.get(category)
         if kind is None:
