@@ -110,3 +110,14 @@ def test_bitsandbytes_layers_moved_with_cuda(capsys):
     assert predicted.ledger is not None
     # 4-bit: 256 x 512 packed in 65,536 bytes; 8-bit: 512 x 256 int8 and 256 fp32 row scales
     assert predicted.ledger.at_peak[Category.PARAMETERS] >= 65_536 + 131_072 + 1_024
+
+
+def test_config_only_folder_is_quantized_as_loaded(weights, capsys):
+    """A folder with only config.json, given a quantization_config and a device map: loaded by
+    from_pretrained itself from uninitialised weights of the config's shapes
+    (checkpoint_shapes.py), quantized on the emulated GPU as the saved weights are."""
+    loaded = run_program(_spec("hf_qlora", str(weights), "nf4"), gpu="h100-80gb")
+    built = run_program(_spec("hf_qlora", str(TINY), "nf4"), gpu="h100-80gb")
+    capsys.readouterr()
+    assert built.step_peaks == loaded.step_peaks
+    assert any(n.startswith(f"{TINY} has a config and no weights") for n in built.notes)
