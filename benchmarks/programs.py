@@ -52,6 +52,7 @@ CASES = [
     "compiled_autocast",
     "grad_scaler",
     "data_loader",
+    "bnb_layers",
     "hf_llama",
     "hf_trainer",
     "lightning_bf16_mixed",

@@ -6,7 +6,8 @@ command run for real on CPU (`run --measure`).
 LitGPT's Fabric takes the emulated GPU (`accelerator="auto"`), so the precision is the one a
 GPU run gets by default (bf16-mixed: Lightning's CUDA autocast) unless asked; `pretrain`
 compiles the model (`torch.compile`, modelled as Inductor runs it) and steps a fused AdamW.
-`--quantize bnb.nf4` is refused in one line (``bnb_weights.py`` says why).
+`--quantize bnb.nf4` runs with bitsandbytes' quantization emulated on the GPU
+(``bnb_weights.py``); its real CPU run is refused in one line (Lightning quantizes only on CUDA).
 
 litgpt is not in the dev extra: the newest (0.5.13) pins ``huggingface-hub<1.4``, which the
 pinned ``datasets`` 5.2 refuses (``>=1.31``), and the newest that resolves beside the pins
@@ -21,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from vramledger.categories import Category
 from vramledger.cli import main
 from vramledger.errors import TraceError
 from vramledger.measure_program import measure_program
@@ -146,18 +148,31 @@ def test_litgpt_command_matches_the_real_cpu_run(command, workdir):
         assert "weights read as shapes from checkpoint/lit_model.pth (no data read)" in notes
 
 
+QUANTIZED_WEIGHTS = 45_056 + 5_632
+"""The tiny model's 90,112 weights of its 11 linears (two blocks' qkv, proj, fc_1, fc_2 and
+mlp.proj, and the head) in LitGPT's ``bnb.nf4`` (no double quantization): packed two per byte,
+and one fp32 absmax per 64."""
+
+
 @pytest.mark.slow
-def test_quantize_bnb_nf4_is_refused_in_one_line(workdir, capsys):
-    """QLoRA through Lightning's bitsandbytes plugin needs a real CUDA device: the trace and the
-    real CPU run both stop where the first 4-bit weight is made, with one line saying why."""
+def test_quantize_bnb_nf4_runs_on_the_emulated_gpu(workdir, capsys):
+    """QLoRA through Lightning's bitsandbytes plugin: its layers quantize at construction on the
+    emulated GPU and again when the checkpoint loads (bnb_weights.py), bitsandbytes' PagedAdamW
+    steps the adapters. The real CPU run cannot run it (Lightning quantizes only on CUDA): one
+    line says so, not labelled the program's."""
     spec = _spec("finetune_lora", "--precision", "bf16-true", "--quantize", "bnb.nf4")
-    with pytest.raises(TraceError, match=r"bitsandbytes' quantized weights \(Params4bit\)"):
-        run_program(spec, target="cuda")
-    with pytest.raises(TraceError, match="neither the fake-tensor trace nor the real CPU run"):
+    report = run_program(spec, gpu="h100-80gb")
+    assert report.steps == STEPS
+    assert [w.optimizer for w in report.windows] == ["PagedAdamW"]
+    assert report.ledger is not None
+    assert report.ledger.at_peak[Category.PARAMETERS] >= QUANTIZED_WEIGHTS
+    assert any(
+        n.startswith("bitsandbytes quantized weights on the emulated GPU") for n in report.notes
+    )
+    with pytest.raises(TraceError, match="Lightning's BitsandbytesPrecision"):
         measure_program(spec)
     capsys.readouterr()
     assert main(["run", "--measure", "--", "litgpt", *spec.args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("vramledger: error: the program makes bitsandbytes' quantized")
-    assert "--quantize nf4" in err[-1]
+    assert err[-1].startswith("vramledger: error: the program quantizes with Lightning's")
     assert not any("the program raised" in line for line in err)  # not labelled the program's

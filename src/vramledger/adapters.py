@@ -8,7 +8,9 @@ with the libraries' own code.
   adapters in fp32 under a half-precision base (``autocast_adapter_dtype``).
 - ``--quantize nf4|fp4|int8`` replaces the ``nn.Linear`` layers transformers would quantize
   (all but the output head and tied weights: ``transformers.quantizers.base.
-  get_keys_to_not_convert``) by bitsandbytes' ``Linear4bit`` / ``Linear8bitLt``, whose weights
+  get_keys_to_not_convert``; in a model that is not a transformers model, every ``nn.Linear``
+  whose weight is not shared, as Lightning's ``BitsandbytesPrecision`` does) by bitsandbytes'
+  ``Linear4bit`` / ``Linear8bitLt``, whose weights
   are quantized by bitsandbytes itself — on the meta device for a trace (its quantize operators
   have meta kernels), for real in a measured run. The storage is bitsandbytes' own: NF4/FP4 pack
   two weights per byte with one absmax per 64 weights, double-quantized (QLoRA's default: the
@@ -17,7 +19,8 @@ with the libraries' own code.
   temporary of the compute dtype, as bitsandbytes' ``MatMul4Bit`` / ``MatMul8bitLt`` do. With a
   quantized base, ``peft.prepare_model_for_kbit_training`` runs first, as QLoRA recipes do: it
   freezes the base and casts the remaining half-precision parameters (norms, embeddings, the
-  head) to fp32.
+  head) to fp32. A model that froze some of its own parameters (its own adapters) keeps
+  what it left trainable.
 - ``--freeze PATTERN`` (repeatable, ``fnmatch`` over parameter names) freezes what matches.
 
 ``parameters`` stays the logical count (a 4-bit weight counts its unpacked elements, as peft's
@@ -119,14 +122,50 @@ def _require(package: str, extra: str) -> Any:
 
 
 # -- quantized base weights ---------------------------------------------------------------------
+def is_transformers_model(model: nn.Module) -> bool:
+    """A transformers ``PreTrainedModel`` (or a peft model around one)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return any(
+        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers.")
+        for c in type(base).__mro__
+    )
+
+
 def _not_converted(model: nn.Module) -> set[str]:
-    try:
+    """Layers left in full precision: transformers' own choice for its models (the output head,
+    tied weights, the last module); for any other model only the layers whose weight is shared
+    with another module (a head tied to the embedding), as Lightning's
+    ``BitsandbytesPrecision`` replaces every other ``nn.Linear``."""
+    if is_transformers_model(model):
         from transformers.quantizers.base import get_keys_to_not_convert
 
         return set(get_keys_to_not_convert(model))
-    except (ImportError, AttributeError):  # not a transformers model: keep its last layer
-        names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-        return set(names[-1:])
+    owners: dict[int, list[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for p in module._parameters.values():
+            if p is not None:
+                owners.setdefault(id(p), []).append(name)
+    return {
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and len(set(owners.get(id(module.weight), []))) > 1
+    }
+
+
+def trainable_choice(model: nn.Module) -> set[str] | None:
+    """The parameters a model leaves trainable when it freezes some of its own (its own
+    adapters: LitGPT's ``mark_only_lora_as_trainable``), else None (every parameter trains)."""
+    params = dict(model.named_parameters())
+    trainable = {n for n, p in params.items() if p.requires_grad}
+    return trainable if len(trainable) < len(params) else None
+
+
+def keep_trainable(model: nn.Module, names: set[str]) -> None:
+    """Make ``names`` trainable again after peft's k-bit preparation froze everything (the
+    quantized weights, no longer floating point, stay frozen)."""
+    for name, p in model.named_parameters():
+        if name in names and p.is_floating_point():
+            p.requires_grad_(True)
 
 
 def quantize_linears(
@@ -139,6 +178,31 @@ def quantize_linears(
     bnb = _require("bitsandbytes", "lowbit")
     skip = _not_converted(model)
     count = 0
+    # bitsandbytes caches its 8-bit code on the device of the first double quantization
+    # (functional.name2qmap): a meta one left there breaks a later real quantization
+    codes = dict(bnb.functional.name2qmap)
+    try:
+        count = _replace_linears(bnb, model, skip, kind, compute_dtype, device)
+    finally:
+        bnb.functional.name2qmap.clear()
+        bnb.functional.name2qmap.update(codes)
+    if count == 0:
+        raise InputError(
+            f"--quantize {kind}: the model has no nn.Linear layer to quantize",
+            hint="quantization replaces torch.nn.Linear layers",
+        )
+    return count
+
+
+def _replace_linears(
+    bnb: Any,
+    model: nn.Module,
+    skip: set[str],
+    kind: str,
+    compute_dtype: torch.dtype,
+    device: torch.device,
+) -> int:
+    count = 0
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             full = f"{parent_name}.{name}" if parent_name else name
@@ -148,11 +212,6 @@ def quantize_linears(
                 continue
             setattr(parent, name, _quantized(bnb, child, kind, compute_dtype, device))
             count += 1
-    if count == 0:
-        raise InputError(
-            f"--quantize {kind}: the model has no nn.Linear layer to quantize",
-            hint="quantization replaces torch.nn.Linear layers",
-        )
     return count
 
 
@@ -206,6 +265,16 @@ def quantized_tensors(param: torch.Tensor) -> list[tuple[Any, str, torch.Tensor]
     if isinstance(scales, torch.Tensor):
         out.append((param, "SCB", scales))
     return out
+
+
+def quantization_state(params: Any) -> list[torch.Tensor]:
+    """Every tensor of the quantization state of ``params`` (:func:`quantized_tensors`), once
+    each: memory beside the packed weights that no parameter shows."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in params:
+        for _, _, t in quantized_tensors(p):
+            seen.setdefault(id(t), t)
+    return list(seen.values())
 
 
 def carry_quantization(source: torch.Tensor, target: nn.Parameter, convert: Any) -> nn.Parameter:
@@ -387,6 +456,12 @@ def adapter_notes(model: nn.Module) -> list[str]:
             "quantized layers found on the model: "
             + ", ".join(f"bitsandbytes.{cls}" for cls in sorted(quantized))
         )
+        if not is_transformers_model(model):
+            notes.append(
+                "not a transformers model: --quantize replaced every nn.Linear whose weight is "
+                "not shared with another module, as Lightning's BitsandbytesPrecision does "
+                "(transformers would keep its output head in full precision)"
+            )
         fp32 = sorted(
             {
                 type(m).__name__

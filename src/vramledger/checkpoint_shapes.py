@@ -22,7 +22,9 @@ A program that loads a checkpoint needs its tensors' shapes and dtypes, never th
   reads ``lit_model.pth``: ``litgpt.utils.load_checkpoint``) reads a tensor's bytes from the
   archive when it is first used; it maps the file instead, as ``torch.load`` does;
 - ``from_pretrained`` of transformers' models on a local folder with only ``config.json``
-  builds the model from its config, with random weights, instead of raising ``OSError``.
+  builds the model from its config, with random weights, instead of raising ``OSError``; given
+  a ``quantization_config`` or a ``device_map``, ``from_pretrained`` loads uninitialised
+  weights of the config's shapes (a state dict), so its quantizer and device map apply.
 
 Each load is listed (:attr:`CheckpointShapes.read`) for the notes. ``--measure`` (a real run)
 reads checkpoints for real; this module is not active there.
@@ -266,6 +268,11 @@ def _lazy_load(shapes: CheckpointShapes, original: Callable[..., Any]) -> Callab
     return lazy_load
 
 
+LOADING_OPTIONS = ("quantization_config", "device_map")
+"""``from_pretrained`` options that a model built from its config would not honour: a folder
+with only ``config.json`` is then loaded by ``from_pretrained`` itself, from a state dict."""
+
+
 def _config_only(path: Any) -> bool:
     folder = Path(str(path))
     return (
@@ -289,9 +296,19 @@ def _from_pretrained(shapes: CheckpointShapes, original: Any) -> classmethod:
         if config is None or isinstance(config, (str, os.PathLike)):
             config = cls.config_class.from_pretrained(config or name)
         dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-        model = cls._from_config(
-            config, **({"dtype": dtype} if dtype not in (None, "auto") else {})
-        )
+        as_dtype = {"dtype": dtype} if dtype not in (None, "auto") else {}
+        if any(kwargs.get(k) is not None for k in LOADING_OPTIONS):
+            # from_pretrained's own loading, of uninitialised weights of the config's shapes
+            # (as a weights file is read here): the quantizer and device map apply
+            with torch.device("meta"):
+                built = cls._from_config(config, **as_dtype)
+            weights = {
+                k: torch.empty(v.shape, dtype=v.dtype) for k, v in built.state_dict().items()
+            }
+            rest = {k: v for k, v in kwargs.items() if k != "config"}
+            model = function(cls, None, *args, config=config, state_dict=weights, **rest)
+        else:
+            model = cls._from_config(config, **as_dtype)
         shapes.from_config.append(str(name))
         return model.eval()
 

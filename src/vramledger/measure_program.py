@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import cpu_allocator_count as count
-from .bnb_weights import refused_quantized_weights
+from .bnb_weights import quantizing_move, real_quantization
 from .errors import VramledgerError
 from .gpus import resolve_gpu
 from .measure.local import run_on_local_gloo
@@ -149,8 +149,8 @@ def _measure_one(spec: ProgramSpec, gpu: str | None) -> ProgramMeasurement:
     gc.collect()  # earlier garbage must not die inside the counted run
     counter = CountedCpu()
     emulated = emulated_gpu(resolve_gpu(gpu or DEFAULT_GPU), spec.nproc_per_node)
-    emulation = CudaEmulation(emulated, counter, CpuForCuda())
-    with emulation, refused_quantized_weights():
+    emulation = CudaEmulation(emulated, counter, CpuForCuda(quantizing_move))
+    with emulation, real_quantization():
         run: ProgramRun = launch(spec, counter)
     if run.steps not in counter.step_peaks or run.ending != "max-steps":
         # what ran after the last step belongs to it, as in a trace (trace/program_trace.py)

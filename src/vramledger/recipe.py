@@ -15,10 +15,12 @@ from .adapters import (
     apply_lora,
     freeze,
     index_dependent_option,
+    keep_trainable,
     logical_numel,
     parse_lora,
     prepare_for_kbit_training,
     quantize_linears,
+    trainable_choice,
 )
 from .checkpointing import checkpoint_modules, enable_hf_checkpointing
 from .config_depth import config_depth, shallow_config
@@ -91,8 +93,11 @@ class Recipe:
             checkpoint_modules(model, spec.checkpoint_modules)
         cast_model(model, self.precision)
         if spec.quantize is not None:
+            chosen = trainable_choice(model)
             quantize_linears(model, spec.quantize, self.compute_dtype, torch.device(device))
             prepare_for_kbit_training(model)
+            if chosen is not None:
+                keep_trainable(model, chosen)
         if spec.lora is not None:
             # On meta, peft makes the adapters there too: it would otherwise make and initialise
             # real CPU tensors and then move them to the base layer's device (most of a shallow

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from .adapters import quantization_state
 from .categories import Category, Phase
 from .errors import InputError
 from .optimizers import OptimizerChoice
@@ -182,6 +183,8 @@ def assemble(
     if precision.param_dtype is not torch.float32:
         batch = cast_floating(batch, precision.param_dtype)
     track_by_kind(observer, model.parameters(), param_category)
+    # bitsandbytes' quantization state (absmax, scales, codes) beside the packed weights
+    observer.tensors(quantization_state(model.parameters()), Category.PARAMETERS)
     observer.tensors(model.buffers(), Category.BUFFERS)
     observer.tensors(tensor_leaves(batch), Category.INPUTS)
     params = [p for p in model.parameters() if p.requires_grad]

@@ -162,7 +162,10 @@ class _DeviceMode(TorchFunctionMode):
             )
             device, dtype, _, _ = torch._C._nn._parse_to(*to_args, **to_kwargs)
             if _is_cuda(device) or self._emulated(*to_args, *to_kwargs.values()):
-                return self.mapping.move(args[0], dtype)
+                moved = self.mapping.move(args[0], dtype)
+                # to(..., copy=True) of a tensor already there is a new tensor on the GPU too
+                # (bitsandbytes' quantize_blockwise copies its shared code into each state)
+                return moved.clone() if kwargs.get("copy") and moved is args[0] else moved
         elif func in _TENSOR_CUDA:
             return self.mapping.move(args[0], None)
         elif func in _PINNING:
@@ -214,12 +217,17 @@ class FakeCuda:
         values: Any = None,
         host: HostStandIns | None = None,
         moves: Any = None,
+        parameter_move: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
     ) -> None:
         self.mode = mode
         self.register = register
         self.values = values
         self.host = host
         self.moves = moves
+        self.parameter_move = parameter_move
+        """A parameter class's own move to the GPU, for ``Module.cuda()``/``.to("cuda")``
+        (bitsandbytes' quantizing parameters: ``bnb_weights.EmulatedQuantization.move``);
+        None where the parameter is moved as any other."""
         self.device = torch.device("cpu")
         """The device object ``mode``'s CPU tensors report while the emulation runs
         (``FakeTensor.device``, patched by :class:`CudaEmulation`): equal to the CPU, which they
@@ -309,6 +317,12 @@ class FakeCuda:
                     continue
                 if id(p) not in memo and self.emulated(p) and dtype in (None, p.dtype):
                     memo[id(p)] = p  # already on the emulated device
+                elif (
+                    id(p) not in memo
+                    and (own := self.parameter_move and self.parameter_move(p)) is not None
+                ):
+                    memo[id(p)] = own
+                    params.append(own)
                 elif id(p) not in memo:
                     grad = None if p.grad is None else self._fake(p.grad, dtype)
                     memo[id(p)] = self._parameter(p, dtype)
@@ -337,7 +351,13 @@ class FakeCuda:
 
 class CpuForCuda:
     """ "cuda" is the CPU: real tensors, nothing copied (``Tensor.to("cuda")`` of a CPU tensor
-    is that tensor)."""
+    is that tensor). ``parameter_move``: as :class:`FakeCuda`'s (a parameter class that moves
+    itself: bitsandbytes quantizes its weights on the way)."""
+
+    def __init__(
+        self, parameter_move: Callable[[torch.Tensor], torch.Tensor | None] | None = None
+    ) -> None:
+        self.parameter_move = parameter_move
 
     def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         return func(*args, **{**kwargs, "device": "cpu"})
@@ -346,6 +366,12 @@ class CpuForCuda:
         return t if dtype is None else t.to(dtype)
 
     def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        if self.parameter_move is not None:
+            for sub in module.modules():
+                for name, p in sub._parameters.items():
+                    moved = None if p is None else self.parameter_move(p)
+                    if moved is not None:
+                        sub._parameters[name] = moved
         if dtype is not None:
             module.to(dtype)
 
@@ -667,10 +693,17 @@ class CudaEmulation:
         mapping = self.mapping
         module_to = nn.Module.to
 
+        reported = mapping.reported_device()
+
         def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
             args, kwargs = _index_as_cuda(args, kwargs)
             device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
-            if not _is_cuda(device):
+            # the device an emulated tensor reported names the GPU (peft moves a LoRA
+            # adapter to its base layer's weight.device)
+            emulated = reported is not None and any(
+                a is reported[1] for a in (*args, *kwargs.values())
+            )
+            if not _is_cuda(device) and not emulated:
                 return module_to(module, *args, **kwargs)
             mapping.module(module, dtype)
             return module
@@ -715,7 +748,6 @@ class CudaEmulation:
             autocast_init(autocast, device_type, dtype, enabled, cache_enabled)
 
         self._patch(torch.amp.autocast_mode.autocast, "__init__", init)
-        reported = mapping.reported_device()
         if reported is not None:
             self._patch(FakeTensor, "device", _reporting(*reported))
         device_mode = _DeviceMode(mapping)

@@ -18,7 +18,7 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..adapters import adapter_notes, carry_quantization
+from ..adapters import adapter_notes, carry_quantization, quantization_state
 from ..attention import AttentionCalls, built_implementation, implementation_note
 from ..categories import Category
 from ..config_depth import config_depth
@@ -342,7 +342,11 @@ def _run_rank(
         answer_optimizer_scalars=True,
         scalar_answer=getattr(engine, "scalar_answer", 1),
         blocks={id(b): k for k, b in enumerate(blocks)},
-        tensor_blocks={id(p): k for k, b in enumerate(blocks) for p in b.parameters()},
+        tensor_blocks={
+            id(t): k
+            for k, b in enumerate(blocks)
+            for t in (*b.parameters(), *quantization_state(b.parameters()))
+        },
         op_categories=engine.op_categories,
         resize_category=engine.resize_category,
         values=values,

@@ -45,8 +45,9 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
+from ..adapters import logical_numel
 from ..allocator import AllocatorModel
-from ..bnb_weights import refused_quantized_weights
+from ..bnb_weights import EmulatedQuantization
 from ..categories import Category, Phase
 from ..checkpoint_shapes import weights_without_data
 from ..errors import TraceError
@@ -333,8 +334,9 @@ class _Phases:
     def register(self, tensors: list[torch.Tensor], category: Category) -> None:
         tensors = [t for t in tensors if t is not None]
         if category is Category.PARAMETERS:
-            for t in tensors:
-                self.parameters.setdefault(id(t), t.numel())
+            # a quantized weight's state (absmax, codes) is parameter memory, not parameters
+            for t in (t for t in tensors if isinstance(t, nn.Parameter)):
+                self.parameters.setdefault(id(t), logical_numel(t))
         kind = _BY_KIND.get(category)
         if kind is None:
             self.tracker.track(tensors, category)
@@ -345,7 +347,7 @@ class _Phases:
     def replaced(self, old: torch.Tensor, new: torch.Tensor) -> None:
         """``new`` takes ``old``'s place as a parameter (FSDP2's shard of it): counted once."""
         if self.parameters.pop(id(old), None) is not None:
-            self.parameters[id(new)] = new.numel()
+            self.parameters[id(new)] = logical_numel(new)
 
     def forward_pre(self, module: nn.Module, _args: Any) -> None:
         if self.depth == 0:
@@ -480,7 +482,10 @@ def trace_program(
     observer = TrackerObserver(tracker, policy.host_resident)
     phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
     stand_ins = ValueStandIns(values)
-    fake_cuda = FakeCuda(mode, phases.register, stand_ins, host, moves)
+    quantization = EmulatedQuantization(phases.register, cuda_target=policy.name == "cuda")
+    fake_cuda = FakeCuda(
+        mode, phases.register, stand_ins, host, moves, parameter_move=quantization.move
+    )
     emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
     ranks = (
         world.entered(fake_cuda.device, phases.register, phases.replaced)
@@ -506,7 +511,7 @@ def trace_program(
             weights_without_data() as shapes,
             offline_hub() as hub,
             hf_known_values_once_imported(values) as phases.on_forward,
-            refused_quantized_weights(),
+            quantization,
             ranks,
         ):
             # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
@@ -542,6 +547,8 @@ def trace_program(
     notes += shapes.notes()
     if (built := host.note()) is not None:
         notes.append(built)
+    if (quantized := quantization.note()) is not None:
+        notes.append(quantized)
     notes += stand_ins.notes()
     if values.routed_ops:
         notes.append(
