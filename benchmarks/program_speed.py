@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from benchkit import provenance
+from benchkit import compare, provenance
 from rich.console import Console
 from rich.table import Table
 
@@ -63,6 +63,15 @@ p.trace_program_blocks = trace_program
 sys.exit(main(sys.argv[1:]))
 """
 """`vramledger` with the block extension turned off: every block traced."""
+
+
+IGNORED = {
+    **compare.IGNORED,
+    "wall_s": "a program's wall time, from process start",
+    "cpu_s": "a program's CPU time",
+    "max_rss_bytes": "the process's peak resident memory (a speed target, not an answer)",
+}
+"""Keys left out of ``--compare``: the answer is each case's peak bytes and how it was traced."""
 
 
 def run_case(argv: list[str], full: bool) -> dict:
@@ -96,8 +105,10 @@ def run_case(argv: list[str], full: bool) -> dict:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--full", action="store_true", help="also trace every block")
-    parser.add_argument("--out", type=Path, help="where to write the JSON results")
+    compare.add_arguments(parser)
     args = parser.parse_args()
+    if (status := compare.against_only(args, IGNORED)) is not None:
+        return status
     commit = provenance.commit()
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     rows = []
@@ -134,7 +145,7 @@ def main() -> int:
         + "\n"
     )
     print(f"written to {out}")
-    return 0
+    return compare.after_run(args, out, IGNORED)
 
 
 if __name__ == "__main__":
