@@ -51,6 +51,7 @@ import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -112,32 +113,19 @@ def _when_imported(name: str, then: Callable[[ModuleType], None]) -> Iterator[No
 
 
 class _Patches:
-    """Attributes replaced until :meth:`restore`."""
+    """Attributes replaced until :meth:`restore` (``mock.patch.object``, last first)."""
 
     def __init__(self) -> None:
-        self._undo: list[Callable[[], None]] = []
+        self._stack = contextlib.ExitStack()
 
     def set(self, owner: Any, name: str, value: Any) -> None:
-        missing = object()
-        original = owner.__dict__.get(name, missing) if isinstance(owner, type) else None
-        if not isinstance(owner, type):
-            original = getattr(owner, name, missing)
-
-        def undo() -> None:
-            if original is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-        setattr(owner, name, value)
-        self._undo.append(undo)
+        self._stack.enter_context(mock.patch.object(owner, name, value, create=True))
 
     def then(self, undo: Callable[[], None]) -> None:
-        self._undo.append(undo)
+        self._stack.callback(undo)
 
     def restore(self) -> None:
-        while self._undo:
-            self._undo.pop()()
+        self._stack.close()
 
 
 def _fresh_code_cache(patches: _Patches) -> None:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, Protocol
+from unittest import mock
 
 import torch
 import torch.utils._device
@@ -658,21 +659,9 @@ class CudaEmulation:
         }
 
     def _patch(self, owner: Any, name: str, value: Any) -> None:
-        missing = object()
-        original = (
-            owner.__dict__.get(name, missing)
-            if isinstance(owner, type)
-            else getattr(owner, name, missing)
-        )
-
-        def restore() -> None:
-            if original is missing:
-                delattr(owner, name)
-            else:
-                setattr(owner, name, original)
-
-        setattr(owner, name, value)
-        self._stack.callback(restore)
+        """``owner.name = value`` until the emulation exits (restored, or deleted where it was
+        inherited or absent)."""
+        self._stack.enter_context(mock.patch.object(owner, name, value, create=True))
 
     def __enter__(self) -> CudaEmulation:
         import torch.cuda.memory
