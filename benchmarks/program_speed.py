@@ -28,9 +28,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,6 +65,9 @@ sys.exit(main(sys.argv[1:]))
 """`vramledger` with the block extension turned off: every block traced."""
 
 
+KIB = 1024
+"""``ru_maxrss`` is in KiB on Linux (getrusage(2))."""
+
 IGNORED = {
     **compare.IGNORED,
     "wall_s": "a program's wall time, from process start",
@@ -78,21 +81,25 @@ def run_case(argv: list[str], full: bool) -> dict:
     """One fresh process: its answer, wall and CPU seconds, and peak resident memory."""
     launcher = ["-c", FULL] if full else ["-m", "vramledger"]
     command = [sys.executable, *launcher, "run", "--json", "--", *argv]
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.perf_counter()
-    done = subprocess.run(command, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-3000:]}")
-    answer = json.loads(done.stdout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err)
+        # wait4: this child's own usage (RUSAGE_CHILDREN's peak RSS is the largest child so far)
+        _, status, usage = os.wait4(process.pid, 0)
+        wall = time.perf_counter() - start
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read().decode(), err.read().decode()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{' '.join(command)} failed:\n{stderr[-3000:]}")
+    answer = json.loads(stdout)
     extended = next((n for n in answer["notes"] if n.startswith("traced ")), None)
     return {
         "command": " ".join(["vramledger", "run", "--json", "--", *argv]),
         "full": full,
         "wall_s": round(wall, 2),
-        "cpu_s": round((after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), 2),
-        "max_rss_bytes": after.ru_maxrss * 1024,
+        "cpu_s": round(usage.ru_utime + usage.ru_stime, 2),
+        "max_rss_bytes": usage.ru_maxrss * KIB,
         "peak_bytes": answer["peak_bytes"],
         "program_peak_bytes": answer["program_peak_bytes"],
         "parameters": answer["parameters"],
