@@ -30,7 +30,7 @@ EXACT_BYTES = 36
 (tests/mesh_real.py, tests/test_distributed_real.py); the gloo window of tests/gloo_noise.py
 around it where a rank has one (FSDP2). Measured over 20 real runs each (2026-12-03, 2-core VM,
 docs/test-bounds.md): ddp_torchrun 0 bytes on both ranks in all 20; rank_env +4 bytes on rank 1
-in 4 of 20 (its first steps' peak, a gloo worker thread's small allocation), 0 otherwise."""
+in 4 of 20 (the window and step 2; timing-dependent, cause not traced), 0 otherwise."""
 RANK0_HISTORY_BYTES = 4096 * 4
 """rank_env.py's buffer that rank 0 alone keeps."""
 
