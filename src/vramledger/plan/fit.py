@@ -15,6 +15,8 @@ next size up are then re-estimated with ``estimate``: the answer fits, the next 
 
 from __future__ import annotations
 
+import math
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -121,30 +123,50 @@ def interpolate(timelines: dict[int, Timeline], x: int) -> Timeline | None:
     """The timeline at size ``x`` from timelines traced at other sizes whose storages correspond
     one to one: each storage's bytes the polynomial through the traced points (Lagrange, exact in
     rationals). None when they do not correspond."""
+    if not corresponds(timelines):
+        return None
     points = sorted(timelines)
     base = timelines[points[0]]
-    for p in points[1:]:
-        other = timelines[p]
-        if (
-            other.num_storages != base.num_storages
-            or other.events != base.events
-            or other.op != base.op
-            or other.tags != base.tags
-            or other.on_host != base.on_host
-            or other.marks != base.marks
-        ):
-            return None
-    sizes = []
-    for sid in range(base.num_storages):
-        value = Fraction(0)
-        for i, xi in enumerate(points):
-            term = Fraction(timelines[xi].nbytes[sid])
-            for j, xj in enumerate(points):
-                if i != j:
-                    term *= Fraction(x - xj, xi - xj)
-            value += term
-        sizes.append(max(0, round(value)))
+    # Lagrange's weights at x over one common denominator: bytes = sum(a_i * n_i) / d, each
+    # storage's rounded to the nearest integer, halves to even (``round`` of a ``Fraction``).
+    weights = []
+    for i, xi in enumerate(points):
+        w = Fraction(1)
+        for j, xj in enumerate(points):
+            if i != j:
+                w *= Fraction(x - xj, xi - xj)
+        weights.append(w)
+    d = math.lcm(*(w.denominator for w in weights))
+    a = [w.numerator * (d // w.denominator) for w in weights]
+    columns = [timelines[xi].nbytes for xi in points]
+    sizes = [
+        max(0, _round_half_even(sum(map(operator.mul, a, ns)), d))
+        for ns in zip(*columns, strict=True)
+    ]
     return replace(base, nbytes=sizes, labels=dict(base.labels))
+
+
+def corresponds(timelines: dict[int, Timeline]) -> bool:
+    """Whether timelines traced at several sizes have the same storages, events and tags: only
+    their bytes differ, so ``interpolate`` can derive another size's."""
+    first, *others = timelines.values()
+    return all(
+        other.num_storages == first.num_storages
+        and other.events == first.events
+        and other.op == first.op
+        and other.tags == first.tags
+        and other.on_host == first.on_host
+        and other.marks == first.marks
+        for other in others
+    )
+
+
+def _round_half_even(num: int, den: int) -> int:
+    """``round(Fraction(num, den))`` for ``den > 0``, in integers."""
+    q, r = divmod(num, den)
+    if 2 * r > den or (2 * r == den and q % 2):
+        return q + 1
+    return q
 
 
 def _reserved(tl: Timeline) -> int:
@@ -203,7 +225,7 @@ class _Sizer:
 
         traced = {p: self.ledger(*at(p * step)).timeline for p in points}
         derived = None
-        if interpolate(traced, points[0]) is not None:  # type: ignore[arg-type]
+        if corresponds(traced):  # type: ignore[arg-type]
             derived = _largest(
                 lambda k: self.fits(_reserved(interpolate(traced, k))),  # type: ignore[arg-type]
                 1,
