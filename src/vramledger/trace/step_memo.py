@@ -24,7 +24,8 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .patched_functions import patched_functions
-from .tracker import Recording, StorageTracker
+from .recording import Recording
+from .tracker import StorageTracker
 
 STEP_FUNCTIONS = (("torchao.optim.adam", "single_param_adam"),)
 """Module-level per-parameter step functions the optimizers call by name at each step (so a

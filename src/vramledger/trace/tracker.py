@@ -14,14 +14,18 @@ activations; everything else is a temporary.
 Each storage also names the module that allocated it (``Timeline.module``): the innermost module
 whose forward runs (global module hooks), in backward the module whose forward made the autograd
 node running (``backward_modules.py``), in a recomputation the module recomputed.
+
+The tracker is one dispatch mode; four of its parts are written beside it, each mixed into
+``StorageTracker``: the module attribution (``module_attribution.py``), the block labels
+(``block_labels.py``), the recording of a call's events for replay (``recording.py``) and the
+folding of autograd's out-of-place buffers into a plain run's in-place writes
+(``twin_folding.py``).
 """
 
 from __future__ import annotations
 
-import sys
 import weakref
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -37,6 +41,8 @@ from ..categories import Category, Phase
 from ..timeline import Timeline
 from ..training import optimizer_state_tensors
 from .backward_modules import BackwardModules
+from .block_labels import TIMED_PHASES, BlockLabels
+from .module_attribution import ModuleAttribution, identity
 from .plain_autograd import (
     CONFIRMED_TWINS,
     IN_PLACE_TWINS,
@@ -46,20 +52,10 @@ from .plain_autograd import (
     confirming_operator,
     plain_writes_in_place,
 )
+from .recording import Recordings
+from .twin_folding import TwinFolding
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
 from .wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
-
-
-@dataclass(frozen=True)
-class Recording:
-    """The events of one call, relative to where they began (``StorageTracker.recording``):
-    ``storages`` as (bytes, category, on host, module, recomputed, operator, block, block is the
-    call's, label); ``events`` as (relative ``sid`` or ``~sid``, event block, event block is the
-    call's)."""
-
-    storages: list[tuple[Any, ...]]
-    events: list[tuple[int, int | None, bool]]
-
 
 OpObserver = Callable[[Any, tuple[Any, ...], dict[str, Any], Any, "StorageTracker"], None]
 """Called after each operator, before its outputs are recorded:
@@ -81,29 +77,12 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
-_TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
 _TWIN_OPS = frozenset({INPUT_BUFFER_SUM}.union(*IN_PLACE_TWINS.values()))
 _PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
-def _grad_tensors(obj: Any) -> Iterable[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        if obj.requires_grad:
-            yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _grad_tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _grad_tensors(v)
-
-
-def _identity(exc: BaseException) -> tuple[int, str]:
-    return id(exc), f"{type(exc).__name__}: {exc}"
-
-
-class StorageTracker(TorchDispatchMode):
+class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, TorchDispatchMode):
     """Record every storage allocation and free into a ``Timeline``.
 
     Use as a context manager *inside* a ``FakeTensorMode`` (or with real tensors), then call
@@ -218,13 +197,13 @@ class StorageTracker(TorchDispatchMode):
                 answer = self.scalar_answer
                 return float(answer) if args[0].dtype.is_floating_point else answer
             module = self.current_module or self._backward_modules.running()[1]
-            self.failure = (_identity(exc), module or "")
+            self.failure = (identity(exc), module or "")
             raise
         correct = self._corrections.get(func)
         if correct is not None:
             out = correct(args, out)
         self._op = func
-        if self._blocks and self.phase not in _TIMED_PHASES:
+        if self._blocks and self.phase not in TIMED_PHASES:
             self._inherit = self._inherited_blocks(args, out)
         if self._op_observer is not None:
             self._op_observer(func, args, kwargs or {}, out, self)
@@ -340,124 +319,6 @@ class StorageTracker(TorchDispatchMode):
             self._region.append(sid)
         return sid
 
-    def _note_twin(
-        self, operand: torch.Tensor, out: torch.Tensor, event: int, confirm: Any = None
-    ) -> None:
-        """Remember a call whose plain twin writes ``out`` into ``operand``
-        (``plain_autograd.plain_writes_in_place``), if ``out`` was a new storage. ``confirm``:
-        the operator that must run next, on ``out``, for the fold to hold
-        (``plain_autograd.CONFIRMED_TWINS``)."""
-        tl = self.timeline
-        if is_traceable_wrapper_subclass(operand) or is_traceable_wrapper_subclass(out):
-            return
-        operand_key = operand.untyped_storage()._cdata
-        out_key = out.untyped_storage()._cdata
-        out_sid = tl.num_storages - 1
-        if (
-            operand_key in self._live
-            and self._live.get(out_key) == out_sid
-            and event < len(tl.events)
-            and tl.events[event] == out_sid
-        ):
-            self._twin = (operand_key, out_key, out_sid, event, confirm)
-
-    def _alias(self, operand: torch.Tensor, out: torch.Tensor) -> bool:
-        """``out`` is written into ``operand``'s buffer in a plain run (a chain link,
-        ``plain_autograd.CHAINS``): both storages stand for one buffer, freed with the last."""
-        if is_traceable_wrapper_subclass(operand) or is_traceable_wrapper_subclass(out):
-            return False
-        sid = self._live.get(operand.untyped_storage()._cdata)
-        st = out.untyped_storage()
-        key = st._cdata
-        if sid is None or key in self._live:
-            return False
-        self._live[key] = sid
-        self._refs[key] = weakref.ref(st, partial(self._on_free, key))
-        self._shared[sid] = self._shared.get(sid, 1) + 1
-        return True
-
-    def _prod_output(self, out: torch.Tensor) -> None:
-        """``prod_backward``'s result, recorded between the buffers of the plain no-zero
-        branch (``plain_autograd.ProdPlainBranch``): the mask and the per-slice zero counts
-        (locals), the scalar total (a temporary), the quotient ``result / input``."""
-        branch = self.plain_branches.prod
-        assert branch is not None
-        label = "prod backward, no-zero branch: "
-        temporaries = Category.TEMPORARIES
-        mask = self.add_synthetic(branch.mask_bytes, label + "input == 0", temporaries)
-        if not branch.mask_lives_to_return:  # (input == 0).nonzero(): the mask is a temporary
-            self._free(mask)
-        counts = None
-        if branch.count_bytes:
-            counts = self.add_synthetic(branch.count_bytes, label + "zero counts", temporaries)
-            total = self.add_synthetic(branch.total_bytes, label + "total zeros", temporaries)
-            self._free(total)
-        quotient = self.add_synthetic(branch.quotient_bytes, label + "result / input", temporaries)
-        self._see(out)
-        self._free(quotient)
-        if counts is not None:
-            self._free(counts)
-        if branch.mask_lives_to_return:
-            self._free(mask)
-
-    def _merge_twin(self) -> None:
-        """The operand of the last call died at once: the plain run wrote the output into it.
-        The output's storage becomes the operand's (one sid, never freed here) and the output's
-        own allocation is taken back out of the timeline."""
-        operand_key, out_key, out_sid, event, _ = self._twin  # type: ignore[misc]
-        self._twin = None
-        operand_sid = self._live.pop(operand_key)
-        self._refs.pop(operand_key, None)
-        self._fold(out_key, out_sid, event, operand_sid)
-
-    def _confirm_twin(self, func: Any, args: tuple[Any, ...]) -> None:
-        """The operator after a twin that waits for confirmation: when it is the confirming
-        operator, run on the twin's output, and nothing but the operand's free was recorded
-        since, the plain run wrote the output into the operand: the operand's free is taken
-        back out and the output folded into it as ``_merge_twin`` does."""
-        _, out_key, out_sid, event, confirm, operand_sid, free_event = self._confirm  # type: ignore[misc]
-        self._confirm = None
-        tl = self.timeline
-        if (
-            func is not confirm
-            or not args
-            or not isinstance(args[0], torch.Tensor)
-            or args[0].untyped_storage()._cdata != out_key
-            or self._live.get(out_key) != out_sid
-            or tl.num_storages - 1 != out_sid
-            or free_event != len(tl.events) - 1
-            or tl.events[free_event] != ~operand_sid
-            or (tl.marks and tl.marks[-1][0] > event)
-        ):
-            return
-        del tl.events[free_event]
-        del tl.event_block[free_event]
-        self._alive.add(operand_sid)
-        self._fold(out_key, out_sid, event, operand_sid)
-
-    def _fold(self, out_key: int, out_sid: int, event: int, operand_sid: int) -> None:
-        """``out``'s storage becomes ``operand_sid`` and its allocation leaves the timeline."""
-        tl = self.timeline
-        del tl.events[event]
-        del tl.event_block[event]
-        for column in (
-            tl.nbytes,
-            tl.tags,
-            tl.on_host,
-            tl.module,
-            tl.recomputed,
-            tl.op,
-            tl.origin,
-            tl.block,
-        ):
-            column.pop()
-        tl.labels.pop(out_sid, None)
-        self._alive.discard(out_sid)
-        if self._region and self._region[-1] == out_sid:
-            self._region.pop()
-        self._live[out_key] = operand_sid
-        self.twins_merged += 1
-
     def _on_free(self, key: int, _ref: weakref.ref) -> None:
         self.plain_branches.forget(key)
         twin = self._twin
@@ -510,159 +371,10 @@ class StorageTracker(TorchDispatchMode):
 
     def _free(self, sid: int) -> None:
         self._alive.discard(sid)
-        if self._blocks and self.phase not in _TIMED_PHASES:
+        if self._blocks and self.phase not in TIMED_PHASES:
             self.timeline.free(sid, self.timeline.block[sid])
         else:
             self.timeline.free(sid, self._block)
-
-    # -- block labels (trace/blocks.py) ------------------------------------------------------------
-    def _block_for(self, t: torch.Tensor, index: int) -> int | None:
-        """Forward and backward: the block running now. Other phases: the block of the tensor
-        (a parameter's), or of the operator's corresponding input."""
-        if not self._blocks:
-            return None
-        if self.phase in _TIMED_PHASES:
-            return self._block
-        known = self._tensor_blocks.get(id(t))
-        if known is not None:
-            return known
-        inherit = self._inherit
-        if isinstance(inherit, list):
-            return inherit[index] if index < len(inherit) else None
-        return inherit
-
-    def _storage_block(self, t: Any) -> int | None:
-        if not isinstance(t, torch.Tensor):
-            return None
-        sid = (
-            self._live.get(t.untyped_storage()._cdata)
-            if not is_traceable_wrapper_subclass(t)
-            else None
-        )
-        return self.timeline.block[sid] if sid is not None else self._tensor_blocks.get(id(t))
-
-    def _inherited_blocks(self, args: tuple[Any, ...], out: Any) -> Any:
-        first = args[0] if args else None
-        if (
-            isinstance(out, (list, tuple))
-            and isinstance(first, (list, tuple))
-            and len(first) == len(out)
-        ):
-            return [self._storage_block(t) for t in first]  # foreach: output i from input i
-        for a in args:
-            for t in a if isinstance(a, (list, tuple)) else (a,):
-                block = self._storage_block(t)
-                if block is not None:
-                    return block
-        return None
-
-    def _block_pre_forward(self, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
-        k = self._blocks[id(module)]
-        self._block_stack.append(self._block)
-        self._block = k
-        if self.phase is Phase.FORWARD:
-            for t in _grad_tensors((args, kwargs)):
-                t.register_hook(partial(self._block_backward, k - 1 if k > 0 else None))
-
-    def _block_post_forward(self, module: torch.nn.Module, _args: Any, out: Any) -> None:
-        k = self._blocks[id(module)]
-        self._block = self._block_stack.pop() if self._block_stack else None
-        if self.phase is Phase.FORWARD:
-            for t in _grad_tensors(out):
-                t.register_hook(partial(self._block_backward, k))
-
-    def _block_backward(self, k: int | None, _grad: torch.Tensor) -> None:
-        self._block = k
-        if self._backward_end_pending:
-            # The first block hook of a backward runs in its outermost graph task: when that
-            # task ends, no block runs. Block 0's input hook says so only when the input needs a
-            # gradient; under LoRA, QLoRA or a frozen embedding it does not, and the release of
-            # the graph after backward (saved tensors of every block) would be labelled block 0.
-            self._backward_end_pending = False
-            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
-
-    def _backward_done(self) -> None:
-        self._block = None
-
-    # -- recording a call's events to replay it (trace/step_memo.py) ----------------------------
-    def position(self) -> tuple[int, int, int]:
-        """Where the timeline is now (events, storages, marks): the start of a recording."""
-        self._twin = None  # no fold across a recording's edge (it would move its events)
-        self._confirm = None
-        tl = self.timeline
-        return len(tl.events), tl.num_storages, len(tl.marks)
-
-    def recording(self, start: tuple[int, int, int], block: int | None) -> Recording | None:
-        """The events since ``start``, if they are self-contained: every storage they allocate
-        is freed among them and they touch no other (and no phase began). ``block``: the block
-        label the call ran for, which a replay replaces with its own."""
-        first_event, first_sid, marks = start
-        tl = self.timeline
-        if len(tl.marks) != marks:
-            return None
-        events: list[tuple[int, int | None, bool]] = []
-        live: set[int] = set()
-        for e, event_block in zip(
-            tl.events[first_event:], tl.event_block[first_event:], strict=True
-        ):
-            sid = e if e >= 0 else ~e
-            if sid < first_sid or (e < 0 and sid not in live):
-                return None
-            (live.add if e >= 0 else live.discard)(sid)
-            same = block is not None and event_block == block
-            events.append((e - first_sid if e >= 0 else ~(sid - first_sid), event_block, same))
-        if live:
-            return None
-        sids = range(first_sid, tl.num_storages)
-        return Recording(
-            events=events,
-            storages=[
-                (
-                    tl.nbytes[s],
-                    tl.tags[s],
-                    tl.on_host[s],
-                    tl.module[s],
-                    tl.recomputed[s],
-                    tl.op[s],
-                    tl.block[s],
-                    block is not None and tl.block[s] == block,
-                    tl.labels.get(s),
-                )
-                for s in sids
-            ],
-        )
-
-    def replay(self, recording: Recording, block: int | None) -> None:
-        """Append a recording's events again, for a call that would make exactly them, its
-        block labels made ``block``'s."""
-        self._twin = None
-        self._confirm = None
-        tl = self.timeline
-        base = tl.num_storages
-        for nbytes, tag, on_host, module, again, op, own_block, same, label in recording.storages:
-            sid = tl.add_storage(nbytes, tag or Category.TEMPORARIES)
-            tl.tags[sid] = tag
-            tl.on_host[sid] = on_host
-            tl.module[sid] = module
-            tl.recomputed[sid] = again
-            tl.op[sid] = op
-            tl.origin[sid] = (self.step, self.phase)
-            tl.block[sid] = block if same else own_block
-            if label is not None:
-                tl.labels[sid] = label
-        for e, event_block, same in recording.events:
-            tl.events.append(e + base if e >= 0 else ~(~e + base))
-            tl.event_block.append(block if same else event_block)
-
-    def block_of(self, t: Any) -> int | None:
-        """The block label of the storage behind ``t`` (inside a wrapper subclass, its first
-        plain tensor's)."""
-        while isinstance(t, torch.Tensor) and is_traceable_wrapper_subclass(t):
-            attrs, _ = t.__tensor_flatten__()
-            if not attrs:
-                return None
-            t = getattr(t, attrs[0])
-        return self._storage_block(t)
 
     # -- what the training loop tells the tracker -----------------------------------------------
     def track(self, tensors: Iterable[torch.Tensor | None], category: Category) -> None:
@@ -677,7 +389,7 @@ class StorageTracker(TorchDispatchMode):
     def add_synthetic(self, nbytes: int, label: str, category: Category) -> int:
         """Record an allocation that no tensor shows (a library workspace); kept to the end."""
         self._twin = None
-        block = self._block if self.phase in _TIMED_PHASES else None
+        block = self._block if self.phase in TIMED_PHASES else None
         sid = self._new(nbytes, block if self._blocks else None)
         self.timeline.labels[sid] = label
         self.timeline.tag(sid, category)
@@ -726,31 +438,6 @@ class StorageTracker(TorchDispatchMode):
             if sid in self._alive:
                 self.timeline.tag(sid, Category.ACTIVATIONS)
 
-    # -- module attribution and recomputation ------------------------------------------------------
-    def _allocating_module(self) -> tuple[str | None, bool]:
-        """(module, recomputed) of an allocation now: in a forward (or its recomputation under
-        activation checkpointing) the innermost module running; in backward the module whose
-        forward made the autograd node running (``backward_modules.py``)."""
-        stack = self._module_stack
-        if self._recompute_depth is not None:
-            return (stack[-1] if stack else None), True
-        in_backward, module = self._backward_modules.running()
-        if in_backward:
-            return module, False
-        return (stack[-1] if stack else None), False
-
-    def _pre_forward(self, module: torch.nn.Module, _args: Any) -> None:
-        name = self._module_names.get(id(module))
-        if name is None and self._module_stack:
-            name = self._module_stack[-1]
-        if self.phase is Phase.BACKWARD and self._recompute_depth is None:
-            # A module runs forward inside backward: activation checkpointing recomputes it.
-            self._recompute_depth = len(self._module_stack)
-            self._region = []
-        self._module_stack.append(name)
-        self._backward_modules.own(module, name)
-        self._backward_modules.enter(name)
-
     def _answers(self, func: Any, exc: Exception) -> bool:
         """Fake tensors hold no values; inside ``optimizer.step()`` a scalar read with ``.item()``
         (ASGD's step, eta and mu) only feeds arithmetic, never a shape, so it is answered."""
@@ -762,33 +449,6 @@ class StorageTracker(TorchDispatchMode):
             and func is torch.ops.aten._local_scalar_dense.default
             and isinstance(exc, DataDependentOutputException)
         )
-
-    @property
-    def current_module(self) -> str | None:
-        return self._module_stack[-1] if self._module_stack else None
-
-    def module_of(self, exc: BaseException) -> str | None:
-        """The module an escaping exception came from, if an operator or module raised it."""
-        chain = {_identity(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None}
-        for known in (self.failure, self._module_failure):
-            if known is not None and known[0] in chain:
-                return known[1]
-        return None
-
-    def _post_forward(self, _module: torch.nn.Module, _args: Any, _out: Any) -> None:
-        if self._module_stack:
-            name = self._module_stack.pop()
-            exc = sys.exc_info()[1]
-            if exc is not None:
-                key = _identity(exc)
-                if self._module_failure is None or self._module_failure[0] != key:
-                    self._module_failure = (key, name or "")
-            del exc
-            self._backward_modules.enter(self.current_module)
-
-        if self._recompute_depth is not None and len(self._module_stack) == self._recompute_depth:
-            self._recompute_depth = None
-            self._end_region()
 
     # -- context management ----------------------------------------------------------------------
     def __enter__(self) -> StorageTracker:
@@ -810,26 +470,6 @@ class StorageTracker(TorchDispatchMode):
         if self._plain_autograd:
             self.plain_branches.linear_calls.__enter__()
         return super().__enter__()
-
-    def set_blocks(self, blocks: list[torch.nn.Module]) -> None:
-        """Label events with ``blocks``' indices from now on (a program's model, whose blocks
-        are known once it is built: ``trace/program_blocks.py``), as the ``blocks`` and
-        ``tensor_blocks`` arguments do from the start."""
-        self._blocks = {id(b): k for k, b in enumerate(blocks)}
-        self._tensor_blocks = {id(p): k for k, b in enumerate(blocks) for p in b.parameters()}
-        self.label_blocks(blocks)
-
-    def label_blocks(self, modules: Iterable[torch.nn.Module]) -> None:
-        """Hook the repeated blocks so every event is labelled with its block index."""
-        for module in modules:
-            self._hook_handles.append(  # before any other hook (FSDP's all-gather is the block's)
-                module.register_forward_pre_hook(
-                    self._block_pre_forward, with_kwargs=True, prepend=True
-                )
-            )
-            self._hook_handles.append(
-                module.register_forward_hook(self._block_post_forward, always_call=True)
-            )
 
     def __exit__(self, *exc: Any) -> None:
         if self._original_resize is not None:
