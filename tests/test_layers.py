@@ -86,6 +86,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.fake",
         "trace.fake_corrections",
         "trace.hf_compat",
+        "trace.inductor_stub",
         "trace.module_attribution",
         "trace.host_stand_ins",
         "trace.optimizer_stand_ins",

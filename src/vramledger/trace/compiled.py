@@ -17,7 +17,8 @@ compiled region then runs, Inductor's own ``call`` runs with the trace's modes b
 tracker sees exactly the buffers the generated code allocates and frees (``del bufN``, reuse
 lines) and the outputs it returns, in its order, and the fallback (extern) kernels it calls
 (``mm`` into a preallocated ``out=``, ``aten`` fallbacks that allocate). This is Inductor's own
-output on fake inputs, not its scheduler's buffer list.
+output on fake inputs, not its scheduler's buffer list (the stubbed wrapper:
+``inductor_stub.py``).
 
 Which regions: the functions libraries compile by name (``COMPILED_FUNCTIONS``: torchao's step);
 a user's ``torch.compile(module)`` (``OptimizedModule``); and a user's compiled function, however
@@ -53,16 +54,16 @@ import types
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
-from torch._guards import detect_fake_mode
-from torch.utils._python_dispatch import _disable_current_modes, _pop_mode, _push_mode
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from ..event_totals import EventTotals
 from ..timeline import Timeline
 from ..units import format_bytes
+from .inductor_stub import Active, codegen_only
 from .patched_functions import patched_functions
 from .tracker import storages_of
 
@@ -75,7 +76,6 @@ CUDA_CAVEAT = (
     "buffer plan stands in for the CUDA kernels' (Triton may fuse a reduction with its epilogue "
     "and keep fewer full-size buffers: not measured on a GPU)"
 )
-STUB_FILE = "<vramledger: Inductor wrapper, kernels not compiled>"
 
 
 class RegionNotModelled(Exception):
@@ -106,172 +106,6 @@ class RegionLog:
         for name, why in self.eager.items():
             out.append(f"compiled region {name} could not be modelled, traced eagerly: {why}")
         return out
-
-
-class _StubCompile:
-    """Stands in for ``AsyncCompile`` in a wrapper module: every kernel is a no-op."""
-
-    def __getattr__(self, _name: str) -> Callable[..., Callable[..., None]]:
-        return lambda *_a, **_k: _no_op_kernel
-
-    def wait(self, _scope: dict[str, Any]) -> None:
-        return None
-
-
-def _fake_active() -> bool:
-    return torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
-
-
-def _no_op_kernel(*_args: Any, **_kwargs: Any) -> None:
-    return None
-
-
-def _empty_strided(device: str) -> Callable[..., torch.Tensor]:
-    def make(size: Any, stride: Any, dtype: torch.dtype) -> torch.Tensor:
-        anchor = _Active.anchor
-        if anchor is not None and anchor.device.type == device:
-            buffer = anchor.new_empty_strided(size, stride, dtype=dtype)
-        else:
-            buffer = torch.empty_strided(size, stride, dtype=dtype, device=device)
-        # The kernels that would fill it are no-ops here: its values are unknown, not the
-        # uninitialised memory the value store computed for the empty tensor (a gradient
-        # norm read from them decided `clip_grad_norm_`'s non-finite check: litgpt pretrain
-        # under bf16-mixed raised there).
-        values = getattr(_Active.context[-1][0], "values", None) if _Active.context else None
-        if values is not None:
-            values.forget(buffer)
-        return buffer
-
-    return make
-
-
-def _reinterpret(base: torch.Tensor, size: Any, stride: Any, offset: int = 0) -> torch.Tensor:
-    """``torch._C._dynamo.guards._reinterpret_tensor``: a view of ``base``'s storage with
-    ``offset`` added to its storage offset."""
-    return torch.as_strided(base, size, stride, base.storage_offset() + offset)
-
-
-class _Active:
-    """The trace's saved dispatch modes while a region runs (a stub's ``call`` puts them back)."""
-
-    modes: ClassVar[list[Any] | None] = None
-    context: ClassVar[list[tuple[Any, RegionLog]]] = []
-    """(tracker, log) of the traces running (innermost last)."""
-    anchor: ClassVar[torch.Tensor | None] = None
-    """An input of the region running: its buffers are made as ``anchor.new_empty_strided``,
-    so the tracker labels them with the anchor's block (``blocks.py``), as it labels an eager
-    step's temporaries with their parameter's."""
-    calls = 0
-    """Calls of stubbed wrapper modules so far (in this process)."""
-    region: ClassVar[str | None] = None
-    """The region being compiled or running its forward."""
-    runs = 0
-    """Runs of regions so far (in this process): the wrapper modules that one run loads (a
-    forward and its backward) share its number."""
-    names: ClassVar[dict[int, str]] = {}
-    """Run number of a wrapper module -> the region whose forward ran it last. Dynamo and
-    AOTAutograd reuse a compiled graph for another region whose graph is the same (another
-    trace's module of the same class), so a wrapper module's region is read when it runs, and
-    a backward's is its forward's."""
-
-
-def _stub_module(
-    key: str,
-    path: str,
-    linemap: Any = None,
-    attrs: dict[str, Any] | None = None,
-    **_options: Any,
-) -> types.ModuleType:
-    """Replaces ``PyCodeCache.load_by_key_path`` for the wrapper module Inductor wrote (fresh,
-    or from its FX graph cache): executed with uncompiled kernels; its ``call`` runs under the
-    trace's modes."""
-    from torch._inductor import async_compile
-
-    run = _Active.runs
-    with open(path) as f:
-        source = f.read()
-    module = types.ModuleType(f"vramledger_inductor_{key}")
-    module.__file__ = STUB_FILE
-    real = async_compile.AsyncCompile
-    async_compile.AsyncCompile = _StubCompile  # type: ignore[misc, assignment]
-    try:
-        exec(compile(source, path, "exec"), module.__dict__)
-    finally:
-        async_compile.AsyncCompile = real  # type: ignore[misc]
-    for name, device in (
-        ("empty_strided_cpu", "cpu"),
-        ("empty_strided_cpu_pinned", "cpu"),
-        ("empty_strided_cuda", "cuda"),
-    ):
-        module.__dict__[name] = _empty_strided(device)
-    module.__dict__["reinterpret_tensor"] = _reinterpret
-    for name, value in (attrs or {}).items():
-        setattr(module, name, value)
-    inner = module.call
-
-    def call(args: list[Any]) -> Any:
-        _Active.calls += 1
-        region = _Active.region
-        if region is not None:  # a forward
-            _Active.names[run] = region
-        else:  # a backward, run by autograd
-            region = _Active.names.get(run)
-        if _Active.context and region is not None:
-            _Active.context[-1][1].graphs.setdefault(region, set()).add(module.__name__)
-        previous, _Active.anchor = _Active.anchor, _anchor(args)
-        try:
-            return _call(args)
-        finally:
-            _Active.anchor = previous
-
-    def _call(args: list[Any]) -> Any:
-        modes = _Active.modes
-        if modes is None:  # a compiled backward, run by autograd under the trace's own modes
-            adopt = getattr(_Active.context[-1][0], "adopt", None) if _Active.context else None
-            if adopt is not None:  # real tangents autograd materialized (a program's trace)
-                adopt(args)
-            fake = detect_fake_mode(args)
-            with fake if fake is not None and not _fake_active() else contextlib.nullcontext():
-                return inner(args)
-        for mode in reversed(modes):
-            _push_mode(mode)
-        try:
-            return inner(args)
-        finally:
-            for _ in modes:
-                _pop_mode()
-
-    module.call = call
-    return module
-
-
-def _anchor(args: list[Any]) -> torch.Tensor | None:
-    """The region's first input that belongs to a block of the trace, else its first tensor."""
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    if _Active.context:
-        tracker = _Active.context[-1][0]
-        for t in tensors:
-            if tracker.block_of(t) is not None:
-                return t
-    return tensors[0] if tensors else None
-
-
-@contextlib.contextmanager
-def _codegen_only() -> Iterator[None]:
-    """Inductor as always, but the wrapper module it writes (or finds in its FX graph cache,
-    which then skips the lowering) is loaded by :func:`_stub_module`, so no kernel is compiled;
-    the backward graph of a trained region is compiled with its forward."""
-    from torch._functorch import config as functorch_config
-    from torch._inductor.codecache import PyCodeCache
-
-    original = PyCodeCache.__dict__["load_by_key_path"]
-    PyCodeCache.load_by_key_path = staticmethod(_stub_module)  # type: ignore[method-assign, assignment]
-    try:
-        # the backward graph compiled with the forward, while the trace's modes are aside
-        with functorch_config.patch(force_non_lazy_backward_lowering=True):
-            yield
-    finally:
-        PyCodeCache.load_by_key_path = original  # type: ignore[method-assign]
 
 
 def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -352,10 +186,10 @@ class CompiledRegions:
         import torch._dynamo
         from torch._dynamo.utils import counters
 
-        before = (_Active.calls, sum(counters["graph_break"].values()))
-        with _disable_current_modes() as modes, _codegen_only():
-            _Active.modes, _Active.region = list(modes), name
-            _Active.runs += 1
+        before = (Active.calls, sum(counters["graph_break"].values()))
+        with _disable_current_modes() as modes, codegen_only():
+            Active.modes, Active.region = list(modes), name
+            Active.runs += 1
             try:
                 with (
                     torch.compiler.set_stance("default"),
@@ -368,8 +202,8 @@ class CompiledRegions:
                 _release_frames(exc)
                 raise RegionNotModelled(f"{type(exc).__name__}: {text}") from exc
             finally:
-                _Active.modes = _Active.region = None
-        if sum(counters["graph_break"].values()) != before[1] or _Active.calls == before[0]:
+                Active.modes = Active.region = None
+        if sum(counters["graph_break"].values()) != before[1] or Active.calls == before[0]:
             # fullgraph=True makes a graph break an error while Dynamo traces: never here
             raise AssertionError(f"{name}: torch.compile did not run one Inductor graph")
         log.calls[name] = log.calls.get(name, 0) + 1
@@ -431,19 +265,19 @@ def compiled_regions(tracker: Any, notes: list[str], target: str) -> Iterator[No
 
     module_call = OptimizedModule.__call__
     OptimizedModule.__call__ = _module_region()  # type: ignore[method-assign]
-    _Active.context.append((tracker, log))
+    Active.context.append((tracker, log))
     try:
         with patched_functions(options, region), _user_wrappers():
             yield
     finally:
-        _Active.context.pop()
+        Active.context.pop()
         OptimizedModule.__call__ = module_call  # type: ignore[method-assign]
         notes.extend(n for n in log.notes(target) if n not in notes)
 
 
 def _function_region(region: str, fn: Callable[..., Any], options: dict[str, Any]) -> Any:
     def call(*args: Any, **kwargs: Any) -> Any:
-        tracker, log = _Active.context[-1]
+        tracker, log = Active.context[-1]
         start = tracker.position()
         try:
             return REGIONS.run(region, REGIONS.compiled(fn, options), args, kwargs, log=log)
@@ -482,8 +316,8 @@ def _user_wrappers() -> Iterator[None]:
             found is None
             and callback not in (None, False)
             and eval_frame._stance.stance == "force_eager"
-            and _Active.context
-            and _Active.modes is None
+            and Active.context
+            and Active.modes is None
         ):
             frame = sys._getframe(1)
             code = frame.f_code
@@ -572,7 +406,7 @@ def _run_region(
 ) -> Any:
     """``fn(*leading, *args, **kwargs)`` compiled again as ``context`` compiles it and run as
     Inductor runs it; eagerly, with the note, where that cannot be done."""
-    tracker, log = _Active.context[-1]
+    tracker, log = Active.context[-1]
     start = tracker.position()
     try:
         with _trace_hooks_aside(next((a for a in leading if isinstance(a, torch.nn.Module)), None)):
@@ -593,7 +427,7 @@ def _trace_hooks_aside(module: torch.nn.Module | None = None) -> Iterator[None]:
     compiled model they carry no block label (the block extension then traces in full)."""
     from torch.nn.modules import module as nn_module
 
-    tracker = _Active.context[-1][0]
+    tracker = Active.context[-1][0]
     hooks = [nn_module._global_forward_pre_hooks, nn_module._global_forward_hooks]
     owned = [lambda _h: True, lambda _h: True]
     for m in module.modules() if module is not None else ():
@@ -630,7 +464,7 @@ def _module_region() -> Any:
 
 
 def _module_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
-    tracker, log = _Active.context[-1]
+    tracker, log = Active.context[-1]
     name = f"{type(module._orig_mod).__name__} (torch.compile'd module)"
     start = tracker.position()
     try:
@@ -652,7 +486,7 @@ def run_eagerly(
 ) -> Any:
     """Run a region that could not be modelled eagerly; its first call's figures go into the
     notes (:func:`eager_figures`)."""
-    tracker, log = _Active.context[-1]
+    tracker, log = Active.context[-1]
     out = fn(*args, **kwargs)
     if name not in log.eager:
         log.eager[name] = eager_figures(reason, tracker.timeline, start, (args, kwargs), out)
