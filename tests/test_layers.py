@@ -92,6 +92,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.optimizer_stand_ins",
         "trace.patched_functions",
         "trace.plain_autograd",
+        "trace.plain_branches",
         "trace.policy",
         "trace.program_blocks",
         "trace.program_trace",

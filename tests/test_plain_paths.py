@@ -145,11 +145,11 @@ def test_smoothed_weighted_cross_entropy_runs_the_plain_weight_sum(monkeypatch):
     """On the tagger the forward weight sum decides the peak: traced as the mode runs it
     (``masked_fill`` + ``gather``), the estimate comes out below the plain run, whose
     ``masked_select`` holds a long copy of the mask and its prefix sum."""
-    import vramledger.trace.plain_autograd as plain_autograd
+    import vramledger.trace.plain_branches as plain_branches
 
     name = "ce-smoothing-weight-tagger"
     plain = _plain_peak(name)
-    monkeypatch.setattr(plain_autograd, "_SMOOTHED_WEIGHT_SUM", frozenset())
+    monkeypatch.setattr(plain_branches, "_SMOOTHED_WEIGHT_SUM", frozenset())
     before = _estimate(name).peak_bytes
     monkeypatch.undo()
     assert before < plain * (1 - BOUND), (before, plain)

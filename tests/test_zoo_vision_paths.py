@@ -104,13 +104,13 @@ def test_measure_counts_a_plain_run():
 def test_linear_bias_add_is_in_place_only_in_a_plain_run(monkeypatch):
     """A do-nothing dispatch mode raises the count (``linear`` adds the bias out of place);
     traced without the rule (the bias add kept out of place) the estimate is that high."""
-    import vramledger.trace.plain_autograd as plain_autograd
+    import vramledger.trace.plain_branches as plain_branches
 
     name = "linear-bias-on-transposed-input"
     plain = _plain_peak(name)
     moded = _plain_peak(name, under_mode=True)
     assert moded > plain * (1 + BOUND), (moded, plain)
-    monkeypatch.setattr(plain_autograd, "LINEAR_BIAS_ADD", None)
+    monkeypatch.setattr(plain_branches, "LINEAR_BIAS_ADD", None)
     before = estimate(**_spec(name)).peak_bytes
     monkeypatch.undo()
     assert before > plain * (1 + BOUND), (before, plain)

@@ -47,11 +47,10 @@ from .plain_autograd import (
     CONFIRMED_TWINS,
     IN_PLACE_TWINS,
     INPUT_BUFFER_SUM,
-    Action,
-    PlainBranches,
     confirming_operator,
     plain_writes_in_place,
 )
+from .plain_branches import Action, PlainBranches
 from .recording import Recordings
 from .twin_folding import TwinFolding
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
@@ -270,7 +269,7 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
 
     def _replay_plain(self) -> None:
         """Run and record the plain run's operators in place of the hidden ones
-        (``plain_autograd.PlainBranches.replay``)."""
+        (``plain_branches.PlainBranches.replay``)."""
         branches = self.plain_branches
         replay, branches.replay = branches.replay, []
         for func, args in replay:

@@ -61,7 +61,7 @@ class TwinFolding:
 
     def _prod_output(self, out: torch.Tensor) -> None:
         """``prod_backward``'s result, recorded between the buffers of the plain no-zero
-        branch (``plain_autograd.ProdPlainBranch``): the mask and the per-slice zero counts
+        branch (``plain_branches.ProdPlainBranch``): the mask and the per-slice zero counts
         (locals), the scalar total (a temporary), the quotient ``result / input``."""
         branch = self.plain_branches.prod
         assert branch is not None
