@@ -130,6 +130,11 @@ class Timeline:
         if current is None or CATEGORY_RANK[category] < CATEGORY_RANK[current]:
             self.tags[sid] = category
 
+    def same_as(self, other: Timeline, columns: tuple[str, ...]) -> bool:
+        """Whether ``other`` holds the same values as this timeline in each of ``columns``
+        (field names: ``"nbytes"``, ``"events"``, ...)."""
+        return all(getattr(self, c) == getattr(other, c) for c in columns)
+
     def copy(self) -> Timeline:
         """A copy to change (a derived layout): its own lists and labels, the same items."""
         return Timeline(**{f.name: copy.copy(getattr(self, f.name)) for f in fields(self)})

@@ -146,19 +146,15 @@ def interpolate(timelines: dict[int, Timeline], x: int) -> Timeline | None:
     return replace(base, nbytes=sizes, labels=dict(base.labels))
 
 
+SIZE_FREE_COLUMNS = ("num_storages", "events", "op", "tags", "on_host", "marks")
+"""What traces at several sizes must share for their bytes to be interpolated."""
+
+
 def corresponds(timelines: dict[int, Timeline]) -> bool:
     """Whether timelines traced at several sizes have the same storages, events and tags: only
     their bytes differ, so ``interpolate`` can derive another size's."""
     first, *others = timelines.values()
-    return all(
-        other.num_storages == first.num_storages
-        and other.events == first.events
-        and other.op == first.op
-        and other.tags == first.tags
-        and other.on_host == first.on_host
-        and other.marks == first.marks
-        for other in others
-    )
+    return all(other.same_as(first, SIZE_FREE_COLUMNS) for other in others)
 
 
 def _round_half_even(num: int, den: int) -> int:

@@ -466,16 +466,20 @@ def extend(
     return out
 
 
+RECORDED_COLUMNS = (
+    "nbytes",
+    "tags",
+    "on_host",
+    "module",
+    "recomputed",
+    "op",
+    "origin",
+    "labels",
+    "events",
+    "marks",
+)
+"""What a trace recorded, block labels aside: an extended trace must equal a full one in each."""
+
+
 def same_timeline(a: Timeline, b: Timeline) -> bool:
-    return (
-        a.nbytes == b.nbytes
-        and a.tags == b.tags
-        and a.on_host == b.on_host
-        and a.module == b.module
-        and a.recomputed == b.recomputed
-        and a.op == b.op
-        and a.origin == b.origin
-        and a.labels == b.labels
-        and a.events == b.events
-        and a.marks == b.marks
-    )
+    return a.same_as(b, RECORDED_COLUMNS)
