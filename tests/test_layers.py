@@ -102,6 +102,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.target_policy",
         "trace.tracker",
         "trace.twin_folding",
+        "trace.value_operators",
         "trace.value_stand_ins",
         "trace.values",
         "trace.wrapped_numbers",
