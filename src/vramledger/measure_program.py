@@ -31,6 +31,7 @@ from .errors import VramledgerError
 from .gpus import resolve_gpu
 from .measure.local import run_on_local_gloo
 from .parallel.dtensor_rng import host_rng_on_emulated_mesh
+from .parallel.program_deepspeed import real_program_deepspeed
 from .predict_program import DEFAULT_GPU, emulated_gpu, with_rank_programs
 from .program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from .torchrun_env import TorchrunRank, as_rank
@@ -243,6 +244,7 @@ def _measure_rank(
             _group_kept(),
             _ddp_on_cpu(),
             host_rng_on_emulated_mesh(),
+            real_program_deepspeed(),
         ):
             measured = _measure_one(spec, gpu)
     except ProgramFailed as failed:

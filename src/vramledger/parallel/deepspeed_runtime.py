@@ -18,6 +18,7 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from types import ModuleType
+from typing import Any
 
 from ..compat import check_tested
 from ..errors import InputError
@@ -131,23 +132,40 @@ def real_deepspeed(*, skip_shared_memory_ops: bool) -> Iterator[None]:
             del accelerator.create_op_builder  # the class's method again
 
 
-@contextlib.contextmanager
-def fake_deepspeed_world() -> Iterator[None]:
-    """DeepSpeed's global state over the fake process group this process has (one traced rank),
-    restored afterwards: the CPU accelerator (fake tensors are CPU tensors), standing for a GPU
-    (fp16 supported, ``UNBOUNDED_DEVICE_MEMORY`` free), its communication backend, empty caches
-    of process groups and of its torch-autocast settings, and ``LOCAL_RANK`` for the engine's
-    launcher check (torchrun sets it)."""
-    modules = deepspeed_modules()
+def cpu_accelerator(*, fake: bool, device_name: str | None = None) -> Any:
+    """DeepSpeed's CPU accelerator, refusing ``SHARED_MEMORY_OPS`` (a training step never uses
+    them). ``fake``: it stands for a GPU in a fake run (fp16 supported,
+    ``UNBOUNDED_DEVICE_MEMORY`` free). ``device_name``: the device type it names for its
+    tensors, ``"cuda"`` under the CUDA emulation of a user's program
+    (``program_deepspeed.py``: DeepSpeed's ``module.to(device)`` and its buffers then land on
+    the emulated GPU); else the CPU, as DeepSpeed's own."""
+    deepspeed_modules()
     from deepspeed.accelerator.cpu_accelerator import CPU_Accelerator
 
     accelerator = CPU_Accelerator()
     create_op_builder = accelerator.create_op_builder
-    accelerator.available_memory = lambda device_index=None: UNBOUNDED_DEVICE_MEMORY
-    accelerator.is_fp16_supported = lambda: True
     accelerator.create_op_builder = lambda name: (
         None if name in SHARED_MEMORY_OPS else create_op_builder(name)
     )
+    if fake:
+        accelerator.available_memory = lambda device_index=None: UNBOUNDED_DEVICE_MEMORY
+        accelerator.is_fp16_supported = lambda: True
+    if device_name is not None:
+        accelerator.device_name = lambda device_index=None: (
+            device_name if device_index is None else f"{device_name}:{device_index}"
+        )
+        accelerator.current_device_name = lambda: (
+            f"{device_name}:{os.environ.get('LOCAL_RANK', 0)}"
+        )
+    return accelerator
+
+
+@contextlib.contextmanager
+def deepspeed_state(accelerator: Any) -> Iterator[DeepSpeedModules]:
+    """DeepSpeed's global state for one run in this process, restored afterwards: its
+    accelerator ``accelerator``, no communication backend yet (``deepspeed.comm``'s ``cdb``),
+    empty caches of process groups and of its torch-autocast settings."""
+    modules = deepspeed_modules()
     accelerators, comm, groups = modules.accelerators, modules.comm, modules.groups
     saved_accelerator, saved_backend = accelerators.ds_accelerator, comm.cdb
     saved_groups = _empty_group_caches(groups)
@@ -158,21 +176,10 @@ def fake_deepspeed_world() -> Iterator[None]:
         torch_autocast.TORCH_AUTOCAST_DTYPE,
     )
     torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = False, None
-    saved_env = os.environ.get("LOCAL_RANK")
     accelerators.ds_accelerator = accelerator
     comm.cdb = None
-    os.environ["LOCAL_RANK"] = "0"
     try:
-        with quiet(), warnings.catch_warnings():
-            for message in FAKE_RUN_WARNINGS:
-                warnings.filterwarnings("ignore", message=message)
-            comm.init_distributed(
-                dist_backend="fake",
-                auto_mpi_discovery=False,
-                dist_init_required=False,
-                verbose=False,
-            )
-            yield
+        yield modules
     finally:
         accelerators.ds_accelerator, comm.cdb = saved_accelerator, saved_backend
         torch_autocast.TORCH_AUTOCAST_INITIALIZED, torch_autocast.TORCH_AUTOCAST_DTYPE = (
@@ -180,6 +187,30 @@ def fake_deepspeed_world() -> Iterator[None]:
         )
         for name, value in saved_groups.items():
             setattr(groups, name, value)
+
+
+@contextlib.contextmanager
+def fake_deepspeed_world() -> Iterator[None]:
+    """DeepSpeed's global state over the fake process group this process has (one traced rank),
+    restored afterwards: the CPU accelerator (fake tensors are CPU tensors), standing for a GPU
+    (``cpu_accelerator(fake=True)``), its communication backend, empty caches
+    (``deepspeed_state``), and ``LOCAL_RANK`` for the engine's launcher check (torchrun sets
+    it)."""
+    saved_env = os.environ.get("LOCAL_RANK")
+    os.environ["LOCAL_RANK"] = "0"
+    try:
+        with deepspeed_state(cpu_accelerator(fake=True)) as modules, quiet():
+            with warnings.catch_warnings():
+                for message in FAKE_RUN_WARNINGS:
+                    warnings.filterwarnings("ignore", message=message)
+                modules.comm.init_distributed(
+                    dist_backend="fake",
+                    auto_mpi_discovery=False,
+                    dist_init_required=False,
+                    verbose=False,
+                )
+                yield
+    finally:
         if saved_env is None:
             os.environ.pop("LOCAL_RANK", None)
         else:

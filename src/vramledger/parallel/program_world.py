@@ -42,6 +42,7 @@ from ..torchrun_env import TorchrunRank, as_rank
 from .dtensor_rng import host_rng_on_emulated_mesh
 from .engines import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, FSDP_OP_CATEGORIES, ddp_buckets
 from .fake_group import fake_process_group
+from .program_deepspeed import program_deepspeed
 
 Register = Callable[[list[torch.Tensor], Category], None]
 """Tags tensors with a category in the trace (``program_trace._Phases.register``)."""
@@ -111,6 +112,7 @@ class ProgramWorld:
             stack.enter_context(self._fsdp_device(device))
             stack.enter_context(self._fsdp_shards(replaced))
             stack.enter_context(host_rng_on_emulated_mesh())
+            stack.enter_context(program_deepspeed(register, self.used, self._notes))
             yield
 
     @contextlib.contextmanager

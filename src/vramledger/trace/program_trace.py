@@ -300,6 +300,11 @@ class ProgramTrace:
 
 
 _BY_KIND = {Category.PARAMETERS: param_category, Category.GRADIENTS: grad_category}
+STANDS_FOR = "_vramledger_stands_for"
+"""Set by a world on a tensor an optimizer steps in place of model parameters (DeepSpeed's fp32
+master partition of a flat group, ``parallel/program_deepspeed.py``): the elements of the
+trainable parameters it stands for, counted as trainable instead of its own. The world tags it
+(master weights) and its gradient; the step does not make them parameters and gradients."""
 
 
 class _Phases:
@@ -372,11 +377,14 @@ class _Phases:
             self.tracker.set_phase(self.completed + 1, Phase.BACKWARD)
 
     def before_step(self, optimizer: Any, step: int) -> None:
-        params = [p for g in optimizer.param_groups for p in g["params"]]
+        stepped = [p for g in optimizer.param_groups for p in g["params"]]
         # torchtune's recipes give the optimizer every parameter, the frozen ones too
         self.trainable.update(
-            (id(p), p.numel()) for p in params if self.emulated(p) and p.requires_grad
+            (id(p), getattr(p, STANDS_FOR, p.numel()))
+            for p in stepped
+            if self.emulated(p) and p.requires_grad
         )
+        params = [p for p in stepped if not hasattr(p, STANDS_FOR)]
         self.register([p for p in params if self.emulated(p)], Category.PARAMETERS)
         self.register([p.grad for p in params if self.emulated(p.grad)], Category.GRADIENTS)
         self.tracker.set_phase(step, Phase.OPTIMIZER)

@@ -1,0 +1,242 @@
+"""DeepSpeed inside a user's program run as one of torchrun's ranks (``program_world.py``): the
+program's own ``deepspeed.initialize(model=..., config=...)`` builds DeepSpeed's real engine,
+and its ``engine(batch)`` / ``engine.backward(loss)`` / ``engine.step()`` run as they are, on
+the fake process group, as the estimate runs them (``deepspeed_engine.py``).
+
+Nothing is done until the program imports DeepSpeed (a program that does not pays nothing);
+from then on, for the rank's run, DeepSpeed's global state is a fresh one
+(``deepspeed_runtime.deepspeed_state``: each rank traced in this process starts with no
+communication backend and no cached process groups of the rank before), and its accelerator is
+the CPU accelerator the estimate uses (fake tensors are CPU tensors), with the shared-memory
+collectives refused (a C++ extension DeepSpeed compiles at ``init_distributed``; only its
+``inference_all_reduce`` uses them). In a trace the accelerator names the emulated GPU as its
+device (``cpu_accelerator(device_name="cuda")``): DeepSpeed's ``module.to(engine.device)``,
+its flat buffers and the program's ``.to(model_engine.device)`` land on the emulated GPU, fake,
+where a real GPU run has them. A real CPU run (``measure_program.py``) gets the plain CPU
+accelerator (:func:`real_program_deepspeed`), which is what DeepSpeed picks there by itself.
+
+Categories are the estimate's (``deepspeed_engine._Labels.watch``): the flat bf16 buffer
+``parameters``, the fp32 partition ``master_weights``, the reduce buckets
+``gradient_buckets``, the gradients a rank keeps for its partition ``sharded_gradients``.
+
+Not modelled: DeepSpeed's FusedAdam (``"optimizer": {"type": "Adam"}`` without
+``"torch_adam": true``) is traced with its kernel standing in (in place, no memory of its own:
+multi-tensor Adam writes its parameters and moments where they are); a real CPU run compiles
+DeepSpeed's CPU kernel for it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..categories import Category
+from ..trace.program_trace import STANDS_FOR
+from .deepspeed_runtime import (
+    FAKE_RUN_WARNINGS,
+    cpu_accelerator,
+    deepspeed_modules,
+    deepspeed_state,
+    version,
+)
+
+Register = Callable[[list[torch.Tensor], Category], None]
+
+EMULATED_DEVICE = "cuda"
+"""The device type DeepSpeed's accelerator names in a trace: the emulated GPU's."""
+
+
+class _Imported(importlib.abc.MetaPathFinder):
+    """Calls ``then()`` once the module ``name`` has been executed by an import."""
+
+    def __init__(self, name: str, then: Callable[[], None]) -> None:
+        self.name = name
+        self.then = then
+        self._finding = False
+
+    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
+        if fullname != self.name or self._finding:
+            return None
+        self._finding = True
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            self._finding = False
+        loader = None if spec is None else spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        execute, then = loader.exec_module, self.then
+
+        def exec_module(module: ModuleType) -> None:
+            execute(module)
+            then()
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+@contextlib.contextmanager
+def once_imported(name: str, setup: Callable[[contextlib.ExitStack], None]) -> Iterator[None]:
+    """``setup(stack)`` as soon as ``name`` is imported (at once if it is already); whatever it
+    enters on ``stack`` is exited when this context ends."""
+    with contextlib.ExitStack() as stack:
+        if name in sys.modules:
+            setup(stack)
+            yield
+            return
+        finder = _Imported(name, lambda: setup(stack))
+        sys.meta_path.insert(0, finder)
+        try:
+            yield
+        finally:
+            if finder in sys.meta_path:
+                sys.meta_path.remove(finder)
+
+
+@contextlib.contextmanager
+def program_deepspeed(
+    register: Register, used: dict[str, None], notes: dict[str, None]
+) -> Iterator[None]:
+    """DeepSpeed for one traced rank of a program (module docstring): its state and accelerator
+    once the program imports it, the engines the program builds told to the trace
+    (``register`` tags their buffers; ``used`` gets the strategy, ``notes`` what was run)."""
+
+    def setup(stack: contextlib.ExitStack) -> None:
+        stack.enter_context(deepspeed_state(cpu_accelerator(fake=True, device_name=EMULATED_DEVICE)))
+        caught = stack.enter_context(warnings.catch_warnings())
+        del caught
+        for message in FAKE_RUN_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+        stack.enter_context(_engines_told(register, used, notes))
+        stack.enter_context(_hooks_under_their_modes())
+        stack.enter_context(_fused_adam_standing_in(notes))
+
+    with once_imported("deepspeed", setup):
+        yield
+
+
+@contextlib.contextmanager
+def real_program_deepspeed() -> Iterator[None]:
+    """DeepSpeed for a program run for real on CPU as one rank (``measure_program.py``): a
+    fresh state with DeepSpeed's CPU accelerator (the CUDA emulation must not make it pick its
+    CUDA one), the shared-memory collectives not compiled."""
+
+    def setup(stack: contextlib.ExitStack) -> None:
+        stack.enter_context(deepspeed_state(cpu_accelerator(fake=False)))
+
+    with once_imported("deepspeed", setup):
+        yield
+
+
+class _Observer:
+    """What ``deepspeed_engine._Labels`` tells (``TrackerObserver``'s interface) sent to the
+    program trace's ``register``; labels of temporaries are not kept."""
+
+    def __init__(self, register: Register) -> None:
+        self.tensors = lambda tensors, category: register(list(tensors), category)
+
+    def label(self, tensors: Any, text: str) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _engines_told(register: Register, used: dict[str, None], notes: dict[str, None]) -> Iterator[None]:
+    """Each ``DeepSpeedEngine`` the program builds: its strategy (``zero<stage>``) and a note;
+    a ZeRO-1/2 optimizer's buffers tagged as the estimate tags them, from the moment it is
+    built (``_configure_optimizer``, after DeepSpeed moved the model to its device)."""
+    from .deepspeed_engine import _Labels
+
+    modules = deepspeed_modules()
+    engine_class = modules.engine_class
+    original = engine_class.__dict__["_configure_optimizer"]
+
+    def configure_optimizer(engine: Any, *args: Any, **kwargs: Any) -> Any:
+        labels = _Labels(_Observer(register))
+        params = [p for p in engine.module.parameters() if p.requires_grad]
+        for p in params:  # before DeepSpeed's hooks, so they see autograd's gradient
+            p.register_post_accumulate_grad_hook(labels.fresh_gradient)
+        out = original(engine, *args, **kwargs)
+        stage = engine.zero_optimization_stage()
+        used[f"zero{stage}"] = None
+        zero = engine.optimizer
+        if isinstance(zero, modules.zero_optimizer):
+            labels.watch(zero)
+            for master, group in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups):
+                setattr(master, STANDS_FOR, sum(p.numel() for p in group if p.requires_grad))
+        inner = getattr(zero, "optimizer", zero)
+        notes[
+            f"DeepSpeed: the program's deepspeed.initialize built DeepSpeed {version()}'s own "
+            f"engine (ZeRO stage {stage}, {type(zero).__name__} over "
+            f"{type(inner).__name__}), run on the fake process group with DeepSpeed's CPU "
+            "accelerator naming the emulated GPU as its device"
+        ] = None
+        return out
+
+    engine_class._configure_optimizer = configure_optimizer
+    try:
+        yield
+    finally:
+        engine_class._configure_optimizer = original
+
+
+HOOK_REGISTRATIONS = ("register_hook", "register_post_accumulate_grad_hook")
+"""``torch.Tensor``'s methods that register a hook autograd's engine calls (DeepSpeed's ZeRO
+reduces each gradient from a post-accumulate-grad hook, ``register_grad_hook`` in
+deepspeed/utils/torch.py)."""
+
+
+@contextlib.contextmanager
+def _hooks_under_their_modes() -> Iterator[None]:
+    """A tensor hook registered while torch function modes are active runs under them.
+    Autograd's engine calls hooks with no ``TorchFunctionMode`` on the stack, so DeepSpeed's
+    ``torch.empty(n, device=get_accelerator().current_device_name())`` in its gradient hook
+    would miss the CUDA emulation's mode (its reduce bucket, made at the first gradient); in a
+    GPU run it is a CUDA tensor, so it is made on the emulated GPU, as ``cuda_emulation``
+    does for a custom ``autograd.Function``'s backward."""
+    from torch.overrides import _get_current_function_mode_stack
+
+    saved = {name: getattr(torch.Tensor, name) for name in HOOK_REGISTRATIONS}
+
+    def under(hook: Callable[..., Any]) -> Callable[..., Any]:
+        modes = list(_get_current_function_mode_stack())
+        if not modes:
+            return hook
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            if _get_current_function_mode_stack():
+                return hook(*args, **kwargs)
+            with contextlib.ExitStack() as active:
+                for mode in modes:
+                    active.enter_context(mode)
+                return hook(*args, **kwargs)
+
+        return run
+
+    def registering(register: Callable[..., Any]) -> Callable[..., Any]:
+        def register_under(t: torch.Tensor, hook: Callable[..., Any], *args: Any, **kw: Any) -> Any:
+            return register(t, under(hook), *args, **kw)
+
+        return register_under
+
+    for name, register in saved.items():
+        setattr(torch.Tensor, name, registering(register))
+    try:
+        yield
+    finally:
+        for name, register in saved.items():
+            setattr(torch.Tensor, name, register)
+
+
+@contextlib.contextmanager
+def _fused_adam_standing_in(notes: dict[str, None]) -> Iterator[None]:
+    """DeepSpeed's FusedAdam with its multi-tensor kernel standing in (module docstring)."""
+    yield
