@@ -125,6 +125,7 @@ LAYERS: dict[str, list[str]] = {
         "parallel.pipeline_rank",
         "parallel.pipeline_stages",
         "parallel.pipeline_step",
+        "parallel.program_deepspeed",
         "parallel.program_world",
         "parallel.real",
         "parallel.strategy",

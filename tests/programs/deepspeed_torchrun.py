@@ -2,7 +2,9 @@
 config dict, ``deepspeed.initialize(model=..., model_parameters=..., config=...)``, and the
 engine's own ``model_engine(batch)`` / ``model_engine.backward(loss)`` /
 ``model_engine.step()``; a small model and a few steps; each rank prints the peak
-``torch.cuda.max_memory_allocated()`` reports.
+``torch.cuda.max_memory_allocated()`` reports. The config's AdamW is torch's
+(``"torch_adam": true``, a documented optimizer parameter) unless ``--fused-adam`` asks for
+DeepSpeed's FusedAdam, whose kernel DeepSpeed compiles on first use.
 
     deepspeed --num_gpus 2 deepspeed_torchrun.py --stage 2 --dtype bf16
     torchrun --nproc-per-node 2 deepspeed_torchrun.py --stage 2 --dtype bf16
@@ -49,12 +51,15 @@ def main():
     parser.add_argument("--stage", type=int, default=2, help="ZeRO stage")
     parser.add_argument("--dtype", choices=["bf16", "fp32"], default="bf16")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--fused-adam", action="store_true", help="DeepSpeed's FusedAdam, not torch's AdamW"
+    )
     args = parser.parse_args()
 
     ds_config = {
         "train_micro_batch_size_per_gpu": BATCH,
         "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": not args.fused_adam}},
         "bf16": {"enabled": args.dtype == "bf16"},
         "zero_optimization": {
             "stage": args.stage,

@@ -154,9 +154,7 @@ def cpu_accelerator(*, fake: bool, device_name: str | None = None) -> Any:
         accelerator.device_name = lambda device_index=None: (
             device_name if device_index is None else f"{device_name}:{device_index}"
         )
-        accelerator.current_device_name = lambda: (
-            f"{device_name}:{os.environ.get('LOCAL_RANK', 0)}"
-        )
+        accelerator.current_device_name = lambda: f"{device_name}:{os.environ.get('LOCAL_RANK', 0)}"
     return accelerator
 
 
@@ -199,17 +197,20 @@ def fake_deepspeed_world() -> Iterator[None]:
     saved_env = os.environ.get("LOCAL_RANK")
     os.environ["LOCAL_RANK"] = "0"
     try:
-        with deepspeed_state(cpu_accelerator(fake=True)) as modules, quiet():
-            with warnings.catch_warnings():
-                for message in FAKE_RUN_WARNINGS:
-                    warnings.filterwarnings("ignore", message=message)
-                modules.comm.init_distributed(
-                    dist_backend="fake",
-                    auto_mpi_discovery=False,
-                    dist_init_required=False,
-                    verbose=False,
-                )
-                yield
+        with (
+            deepspeed_state(cpu_accelerator(fake=True)) as modules,
+            quiet(),
+            warnings.catch_warnings(),
+        ):
+            for message in FAKE_RUN_WARNINGS:
+                warnings.filterwarnings("ignore", message=message)
+            modules.comm.init_distributed(
+                dist_backend="fake",
+                auto_mpi_discovery=False,
+                dist_init_required=False,
+                verbose=False,
+            )
+            yield
     finally:
         if saved_env is None:
             os.environ.pop("LOCAL_RANK", None)

@@ -17,7 +17,8 @@ accelerator (:func:`real_program_deepspeed`), which is what DeepSpeed picks ther
 
 Categories are the estimate's (``deepspeed_engine._Labels.watch``): the flat bf16 buffer
 ``parameters``, the fp32 partition ``master_weights``, the reduce buckets
-``gradient_buckets``, the gradients a rank keeps for its partition ``sharded_gradients``.
+``gradient_buckets``, the gradients a rank keeps for its partition ``sharded_gradients``;
+likewise for ZeRO-3's flat shards and stage 0's ``BF16_Optimizer`` (:func:`_tag_buffers`).
 
 Not modelled: DeepSpeed's FusedAdam (``"optimizer": {"type": "Adam"}`` without
 ``"torch_adam": true``) is traced with its kernel standing in (in place, no memory of its own:
@@ -34,7 +35,7 @@ import importlib.util
 import sys
 import warnings
 from collections.abc import Callable, Iterator
-from types import ModuleType
+from types import ModuleType, SimpleNamespace
 from typing import Any
 
 import torch
@@ -111,14 +112,16 @@ def program_deepspeed(
     (``register`` tags their buffers; ``used`` gets the strategy, ``notes`` what was run)."""
 
     def setup(stack: contextlib.ExitStack) -> None:
-        stack.enter_context(deepspeed_state(cpu_accelerator(fake=True, device_name=EMULATED_DEVICE)))
-        caught = stack.enter_context(warnings.catch_warnings())
-        del caught
+        stack.enter_context(
+            deepspeed_state(cpu_accelerator(fake=True, device_name=EMULATED_DEVICE))
+        )
+        stack.enter_context(warnings.catch_warnings())
         for message in FAKE_RUN_WARNINGS:
             warnings.filterwarnings("ignore", message=message)
         stack.enter_context(_engines_told(register, used, notes))
         stack.enter_context(_hooks_under_their_modes())
         stack.enter_context(_fused_adam_standing_in(notes))
+        stack.enter_context(_rank0_lists_own(notes))
 
     with once_imported("deepspeed", setup):
         yield
@@ -149,7 +152,9 @@ class _Observer:
 
 
 @contextlib.contextmanager
-def _engines_told(register: Register, used: dict[str, None], notes: dict[str, None]) -> Iterator[None]:
+def _engines_told(
+    register: Register, used: dict[str, None], notes: dict[str, None]
+) -> Iterator[None]:
     """Each ``DeepSpeedEngine`` the program builds: its strategy (``zero<stage>``) and a note;
     a ZeRO-1/2 optimizer's buffers tagged as the estimate tags them, from the moment it is
     built (``_configure_optimizer``, after DeepSpeed moved the model to its device)."""
@@ -170,8 +175,7 @@ def _engines_told(register: Register, used: dict[str, None], notes: dict[str, No
         zero = engine.optimizer
         if isinstance(zero, modules.zero_optimizer):
             labels.watch(zero)
-            for master, group in zip(zero.single_partition_of_fp32_groups, zero.bit16_groups):
-                setattr(master, STANDS_FOR, sum(p.numel() for p in group if p.requires_grad))
+        _tag_buffers(zero, register)
         inner = getattr(zero, "optimizer", zero)
         notes[
             f"DeepSpeed: the program's deepspeed.initialize built DeepSpeed {version()}'s own "
@@ -181,11 +185,62 @@ def _engines_told(register: Register, used: dict[str, None], notes: dict[str, No
         ] = None
         return out
 
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+
+    initial = FP16_UnfusedOptimizer.__dict__["initialize_optimizer_states"]
+
+    def initialize_optimizer_states(wrapper: Any) -> Any:
+        # it steps the optimizer once with zero gradients to make its state: its fp32 copies
+        # are master weights from that first step on
+        _tag_buffers(wrapper, register)
+        notes[UNFUSED_FIRST_STEP] = None
+        return initial(wrapper)
+
     engine_class._configure_optimizer = configure_optimizer
+    FP16_UnfusedOptimizer.initialize_optimizer_states = initialize_optimizer_states
     try:
         yield
     finally:
         engine_class._configure_optimizer = original
+        FP16_UnfusedOptimizer.initialize_optimizer_states = initial
+
+
+UNFUSED_FIRST_STEP = (
+    "DeepSpeed's FP16_UnfusedOptimizer (ZeRO stage 0 in bf16/fp16) steps its optimizer once "
+    "with zero gradients when it is built, to make the optimizer's state: that is the "
+    "program's step 1, in the trace as in a real run"
+)
+
+
+def _tag_buffers(zero: Any, register: Register) -> None:
+    """The buffers of DeepSpeed's optimizer wrappers (its ZeRO-1/2 optimizer's are tagged by
+    ``_Labels.watch``): the fp32 partitions each steps are master weights, standing for the
+    trainable parameters of their group (``STANDS_FOR``), as are ``FP16_Optimizer``'s and
+    ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer`` keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3
+    keeps the rank's flat shard of the bf16 parameters and of the gradients."""
+    name = type(zero).__name__
+    if name == "DeepSpeedZeroOptimizer":
+        masters, groups = zero.single_partition_of_fp32_groups, zero.bit16_groups
+    elif name == "BF16_Optimizer":
+        register(list(zero.bf16_groups_flat), Category.PARAMETERS)
+        register(list(zero.fp32_groups_gradients_flat), Category.GRADIENTS)
+        masters, groups = zero.fp32_groups_flat_partition, zero.bf16_groups
+    elif name == "DeepSpeedZeroOptimizer_Stage3":
+        register(list(zero.fp16_partitioned_groups_flat), Category.SHARDED_PARAMETERS)
+        register([zero.grad_partitions_flat_buffer], Category.SHARDED_GRADIENTS)
+        masters, groups = zero.fp32_partitioned_groups_flat, zero.fp16_groups
+    elif name == "FP16_Optimizer":
+        masters, groups = zero.fp32_groups_flat, zero.fp16_groups
+    elif name == "FP16_UnfusedOptimizer":  # an fp32 copy of each parameter
+        masters = [m for group in zero.fp32_groups for m in group]
+        groups = [[p] for group in zero.fp16_groups for p in group]
+    else:  # the program's own optimizer, stepped as it is
+        return
+    register(list(masters), Category.MASTER_WEIGHTS)
+    for master, group in zip(masters, groups, strict=True):
+        # a ZeRO-3 parameter's own elements are gone once partitioned: ds_numel has them
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in group if p.requires_grad)
+        setattr(master, STANDS_FOR, numel)
 
 
 HOOK_REGISTRATIONS = ("register_hook", "register_post_accumulate_grad_hook")
@@ -236,7 +291,73 @@ def _hooks_under_their_modes() -> Iterator[None]:
             setattr(torch.Tensor, name, register)
 
 
+FUSED_ADAM_NOTE = (
+    "DeepSpeed's FusedAdam (the config's Adam/AdamW without torch_adam) traced with its "
+    "multi-tensor kernel standing in: it updates the parameters and both moments in place, "
+    "allocating nothing"
+)
+
+
+def _in_place(*_args: Any) -> None:
+    """FusedAdam's ``multi_tensor_adam(chunk_size, noop_flag, tensor_lists, ...)``: in place."""
+
+
+class _FusedAdamKernel:
+    """``FusedAdamBuilder`` whose ``load()`` gives the kernel standing in (no compilation)."""
+
+    def __init__(self, notes: dict[str, None]) -> None:
+        self.notes = notes
+
+    def __call__(self) -> _FusedAdamKernel:
+        return self
+
+    def load(self) -> Any:
+        self.notes[FUSED_ADAM_NOTE] = None
+        return SimpleNamespace(multi_tensor_adam=_in_place)
+
+
 @contextlib.contextmanager
 def _fused_adam_standing_in(notes: dict[str, None]) -> Iterator[None]:
-    """DeepSpeed's FusedAdam with its multi-tensor kernel standing in (module docstring)."""
-    yield
+    """DeepSpeed's FusedAdam with its multi-tensor kernel standing in (module docstring): the
+    kernel is a C++/CUDA extension DeepSpeed compiles, which cannot run on fake tensors."""
+    from deepspeed.ops.adam import fused_adam
+
+    saved = fused_adam.FusedAdamBuilder
+    fused_adam.FusedAdamBuilder = _FusedAdamKernel(notes)
+    try:
+        yield
+    finally:
+        fused_adam.FusedAdamBuilder = saved
+
+
+ZERO3_CHECKS_NOTE = (
+    "DeepSpeed ZeRO-3's checks that every rank sees rank 0's order of parameters (a broadcast of "
+    "a few int64s from rank 0) answered with the rank's own: every traced rank runs the same "
+    "program, and a fake process group carries no values"
+)
+
+
+@contextlib.contextmanager
+def _rank0_lists_own(notes: dict[str, None]) -> Iterator[None]:
+    """ZeRO-3's ``assert_ints_same_as_other_ranks`` (``deepspeed/runtime/zero/utils.py``)
+    broadcasts rank 0's list of ints and compares it with the rank's own; on a fake process
+    group the broadcast leaves each rank's placeholder (-1), so the check would fail on every
+    rank but 0. Rank 0's list is the rank's own here (``ZERO3_CHECKS_NOTE``)."""
+    from deepspeed.runtime.zero import utils
+
+    saved = {
+        name: getattr(utils, name)
+        for name in ("assert_lst_len_same_as_other_ranks", "get_lst_from_rank0")
+    }
+
+    def own(lst: list[int]) -> list[int]:
+        notes[ZERO3_CHECKS_NOTE] = None
+        return list(lst)
+
+    utils.assert_lst_len_same_as_other_ranks = own
+    utils.get_lst_from_rank0 = own
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(utils, name, value)

@@ -1,0 +1,114 @@
+"""`vramledger run --nproc-per-node 2` of a program written as DeepSpeed's tutorials write one
+(tests/programs/deepspeed_torchrun.py: ``deepspeed.initialize(model=..., config=...)``, then
+``engine(batch)`` / ``engine.backward(loss)`` / ``engine.step()``): DeepSpeed's own engine traced
+once per rank on a fake process group (parallel/program_deepspeed.py), checked rank by rank
+against the same program run for real on two local gloo processes and counted by each
+process's CPU allocator (`run --measure`).
+
+The bound is tests/test_run_ranks.py's: exact (EXACT_BYTES), widened by gloo's window for a
+transient collective (tests/gloo_noise.py): here DeepSpeed's flattened reductions, of at most
+a reduce bucket of gradients, as tests/test_deepspeed_real.py widens the estimate's."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import sys
+
+import pytest
+
+from vramledger.parallel.program_deepspeed import once_imported
+from vramledger.program import ProgramSpec
+
+from .gloo_noise import deepspeed_reduction_bytes, late_free_window
+from .test_run_ranks import EXACT_BYTES, PROGRAMS
+
+REDUCE_BUCKET_ELEMENTS = 50_000
+"""``zero_optimization.reduce_bucket_size`` of tests/programs/deepspeed_torchrun.py."""
+MODEL_PARAMETERS = 593_664
+"""tests/programs/deepspeed_torchrun.py's model: embedding 256 x 128, four blocks of 131,968,
+head 128 x 256 + 256."""
+CASES = {
+    "zero1-bf16": ("--stage", "1"),
+    "zero2-bf16": ("--stage", "2"),
+    "zero2-fp32": ("--stage", "2", "--dtype", "fp32"),
+}
+
+
+def _spec(args: tuple[str, ...]) -> ProgramSpec:
+    return ProgramSpec(program=str(PROGRAMS / "deepspeed_torchrun.py"), args=args, nproc_per_node=2)
+
+
+def _per_rank(report) -> dict[int, object]:
+    return {rank: r for ids, r in report.ranks for rank in ids}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_rank_equals_its_real_gloo_process(case):
+    """Each rank's steady window and steady steps: --target cpu vs the rank's real process."""
+    pytest.importorskip("deepspeed")
+    from vramledger.measure_program import measure_program
+    from vramledger.predict_program import run_program
+
+    spec = _spec(CASES[case])
+    predicted = _per_rank(run_program(spec, target="cpu"))
+    measured = dict(measure_program(spec).ranks)
+    assert sorted(predicted) == sorted(measured) == [0, 1]
+    itemsize = 4 if "fp32" in case else 2
+    for rank, got in measured.items():
+        want = predicted[rank]
+        reduction = deepspeed_reduction_bytes(want.ledger, REDUCE_BUCKET_ELEMENTS, itemsize)
+        below, above = late_free_window(EXACT_BYTES, reduction)
+        pairs = [
+            (w.peak_bytes, g.peak_bytes) for w, g in zip(want.windows, got.windows, strict=True)
+        ]
+        pairs += [(want.step_peaks[k], v) for k, v in got.step_peaks.items() if k >= 2]
+        assert pairs
+        for want_bytes, got_bytes in pairs:
+            assert -below <= got_bytes - want_bytes <= above, (case, rank, want_bytes, got_bytes)
+
+
+def test_cuda_emulated_run_gives_zero2_ledgers_per_rank():
+    """Under the CUDA emulation every rank runs DeepSpeed's ZeRO-2 engine: per-rank ledgers in
+    `estimate --world-size 2 --strategy zero2`'s JSON shape, its buffers in the estimate's
+    categories, the model's parameters counted once (the flat buffer and the fp32 partition
+    are not parameters)."""
+    pytest.importorskip("deepspeed")
+    from vramledger.predict_program import run_program
+
+    data = run_program(_spec(CASES["zero2-bf16"]), gpu="h100-80gb").to_dict()
+    assert data["world_size"] == 2 and data["strategy"] == "zero2"
+    assert sorted(i for r in data["ranks"] for i in r["rank_ids"]) == [0, 1]
+    assert sorted(i for p in data["rank_programs"] for i in p["rank_ids"]) == [0, 1]
+    assert data["parameters"] == data["trainable_parameters"] == MODEL_PARAMETERS
+    for ledger in data["ranks"]:
+        at_peak = ledger["at_peak"]
+        assert ledger["allocator"] == "cuda-caching"
+        assert at_peak["parameters"] == MODEL_PARAMETERS * 2  # the flat bf16 buffer
+        # this rank's half of the fp32 master weights and of AdamW's two moments
+        assert at_peak["master_weights"] == MODEL_PARAMETERS // 2 * 4
+        assert at_peak["optimizer_state"] >= MODEL_PARAMETERS // 2 * 8
+    assert data["fits"] is True
+    assert any("DeepSpeed" in note and "ZeRO stage 2" in note for note in data["notes"])
+
+
+def test_setup_waits_for_the_import(tmp_path, monkeypatch):
+    """A program that never imports DeepSpeed does not import it (``once_imported``): setup
+    runs when the module is first imported, and what it entered is left at the end."""
+    (tmp_path / "late_module.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    seen: list[str] = []
+
+    @contextlib.contextmanager
+    def entered():
+        seen.append("in")
+        yield
+        seen.append("out")
+
+    with once_imported("late_module", lambda stack: stack.enter_context(entered())):
+        assert seen == []
+        assert importlib.import_module("late_module").VALUE == 1
+        assert seen == ["in"]
+    assert seen == ["in", "out"]
+    sys.modules.pop("late_module", None)
