@@ -18,19 +18,26 @@ accelerator (:func:`real_program_deepspeed`), which is what DeepSpeed picks ther
 Categories are the estimate's (``deepspeed_engine._Labels.watch``): the flat bf16 buffer
 ``parameters``, the fp32 partition ``master_weights``, the reduce buckets
 ``gradient_buckets``, the gradients a rank keeps for its partition ``sharded_gradients``;
-likewise for ZeRO-3's flat shards and stage 0's ``BF16_Optimizer`` (:func:`_tag_buffers`).
+likewise for ZeRO-3's flat shards and stage 0's optimizer wrappers (:func:`_tag_buffers`). An
+fp32 partition is counted as the trainable parameters it stands for, not as parameters
+(``program_trace.STANDS_FOR``).
 
-Not modelled: DeepSpeed's FusedAdam (``"optimizer": {"type": "Adam"}`` without
-``"torch_adam": true``) is traced with its kernel standing in (in place, no memory of its own:
-multi-tensor Adam writes its parameters and moments where they are); a real CPU run compiles
-DeepSpeed's CPU kernel for it.
+Assumed, as the estimate assumes it: values DeepSpeed reads from its fake tensors (the overflow
+check, ``.item()`` of norms) are the value stand-ins' 0, no overflow: the step every run takes
+when it does not skip (the notes list each read). Not modelled: DeepSpeed's FusedAdam
+(``"optimizer": {"type": "Adam"}`` without ``"torch_adam": true``) is traced with its kernel
+standing in (in place, no memory of its own: multi-tensor Adam writes its parameters and moments
+where they are), where a real CPU run compiles DeepSpeed's CPU kernel; ZeRO-3's checks that
+every rank has rank 0's parameter order answer with the rank's own list (:func:`_rank0_lists_own`);
+ZeRO-3's gathered parameters are not tagged ``all_gather_buffers`` (they are the forward's
+activations and temporaries); the estimate's labels of temporaries (autograd's gradient before
+the bucket, the partition's fp32 gradient) are not kept.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib.abc
-import importlib.machinery
 import importlib.util
 import sys
 import warnings
@@ -216,8 +223,9 @@ def _tag_buffers(zero: Any, register: Register) -> None:
     """The buffers of DeepSpeed's optimizer wrappers (its ZeRO-1/2 optimizer's are tagged by
     ``_Labels.watch``): the fp32 partitions each steps are master weights, standing for the
     trainable parameters of their group (``STANDS_FOR``), as are ``FP16_Optimizer``'s and
-    ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer`` keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3
-    keeps the rank's flat shard of the bf16 parameters and of the gradients."""
+    ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer``
+    keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3 keeps
+    the rank's flat shard of the bf16 parameters and of the gradients."""
     name = type(zero).__name__
     if name == "DeepSpeedZeroOptimizer":
         masters, groups = zero.single_partition_of_fp32_groups, zero.bit16_groups
