@@ -36,12 +36,14 @@ CASES = {
     "zero2-bf16": ("--stage", "2"),
     "zero2-fp32": ("--stage", "2", "--dtype", "fp32"),
     "zero3-bf16": ("--stage", "3"),
+    "zero2-fused-adam": ("--stage", "2", "--fused-adam"),
 }
 """DeepSpeed's ZeRO stages as tests/programs/deepspeed_torchrun.py runs them. Measured
 (2026-12-03, this 2-core VM, one run each): every rank's steady window and every step equal to
 the byte — zero0 12,466,332 on both ranks (FP16_UnfusedOptimizer: its construction's step is
 step 1); zero1 and zero2 8,377,920 on both; zero2-fp32 9,630,784 / 10,671,480 (ranks 0 / 1);
-zero3 8,477,941 on both."""
+zero3 8,477,941 on both; zero2 with DeepSpeed's FusedAdam (its CPU kernel compiled by DeepSpeed on
+first use in the real run, standing in in the trace) 7,190,580 / 7,192,792."""
 
 
 def _spec(args: tuple[str, ...]) -> ProgramSpec:

@@ -27,9 +27,9 @@ check, ``.item()`` of norms) are the value stand-ins' 0, no overflow: the step e
 when it does not skip (the notes list each read). Not modelled: DeepSpeed's FusedAdam
 (``"optimizer": {"type": "Adam"}`` without ``"torch_adam": true``) is traced with its kernel
 standing in (in place, no memory of its own: multi-tensor Adam writes its parameters and moments
-where they are), where a real CPU run compiles DeepSpeed's CPU kernel; ZeRO-3's checks that
-every rank has rank 0's parameter order answer with the rank's own list (:func:`_rank0_lists_own`);
-ZeRO-3's gathered parameters are not tagged ``all_gather_buffers`` (they are the forward's
+where they are; a real CPU run of DeepSpeed's compiled CPU kernel matched it to the byte);
+ZeRO-3's checks that every rank has rank 0's parameter order answer with the rank's own list
+(:func:`_rank0_lists_own`); ZeRO-3's gathered parameters are not tagged ``all_gather_buffers`` (they are the forward's
 activations and temporaries); the estimate's labels of temporaries (autograd's gradient before
 the bucket, the partition's fp32 gradient) are not kept.
 """
@@ -331,11 +331,22 @@ def _fused_adam_standing_in(notes: dict[str, None]) -> Iterator[None]:
     from deepspeed.ops.adam import fused_adam
 
     saved = fused_adam.FusedAdamBuilder
+    init = fused_adam.FusedAdam.__dict__["__init__"]
+
+    def made_on_device(optimizer: Any, *args: Any, **kwargs: Any) -> None:
+        init(optimizer, *args, **kwargs)
+        # its kernel's overflow flag, ``get_accelerator().IntTensor([0])``: a CPU tensor of the
+        # CPU accelerator, which on a GPU (and in a real CPU run) is the device's 4 bytes
+        device = fused_adam.get_accelerator().current_device_name()
+        optimizer._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=device)
+
     fused_adam.FusedAdamBuilder = _FusedAdamKernel(notes)
+    fused_adam.FusedAdam.__init__ = made_on_device
     try:
         yield
     finally:
         fused_adam.FusedAdamBuilder = saved
+        fused_adam.FusedAdam.__init__ = init
 
 
 ZERO3_CHECKS_NOTE = (
