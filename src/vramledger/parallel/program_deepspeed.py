@@ -29,9 +29,9 @@ when it does not skip (the notes list each read). Not modelled: DeepSpeed's Fuse
 standing in (in place, no memory of its own: multi-tensor Adam writes its parameters and moments
 where they are; a real CPU run of DeepSpeed's compiled CPU kernel matched it to the byte);
 ZeRO-3's checks that every rank has rank 0's parameter order answer with the rank's own list
-(:func:`_rank0_lists_own`); ZeRO-3's gathered parameters are not tagged ``all_gather_buffers`` (they are the forward's
-activations and temporaries); the estimate's labels of temporaries (autograd's gradient before
-the bucket, the partition's fp32 gradient) are not kept.
+(:func:`_rank0_lists_own`); ZeRO-3's gathered parameters are not tagged ``all_gather_buffers``
+(they are the forward's activations and temporaries); the estimate's labels of temporaries
+(autograd's gradient before the bucket, the partition's fp32 gradient) are not kept.
 """
 
 from __future__ import annotations
