@@ -18,7 +18,8 @@ accelerator (:func:`real_program_deepspeed`), which is what DeepSpeed picks ther
 Categories are the estimate's (``deepspeed_engine._Labels.watch``): the flat bf16 buffer
 ``parameters``, the fp32 partition ``master_weights``, the reduce buckets
 ``gradient_buckets``, the gradients a rank keeps for its partition ``sharded_gradients``;
-likewise for ZeRO-3's flat shards and stage 0's optimizer wrappers (:func:`_tag_buffers`). An
+likewise for ZeRO-3's flat shards and stage 0's optimizer wrappers (:func:`_tag_buffers`), and
+ZeRO-3's gathered parameters ``all_gather_buffers`` (:func:`_gathers_tagged`). An
 fp32 partition is counted as the trainable parameters it stands for, not as parameters
 (``program_trace.STANDS_FOR``).
 
@@ -29,9 +30,8 @@ when it does not skip (the notes list each read). Not modelled: DeepSpeed's Fuse
 standing in (in place, no memory of its own: multi-tensor Adam writes its parameters and moments
 where they are; a real CPU run of DeepSpeed's compiled CPU kernel matched it to the byte);
 ZeRO-3's checks that every rank has rank 0's parameter order answer with the rank's own list
-(:func:`_rank0_lists_own`); ZeRO-3's gathered parameters are not tagged ``all_gather_buffers``
-(they are the forward's activations and temporaries); the estimate's labels of temporaries
-(autograd's gradient before the bucket, the partition's fp32 gradient) are not kept.
+(:func:`_rank0_lists_own`); the estimate's labels of temporaries (autograd's gradient before the
+bucket, the partition's fp32 gradient) are not kept.
 """
 
 from __future__ import annotations
@@ -129,6 +129,7 @@ def program_deepspeed(
         stack.enter_context(_hooks_under_their_modes())
         stack.enter_context(_fused_adam_standing_in(notes))
         stack.enter_context(_rank0_lists_own(notes))
+        stack.enter_context(_gathers_tagged(register))
 
     with once_imported("deepspeed", setup):
         yield
@@ -380,3 +381,27 @@ def _rank0_lists_own(notes: dict[str, None]) -> Iterator[None]:
     finally:
         for name, value in saved.items():
             setattr(utils, name, value)
+
+
+@contextlib.contextmanager
+def _gathers_tagged(register: Register) -> Iterator[None]:
+    """ZeRO-3's gathered parameters are ``all_gather_buffers``, as FSDP2's gathered units in the
+    estimate: each module's parameters, once ``PartitionedParameterCoordinator.fetch_sub_module``
+    has gathered them (views of the all-gather's flat output)."""
+    from deepspeed.runtime.zero.partitioned_param_coordinator import (
+        PartitionedParameterCoordinator,
+        iter_params,
+    )
+
+    fetch = PartitionedParameterCoordinator.__dict__["fetch_sub_module"]
+
+    def fetched(coordinator: Any, module: Any, *args: Any, **kwargs: Any) -> None:
+        fetch(coordinator, module, *args, **kwargs)
+        gathered = [p.data for p in iter_params(module, recurse=True) if p.data.numel()]
+        register(gathered, Category.ALL_GATHER_BUFFERS)
+
+    PartitionedParameterCoordinator.fetch_sub_module = fetched
+    try:
+        yield
+    finally:
+        PartitionedParameterCoordinator.fetch_sub_module = fetch
