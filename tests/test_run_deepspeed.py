@@ -104,6 +104,24 @@ def test_cuda_emulated_run_gives_zero2_ledgers_per_rank():
     assert any("DeepSpeed" in note and "ZeRO stage 2" in note for note in data["notes"])
 
 
+def test_cuda_emulated_zero3_is_sharded():
+    """ZeRO-3 under the CUDA emulation: the rank's flat shards of the parameters and gradients,
+    its fp32 partition, and each module's gathered parameters as all-gather buffers."""
+    pytest.importorskip("deepspeed")
+    from vramledger.predict_program import run_program
+
+    data = run_program(_spec(CASES["zero3-bf16"]), gpu="h100-80gb").to_dict()
+    assert data["strategy"] == "zero3"
+    assert data["parameters"] == data["trainable_parameters"] == MODEL_PARAMETERS
+    for ledger in data["ranks"]:
+        at_peak = ledger["at_peak"]
+        assert at_peak["sharded_parameters"] == MODEL_PARAMETERS // 2 * 2
+        assert at_peak["master_weights"] == MODEL_PARAMETERS // 2 * 4
+        assert at_peak["sharded_gradients"] == MODEL_PARAMETERS // 2 * 2
+        assert 0 < at_peak["all_gather_buffers"] <= MODEL_PARAMETERS * 2
+        assert at_peak["parameters"] == 0
+
+
 def test_setup_waits_for_the_import(tmp_path, monkeypatch):
     """A program that never imports DeepSpeed does not import it (``once_imported``): setup
     runs when the module is first imported, and what it entered is left at the end."""
