@@ -29,7 +29,8 @@ REDUCTIONS = {
 def premul_factor(kwargs: dict[str, Any]) -> Any:
     """The factor of a ``PREMUL_SUM`` ``op`` (a number or a tensor), None for any other op."""
     op = kwargs.get("op")
-    if isinstance(op, ReduceOp) and op.op == ReduceOp.PREMUL_SUM:
+    # ReduceOp.SUM and the like are RedOpType members, with no .op
+    if getattr(op, "op", None) == ReduceOp.PREMUL_SUM:
         return op.factor
     return None
 
