@@ -93,7 +93,8 @@ NOT_TRACED = {
     "that torchtitan's init_weights remakes under `with torch.device(self.freqs_cis.device)`: "
     "a device rebuilt from an emulated tensor's is the CPU to the trace (trace/cuda_emulation.py, "
     "FakeCuda.device), so the trace makes it in host memory, where a GPU run has it on the GPU; "
-    "the other 852 B not traced to their source",
+    "and on the host, the dataset's last sample (257 int64, 2,056 B); with both, the trace is "
+    "1,204 B above the real run, not traced to its source",
 }
 """Programs whose prediction misses device memory, what it is and why (a known miss: a
 difference, not host memory)."""
@@ -156,7 +157,8 @@ TORCHTITAN_03_BLOCKED = (
     "torchtitan 0.3's language models attend with FlexAttention only (get_attention_config "
     "refuses sdpa), which refuses gradients on the CPU (torch/nn/attention/flex_attention.py "
     "_validate_device: 'FlexAttention does not support backward on CPU'): the real CPU run and "
-    "the trace both stop at the first attention (tests/test_run_torchtitan.py); torchtitan 0.2 "
+    "the trace both stop at the first attention (tests/test_run_torchtitan.py); its varlen "
+    "backend calls aten::_flash_attention_forward, which has no CPU kernel; torchtitan 0.2 "
     "runs (its debug model attends with SDPA)"
 )
 BLOCKED: dict[str, str] = {}
