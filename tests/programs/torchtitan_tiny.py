@@ -16,6 +16,8 @@ tag, ``v0.2.2``, or at HEAD where the tag is absent). Nothing is downloaded. Run
 
 from __future__ import annotations
 
+import importlib.metadata
+import importlib.util
 import json
 import os
 import subprocess
@@ -53,25 +55,26 @@ WORDS = [
 
 
 def version() -> tuple[int, ...]:
-    """The installed torchtitan's version, as numbers."""
-    import torchtitan
-
-    return tuple(int(part) for part in torchtitan.__version__.split(".")[:3])
+    """The installed torchtitan's version, as numbers. Read without importing torchtitan: 0.2
+    binds ``sys.argv[1:]`` as ``ConfigManager.parse_args``'s default when it is imported, so
+    the program must be the first to import it."""
+    return tuple(int(part) for part in importlib.metadata.version("torchtitan").split(".")[:3])
 
 
 def source_file(name: str) -> bytes | None:
     """``name`` (a path in torchtitan's repository) from a source install's checkout, else from
     ``TORCHTITAN_SOURCE``; None where neither has it."""
-    import torchtitan
-
-    roots = [Path(torchtitan.__file__).resolve().parents[1]]
+    found = importlib.util.find_spec("torchtitan")
+    if found is None or found.origin is None:
+        return None
+    roots = [Path(found.origin).resolve().parents[1]]
     if os.environ.get("TORCHTITAN_SOURCE"):
         roots.append(Path(os.environ["TORCHTITAN_SOURCE"]))
     for root in roots:
         if (root / name).is_file():
             return (root / name).read_bytes()
         if (root / "HEAD").is_file():  # a bare git directory
-            for ref in (f"v{torchtitan.__version__}", "HEAD"):
+            for ref in (f"v{importlib.metadata.version('torchtitan')}", "HEAD"):
                 shown = subprocess.run(
                     ["git", "--git-dir", str(root), "show", f"{ref}:{name}"],
                     capture_output=True,
