@@ -93,6 +93,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.patched_functions",
         "trace.plain_autograd",
         "trace.plain_branches",
+        "trace.premul_sum",
         "trace.policy",
         "trace.program_blocks",
         "trace.program_trace",

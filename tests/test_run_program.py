@@ -47,6 +47,10 @@ run's allocator counts it (measure_program.py)."""
         ("accelerate_ema", 0),
         ("default_device", 0),
         ("cuda_timing", 0),
+        # a gradient hook's device="cuda" scratch (the backward ran with no emulation: a real
+        # 'cuda' tensor, which a CPU-only PyTorch cannot make), an optimizer stepping another
+        # (two steps counted per iteration)
+        ("backward_hook_device", 0),
         # its scale and growth tracker are made on the loss's device (GradScaler:
         # device=outputs.device), device tensors in the trace as on a GPU (they were host
         # scalars, an 8-byte allowance, while a device taken from an emulated tensor was the CPU)

@@ -86,6 +86,9 @@ class CountedCpu:
     def after_step(self, optimizer: Any, step: int) -> None:
         self.end_step(step)
 
+    def stepped_within(self, optimizer: Any) -> None:
+        pass
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProgramMeasurement:

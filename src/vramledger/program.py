@@ -120,6 +120,9 @@ class StepHooks(Protocol):
 
     def after_step(self, optimizer: Any, step: int) -> None: ...
 
+    def stepped_within(self, optimizer: Any) -> None:
+        """``optimizer`` stepped inside another's step (which is the program's one step)."""
+
 
 @dataclass(kw_only=True)
 class ProgramRun:
@@ -301,7 +304,12 @@ def skipped_saves_note(saves: list[str]) -> str:
 def _target(spec: ProgramSpec) -> tuple[str, Callable[[], Any]]:
     """``sys.argv[0]`` and a callable that runs the program."""
     if spec.module:
-        if importlib.util.find_spec(spec.program) is None:
+        # finding a dotted module imports its packages: as `python -m` does, with the program's
+        # sys.argv and the current folder first on sys.path (a package that binds sys.argv[1:]
+        # at import, as torchtitan 0.2's ConfigManager.parse_args default does, sees its own)
+        with _argv_and_path(spec.program, spec.args, script=False):
+            found = importlib.util.find_spec(spec.program)
+        if found is None:
             raise InputError(f"no module named {spec.program!r}", hint="check the -m MODULE name")
         return spec.program, lambda: runpy.run_module(
             spec.program, run_name="__main__", alter_sys=True
@@ -429,8 +437,14 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     # by the object, not id(): an optimizer made after another is freed can reuse its id
     optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
     counts: dict[str, int] = {}
+    # an optimizer whose step steps others (torchtitan's OptimizersContainer, an Optimizer over
+    # each model part's AdamW) takes one step: the outermost, the one the program calls
+    depth = [0]
 
     def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        depth[0] += 1
+        if depth[0] > 1:
+            return
         if optimizer not in optimizers:
             optimizers[optimizer] = len(run.optimizer_names)
             name = type(optimizer).__name__
@@ -447,6 +461,11 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
             hooks.before_step(optimizer, run.steps + 1)
 
     def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        depth[0] -= 1
+        if depth[0] > 0:
+            if hooks is not None:
+                hooks.stepped_within(optimizer)
+            return
         run.steps += 1
         run.optimizer_of_step[run.steps] = optimizers[optimizer]
         if hooks is not None:

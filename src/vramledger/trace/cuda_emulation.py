@@ -57,6 +57,7 @@ from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
 from .host_stand_ins import DATA_FREE, HostStandIns, meta_of
+from .premul_sum import REDUCTIONS, reduce_then_scale
 from .values import KNOWN_VALUE_CAP_BYTES
 
 NCCL_VERSION = (2, 27, 3)
@@ -146,6 +147,12 @@ def _is_cuda(device: Any) -> bool:
 _TENSOR_TO = {torch.Tensor.to}
 _TENSOR_CUDA = {torch.Tensor.cuda}
 _PINNING = {torch.Tensor.pin_memory, torch.Tensor.is_pinned}
+_BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
+"""Calls that run autograd's engine: it runs the backward under the mode stack it is called
+with, and a mode's ``__torch_function__`` runs with that mode popped, so the Python a backward
+runs (tensor and grad hooks: FSDP2's pre-backward unshard makes its all-gather buffers with
+``device="cuda"``) would see no emulation. Also what ``torch.autograd`` names at the call (the
+trace wraps ``backward`` and ``grad``, and ``handle_torch_function`` passes the name)."""
 
 
 class _DeviceMode(TorchFunctionMode):
@@ -157,6 +164,9 @@ class _DeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _BACKWARD or func is torch.autograd.backward or func is torch.autograd.grad:
+            with self:  # the engine's hooks run under this mode, as the forward does
+                return torch.overrides.redispatch_function(func, types, args, kwargs)
         if func in _TENSOR_TO:
             to_args, to_kwargs = _index_as_cuda(
                 args[1:], {k: v for k, v in kwargs.items() if k != "copy"}
@@ -377,10 +387,10 @@ class CpuForCuda:
             module.to(dtype)
 
     def handles(self, func: Any, args: tuple) -> bool:
-        return False
+        return func in REDUCTIONS  # NCCL's PREMUL_SUM, which gloo refuses (premul_sum.py)
 
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        raise NotImplementedError
+        return reduce_then_scale(func, args, kwargs)
 
     def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
         return None  # built for real

@@ -64,6 +64,7 @@ from .cuda_emulation import (
     MemoryCounter,
     cuda_default_foreach,
 )
+from .dtensor_compat import untracked_sharding_propagation
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values_once_imported
 from .host_stand_ins import HostStandIns, meta_of
@@ -398,6 +399,11 @@ class _Phases:
         if step < self.max_steps:
             self.tracker.set_phase(step + 1, Phase.OPTIMIZER)
 
+    def stepped_within(self, optimizer: Any) -> None:
+        """Its state is optimizer state (torchtitan's OptimizersContainer steps an AdamW per
+        model part, and holds no state of its own)."""
+        self.observer.optimizer_stepped(optimizer)
+
     def leave_step(self) -> None:
         if self.in_step:
             self.in_step = False
@@ -509,6 +515,9 @@ def trace_program(
             warnings.catch_warnings(),
             policy.context(),
             noop_conversions(),
+            # DTensor's first propagation of an operator (torchtitan's fused AdamW on FSDP2's
+            # shards at step 1) makes global-shape tensors under the step's fake mode
+            untracked_sharding_propagation(),
             torch.compiler.set_stance("force_eager"),
             tracker,
             # the program's torch.compile'd modules and functions run as Inductor runs them
