@@ -17,6 +17,7 @@ from typing import Any
 from .categories import Category
 from .gpus import Gpu, resolve_gpu
 from .ledger import Ledger, build_ledger, replay
+from .parallel.program_pipeline import StageMail
 from .parallel.program_world import ProgramWorld
 from .predict import policy_for
 from .program import ProgramSpec
@@ -126,11 +127,16 @@ def run_program(
     report is the worst rank's with every distinct rank's in ``ranks`` (as ``estimate``)."""
     if spec.world_size == 1:
         return _run_rank(spec, target, gpu, None)
-    reports = []
-    for rank in range(spec.world_size):
+    mail = StageMail()  # what the ranks' pipeline stages tell each other
+
+    def one(rank: int) -> tuple[int, ProgramReport, str]:
         where = TorchrunRank(rank=rank, nproc_per_node=spec.nproc_per_node, nnodes=spec.nnodes)
-        world = ProgramWorld(where)
-        reports.append((rank, _run_rank(spec, target, gpu, world), world.strategy))
+        world = ProgramWorld(where, mail)
+        return rank, _run_rank(spec, target, gpu, world), world.strategy
+
+    reports = [one(rank) for rank in range(spec.world_size)]
+    for rank in mail.retrace():  # a later rank's pipeline vote changed what this one assumed
+        reports[rank] = one(rank)
     return _ranks_report(spec, reports)
 
 

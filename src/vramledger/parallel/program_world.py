@@ -44,6 +44,8 @@ from .dtensor_rng import host_rng_on_emulated_mesh
 from .engines import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, FSDP_OP_CATEGORIES, ddp_buckets
 from .fake_group import fake_process_group
 from .program_deepspeed import program_deepspeed
+from .program_pipeline import StageMail, program_pipelines
+from .program_tp import program_tensor_parallel
 
 Register = Callable[[list[torch.Tensor], Category], None]
 """Tags tensors with a category in the trace (``program_trace._Phases.register``)."""
@@ -66,21 +68,26 @@ _FSDP_DEVICE_OWNERS = (
 class ProgramWorld:
     """One rank of a program's torchrun launch on fake tensors (``trace_program``'s ``world``)."""
 
-    op_categories = FSDP_OP_CATEGORIES
-    """FSDP2's copy-in and chunk-cat outputs are its all-gather and reduce-scatter buffers."""
     resize_category = Category.ALL_GATHER_BUFFERS
     """FSDP2 gathers a unit's parameters into storages it resizes (``engines.RankEngine``)."""
 
-    def __init__(self, where: TorchrunRank) -> None:
+    def __init__(self, where: TorchrunRank, mail: StageMail | None = None) -> None:
         self.where = where
+        self.op_categories = dict(FSDP_OP_CATEGORIES)
+        """FSDP2's copy-in and chunk-cat outputs are its all-gather and reduce-scatter buffers;
+        the activation collectives' are comm_buffers once the program applies tensor
+        parallelism (``program_tp.py``: the trace holds this dict and sees it grow)."""
+        self.mail = mail if mail is not None else StageMail()
+        """What the ranks' pipeline stages told each other (shared by every rank's world)."""
         self.used: dict[str, None] = {}
-        """What the program set up, in order: 'ddp', 'fsdp'."""
+        """What the program set up, in order: 'ddp', 'fsdp', 'tp', 'pp'."""
         self.backends: list[str] = []
         self._notes: dict[str, None] = {}
 
     @property
     def strategy(self) -> str:
-        """'ddp', 'fsdp' (both: 'fsdp+ddp'), or 'none' when the program wrapped nothing."""
+        """'ddp', 'fsdp', 'tp', 'pp' (several: 'tp+fsdp'), or 'none' when the program wrapped
+        nothing."""
         return "+".join(self.used) or "none"
 
     def notes(self) -> list[str]:
@@ -115,6 +122,12 @@ class ProgramWorld:
             stack.enter_context(host_rng_on_emulated_mesh())
             stack.enter_context(program_deepspeed(register, self.used, self._notes))
             stack.enter_context(untracked_sharding_propagation())
+            stack.enter_context(
+                program_tensor_parallel(replaced, self.op_categories, self.used, self._notes)
+            )
+            stack.enter_context(
+                program_pipelines(self.mail, where.rank, register, self.used, self._notes)
+            )
             yield
 
     @contextlib.contextmanager
