@@ -127,6 +127,8 @@ LAYERS: dict[str, list[str]] = {
         "parallel.pipeline_stages",
         "parallel.pipeline_step",
         "parallel.program_deepspeed",
+        "parallel.program_pipeline",
+        "parallel.program_tp",
         "parallel.program_world",
         "parallel.real",
         "parallel.strategy",

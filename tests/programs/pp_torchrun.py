@@ -3,7 +3,8 @@ and the ``torch.distributed.pipelining`` docs write it: the whole model built on
 then split by hand (each rank deletes the layers of the other stages, and the first stage its
 norm and output, the last its embedding: the model's forward skips what is ``None``), a
 ``PipelineStage`` built without example inputs (its shapes inferred at the first step, sent
-from stage to stage), a schedule (``ScheduleGPipe``, or ``Schedule1F1B`` with ``--schedule
+from stage to stage; with ``--shapes given`` it gets its ``input_args`` and ``output_args``),
+a schedule (``ScheduleGPipe``, or ``Schedule1F1B`` with ``--schedule
 1f1b``) over micro-batches with a token-wise cross-entropy ``loss_fn``; each rank's optimizer
 steps its stage's parameters. Each rank prints the peak ``torch.cuda.max_memory_allocated()``
 reports.
@@ -65,7 +66,17 @@ def init_distributed():
     num_stages = world_size
 
 
-def manual_model_split(model) -> PipelineStage:
+def example_shapes(model_args, microbatch):
+    """One micro-batch's input and output of this stage, as the pipelining docs give a
+    ``PipelineStage`` its ``input_args`` and ``output_args`` (then no shape is inferred)."""
+    hidden = torch.empty(*microbatch.shape, model_args.dim, device="meta", requires_grad=True)
+    logits = torch.empty(*microbatch.shape, model_args.vocab_size, device="meta")
+    inputs = microbatch if stage_index == 0 else hidden
+    outputs = logits if stage_index == num_stages - 1 else hidden
+    return inputs, outputs
+
+
+def manual_model_split(model, shapes=(None, None)) -> PipelineStage:
     half = len(model.layers) // 2
     if stage_index == 0:
         # prepare the first stage model
@@ -78,7 +89,10 @@ def manual_model_split(model) -> PipelineStage:
         for i in range(half):
             del model.layers[str(i)]
         model.tok_embeddings = None
-    stage = PipelineStage(model, stage_index, num_stages, device)
+    inputs, outputs = shapes
+    stage = PipelineStage(
+        model, stage_index, num_stages, device, input_args=inputs, output_args=outputs
+    )
     return stage
 
 
@@ -86,6 +100,12 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("--schedule", choices=["gpipe", "1f1b"], default="gpipe")
     parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument(
+        "--shapes",
+        choices=["inferred", "given", "given-on-rank-0"],
+        default="inferred",
+        help="give each stage its input_args/output_args (given), or only rank 0's",
+    )
     cli = parser.parse_args()
     init_distributed()
     num_microbatches = 4
@@ -97,7 +117,10 @@ if __name__ == "__main__":
     x = torch.ones(8, 32, dtype=torch.long)
     y = torch.randint(0, model_args.vocab_size, (8, 32), dtype=torch.long)
 
-    stage = manual_model_split(model)
+    example_input_microbatch = x.chunk(num_microbatches)[0]
+    given = cli.shapes == "given" or (cli.shapes == "given-on-rank-0" and rank == 0)
+    shapes = example_shapes(model_args, example_input_microbatch) if given else (None, None)
+    stage = manual_model_split(model, shapes)
     model.to(device)
     x = x.to(device)
     y = y.to(device)

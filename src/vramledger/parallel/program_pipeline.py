@@ -14,7 +14,8 @@ neighbouring ranks before any activation moves, and a fake process group deliver
 - **the shapes sent between stages** in DYNAMIC mode (``stage.py`` ``_send_meta`` /
   ``_recv_meta``: a ``_StageForwardMeta`` of the outputs, from stage to stage, then a
   ``_StageBackwardMeta`` of the input gradients, back): each meta a rank sends is kept
-  (:class:`StageMail`), and a later rank's stage receives it. A rank receiving from a rank not
+  (:class:`StageMail`; a stage built with its shapes, its outputs' and input gradients'), and
+  a later rank's stage receives it. A rank receiving from a rank not
   yet traced (the gradients' shapes, from the next stage) gets what the schedule itself derives
   in STATIC mode for plain tensors: each output's gradient has the output's shape, strides and
   dtype (``_utils._derive_grad_metas``). A forward meta from a later rank (looped schedules,
@@ -78,6 +79,7 @@ def program_pipelines(
     ``mail``, its stages' receive buffers tagged with ``register``; ``used`` gets 'pp' and
     ``notes`` what was set up."""
     from torch.distributed.pipelining import schedules, stage
+    from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta
 
     saved = [
         (schedules._PipelineSchedule, "_warmup_p2p"),
@@ -116,8 +118,8 @@ def program_pipelines(
         if src_stage < s.stage_index:
             raise InputError(
                 f"pipeline stage {s.stage_index} receives its input shapes from stage "
-                f"{src_stage}, on a rank traced after this one (several stages per rank, "
-                "inferred at run time) — not modelled",
+                f"{src_stage}, on a rank traced after this one (its shapes inferred at run "
+                "time) — not modelled",
                 hint="give each PipelineStage its input_args and output_args",
             )
         return _derived_grad_meta(s)
@@ -125,11 +127,17 @@ def program_pipelines(
     def prepare_forward_infra(s: Any, *args: Any, **kwargs: Any) -> Any:
         out = prepare_fwd(s, *args, **kwargs)
         register(receive_buffers([s]), Category.PIPELINE_BUFFERS)
+        if not s.is_last:  # what it sends in DYNAMIC mode (a retraced rank's neighbour reads it)
+            sent = _StageForwardMeta(forward_metas=s._stage_meta.outputs)
+            mail.metas.setdefault((s.stage_index, s.stage_index + 1), sent)
         return out
 
     def prepare_backward_infra(s: Any, *args: Any, **kwargs: Any) -> Any:
         out = prepare_bwd(s, *args, **kwargs)
         register(receive_buffers([s]), Category.PIPELINE_BUFFERS)
+        if not s.is_first:
+            sent = _StageBackwardMeta(backward_metas=s._stage_meta.input_grads)
+            mail.metas.setdefault((s.stage_index, s.stage_index - 1), sent)
         return out
 
     replacements = [warmup_p2p, send_meta, recv_meta, prepare_forward_infra, prepare_backward_infra]
