@@ -92,12 +92,15 @@ def program_pipelines(
     prepare_fwd = stage.PipelineStage.__dict__["_prepare_forward_infra"]
     prepare_bwd = stage.PipelineStage.__dict__["_prepare_backward_infra"]
 
+    warmup = schedules._PipelineSchedule.__dict__["_warmup_p2p"]
+
     def warmup_p2p(schedule: Any, stages: list[Any], has_backward: bool, p2p_done: bool) -> None:
+        used["pp"] = None
         if not all(isinstance(s, stage.PipelineStage) for s in stages):
-            raise InputError(
-                "a pipeline stage that is not a PipelineStage is not modelled in a program",
-                hint="build each stage with torch.distributed.pipelining.PipelineStage",
-            )
+            # the tracer front end's stages (``build_stage``) have their shapes from the traced
+            # graph: no vote, their neighbours' ops only (no memory that stays)
+            warmup(schedule, stages, has_backward, p2p_done)
+            return
         own = min(
             0 if schedules.InferenceMode.needs_dynamic(s._user_meta, has_backward) else 1
             for s in stages
@@ -106,7 +109,6 @@ def program_pipelines(
         mode = modes.STATIC if mail.result(rank, own) else modes.DYNAMIC
         for s in stages:
             s._inference_mode = mode
-        used["pp"] = None
         notes[_schedule_note(schedule, stages, rank)] = None
 
     def send_meta(s: Any, meta: Any, dst_stage: int) -> None:
