@@ -80,14 +80,14 @@ class ProgramWorld:
         self.mail = mail if mail is not None else StageMail()
         """What the ranks' pipeline stages told each other (shared by every rank's world)."""
         self.used: dict[str, None] = {}
-        """What the program set up, in order: 'ddp', 'fsdp', 'tp', 'pp'."""
+        """What the program set up, in order: 'ddp', 'fsdp', 'zero0'…'zero3', 'tp', 'pp'."""
         self.backends: list[str] = []
         self._notes: dict[str, None] = {}
 
     @property
     def strategy(self) -> str:
-        """'ddp', 'fsdp', 'tp', 'pp' (several: 'tp+fsdp'), or 'none' when the program wrapped
-        nothing."""
+        """'ddp', 'fsdp', 'zero0'…'zero3', 'tp', 'pp' (several: 'tp+fsdp'), or 'none' when the
+        program wrapped nothing."""
         return "+".join(self.used) or "none"
 
     def notes(self) -> list[str]:
