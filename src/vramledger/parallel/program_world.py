@@ -39,7 +39,6 @@ from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
 from ..torchrun_env import TorchrunRank, as_rank
-from ..trace.dtensor_compat import untracked_sharding_propagation
 from .dtensor_rng import host_rng_on_emulated_mesh
 from .engines import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, FSDP_OP_CATEGORIES, ddp_buckets
 from .fake_group import fake_process_group
@@ -121,7 +120,6 @@ class ProgramWorld:
             stack.enter_context(self._fsdp_shards(replaced))
             stack.enter_context(host_rng_on_emulated_mesh())
             stack.enter_context(program_deepspeed(register, self.used, self._notes))
-            stack.enter_context(untracked_sharding_propagation())
             stack.enter_context(
                 program_tensor_parallel(replaced, self.op_categories, self.used, self._notes)
             )

@@ -5,7 +5,8 @@ each operator once on global-shape fake tensors to learn its output's shape and 
 GPU it makes a fresh ``FakeTensorMode`` for that, so no memory is used; during a trace it finds
 the trace's own fake mode (``detect_fake_mode()``) and the tracker would count those global-shape
 tensors as temporaries of the rank (a full unsharded copy of every parameter an uncached foreach
-optimizer step touches). This module runs that propagation outside the trace's modes, as on a GPU.
+optimizer step touches). This module runs that propagation outside the trace's modes (dispatch
+and function modes), as on a GPU.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 from unittest import mock  # torch imports it already
+
+import torch
 
 
 @contextlib.contextmanager
@@ -28,7 +31,10 @@ def untracked_sharding_propagation() -> Iterator[None]:
     original = ShardingPropagator._propagate_tensor_meta_non_cached
 
     def outside_the_trace(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with _disable_current_modes():
+        # no function mode either: a backward runs under the CUDA emulation's
+        # (``cuda_emulation._BACKWARD``), which would make the propagation's
+        # ``torch.empty_strided(..., device="cuda")`` a tensor of the trace's fake mode
+        with _disable_current_modes(), torch._C.DisableTorchFunction():
             return original(self, *args, **kwargs)
 
     with mock.patch.object(
