@@ -126,10 +126,11 @@ def test_without_the_norm_correction_the_estimate_is_below(monkeypatch, name, op
 
 def test_ctc_gradient_is_contiguous_as_the_kernel_makes_it():
     """The CPU kernel's gradient of a transposed log-probability tensor is contiguous in
-    (time, batch, labels); the trace's (trace/values.py) has the same strides."""
+    (time, batch, labels); the trace's (trace/value_operators.py) has the same strides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vramledger.trace.values import KnownValues, _ctc_loss
+    from vramledger.trace.value_operators import _ctc_loss
+    from vramledger.trace.values import KnownValues
 
     aten = torch.ops.aten
     lp = torch.randn(2, 6, 5).log_softmax(-1).transpose(0, 1)
