@@ -2,7 +2,7 @@
 hands out: the truth ``run_program --target cpu`` is checked against.
 
 The program runs unchanged (``program.py``) with no fake tensor and no dispatch mode: "cuda"
-is the CPU (``cuda_emulation.CpuForCuda``: a factory's ``device="cuda"`` makes a real CPU
+is the CPU (``device_mappings.CpuForCuda``: a factory's ``device="cuda"`` makes a real CPU
 tensor, ``.to("cuda")``/``.cuda()`` of a CPU tensor is that tensor), and
 ``torch.cuda.memory_allocated()``, ``max_memory_allocated()`` and the rest answer from
 ``cpu_allocator_count`` (every CPU allocation on every thread, counted from just before the
@@ -35,7 +35,8 @@ from .parallel.program_deepspeed import real_program_deepspeed
 from .predict_program import DEFAULT_GPU, emulated_gpu, with_rank_programs
 from .program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
 from .torchrun_env import TorchrunRank, as_rank
-from .trace.cuda_emulation import CpuForCuda, CudaEmulation
+from .trace.cuda_emulation import CudaEmulation
+from .trace.device_mappings import CpuForCuda
 from .windows import OptimizerWindow, optimizer_windows
 
 COUNTED = "cpu_allocator_count: every CPU allocation on every thread, from the program's start"

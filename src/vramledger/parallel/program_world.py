@@ -17,7 +17,7 @@ What the program's own distributed code meets:
 - **FSDP2** (``fully_shard``) runs as it is, on the fake process group, as in the estimate. On a
   CPU mesh (the default mesh of a CPU-only PyTorch, and what the real gloo run has) it makes its
   buffers with ``device=torch.device("cpu")``; given the device object emulated tensors report
-  instead (``cuda_emulation.FakeCuda.device``), they are fake, and FSDP2 still takes the CPU
+  instead (``device_mappings.FakeCuda.device``), they are fake, and FSDP2 still takes the CPU
   path the real gloo run takes.
 
 Not modelled: DDP's ``gradient_as_bucket_view=True`` (the gradients are counted beside the

@@ -18,9 +18,10 @@ While :class:`CudaEmulation` is active:
   trace's live count, ``trace/program_trace.py``; a real CPU run's allocator count,
   ``measure_program.py``);
 - every call that names a CUDA device (``device="cuda"`` of a factory, ``Tensor.to("cuda")``,
-  ``Tensor.cuda()``, ``Module.to``/``Module.cuda``) goes to the mapping: :class:`FakeCuda`
+  ``Tensor.cuda()``, ``Module.to``/``Module.cuda``) goes to the mapping
+  (``device_mappings.py``): ``FakeCuda``
   makes fake tensors (CPU device: a CPU-only PyTorch aborts on autograd with fake CUDA
-  tensors; the CUDA target's decisions are the device policy's), :class:`CpuForCuda` makes
+  tensors; the CUDA target's decisions are the device policy's), ``CpuForCuda`` makes
   real CPU tensors. Tensors made without naming CUDA stay real CPU tensors, but for a device
   taken from an emulated tensor (``device=x.device``: :attr:`FakeCuda.device`, the very object
   ``FakeTensor.device`` answers), which names the GPU in the program's GPU run. The same holds
@@ -55,10 +56,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_map_only
 
-from ..categories import Category
-from .host_stand_ins import DATA_FREE, HostStandIns, meta_of
-from .premul_sum import REDUCTIONS, reduce_then_scale
-from .values import KNOWN_VALUE_CAP_BYTES
+from .device_mappings import DeviceMapping
+from .host_stand_ins import DATA_FREE
 
 NCCL_VERSION = (2, 27, 3)
 """What ``torch.cuda.nccl.version()`` answers: a recent NCCL (``nvidia-nccl-cu12`` 2.27.3, the
@@ -95,30 +94,6 @@ class MemoryCounter(Protocol):
     def max_reserved(self) -> int: ...
 
     def reset_peak(self) -> None: ...
-
-
-class DeviceMapping(Protocol):
-    """Where tensors the program puts on "cuda" go."""
-
-    def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any: ...
-
-    def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor: ...
-
-    def module(self, module: nn.Module, dtype: torch.dtype | None) -> None: ...
-
-    def handles(self, func: Any, args: tuple) -> bool: ...
-
-    def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any: ...
-
-    def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        """A host tensor made without data (``host_stand_ins.py``), or None: make it for
-        real."""
-        ...
-
-    def reported_device(self) -> tuple[FakeTensorMode, torch.device] | None:
-        """The fake mode whose CPU tensors stand for CUDA ones and the device object they
-        report (:class:`FakeCuda`), or None where "cuda" tensors report their own device."""
-        ...
 
 
 def _index_as_cuda(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:
@@ -209,194 +184,6 @@ class _DeviceMode(TorchFunctionMode):
         if reported is None:
             return False
         return any(d is reported[1] for d in devices)
-
-
-class FakeCuda:
-    """ "cuda" tensors are fake CPU tensors of ``mode``: factories run under it, a real tensor
-    moved to "cuda" is copied into it (an operator the tracker records; its values stay known,
-    ``trace/values.py``), a module's parameters and buffers become fake tensors registered with
-    ``register(tensors, category)`` (no operator makes them, as in ``trace/fake.py``).
-    ``values``: answers reads of fake values (``value_stand_ins.py``); ``host``: makes the
-    tensors of modules the program builds on the host without data (``host_stand_ins.py``);
-    ``moves``: told of each module moved, before (``before_move``) and after its tensors are
-    converted (``after_move``), before they are registered (``program_blocks.ShallowModel``)."""
-
-    def __init__(
-        self,
-        mode: FakeTensorMode,
-        register: Callable[[list[torch.Tensor], Category], None],
-        values: Any = None,
-        host: HostStandIns | None = None,
-        moves: Any = None,
-        parameter_move: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
-    ) -> None:
-        self.mode = mode
-        self.register = register
-        self.values = values
-        self.host = host
-        self.moves = moves
-        self.parameter_move = parameter_move
-        """A parameter class's own move to the GPU, for ``Module.cuda()``/``.to("cuda")``
-        (bitsandbytes' quantizing parameters: ``bnb_weights.EmulatedQuantization.move``);
-        None where the parameter is moved as any other."""
-        self.device = torch.device("cpu")
-        """The device object ``mode``'s CPU tensors report while the emulation runs
-        (``FakeTensor.device``, patched by :class:`CudaEmulation`): equal to the CPU, which they
-        are, and by its identity the GPU they stand for. ``torch.empty(n, device=x.device)``
-        makes a CUDA tensor in the program's GPU run; here it is given this object, so it is
-        made by :meth:`factory` (a fake tensor), not as a real CPU tensor that the trace would
-        only see from its first use with a fake one (``program_trace.ProgramTracker``), with
-        every operator among such tensors before that unseen. TRL's chunked log-prob
-        (``trl/kernels/chunked_logprob.py``) makes its logit tiles, fp32 gradient accumulators
-        and statistics this way. A device rebuilt from the object (``torch.device(x.device)``,
-        ``x.device.type``) is a new object and is not recognised."""
-
-    def reported_device(self) -> tuple[FakeTensorMode, torch.device]:
-        return self.mode, self.device
-
-    def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        with self.mode:
-            return func(*args, **{**kwargs, "device": "cpu"})
-
-    def emulated(self, t: Any) -> bool:
-        """``t`` is on the emulated device (a fake tensor of this mode)."""
-        return isinstance(t, FakeTensor) and t.fake_mode is self.mode
-
-    def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        return None if self.host is None else self.host.factory(func, args, kwargs)
-
-    def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        if self.emulated(t):
-            return t if dtype is None or dtype == t.dtype else t.to(dtype)
-        if t.nbytes > KNOWN_VALUE_CAP_BYTES or isinstance(t, FakeTensor):
-            # values this large are never kept (trace/values.py), and the copy under the mode
-            # would run for real (FakeTensorMode propagates constants through ``_to_copy``),
-            # reading every page: a checkpoint read as shapes (checkpoint_shapes.py) has none
-            out = self._fake(t, dtype)
-            self.register([out], Category.INPUTS)
-            return out
-        with self.mode:
-            out = t.to("cpu", dtype=dtype, copy=True)
-        self.register([out], Category.INPUTS)
-        return out
-
-    def _fake(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        if self.emulated(t):
-            return t if dtype is None else t.to(dtype)
-        meta = meta_of(t)
-        if dtype is not None and (t.is_floating_point() or t.is_complex()):
-            meta = meta.to(dtype)
-        converter = self.mode.fake_tensor_converter
-        return converter.from_meta_and_device(self.mode, meta, torch.device("cpu"))
-
-    def _parameter(self, p: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        """The fake parameter, in ``p``'s own object where possible: ``Module.to("cuda")``
-        keeps each Parameter object, so an optimizer made before the move (as accelerate's
-        ``prepare`` allows) steps the moved parameters. The fake takes the real one's place
-        (``torch.utils.swap_tensors``, as ``Module._apply`` does under
-        ``torch.__future__.set_swap_module_params_on_conversion``); a fake made by
-        ``FakeTensor`` itself has no weak reference, which the swap refuses. Where ``p`` has
-        one, a new Parameter object."""
-        meta = meta_of(p)
-        if dtype is not None and p.is_floating_point():
-            meta = meta.to(dtype)
-        fake = FakeTensor(self.mode, meta, torch.device("cpu"))
-        fake.requires_grad_(p.requires_grad)
-        fake._is_param = True
-        if self.host is not None and self.host.owns(p):
-            # A host stand-in (host_stand_ins.py) has weak references (its mode keeps them),
-            # which the swap refuses: it takes the fake's data and mode in place instead.
-            with torch.no_grad():
-                p.data = fake
-            p.fake_mode = self.mode
-            return p
-        try:
-            torch.utils.swap_tensors(p, fake)
-        except RuntimeError:
-            return nn.Parameter(self._fake(p, dtype), requires_grad=p.requires_grad)
-        return p
-
-    def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
-        if self.moves is not None:
-            self.moves.before_move(module)
-        memo: dict[int, torch.Tensor] = {}
-        params: list[torch.Tensor] = []
-        buffers: list[torch.Tensor] = []
-        for sub in module.modules():
-            for name, p in sub._parameters.items():
-                if p is None:
-                    continue
-                if id(p) not in memo and self.emulated(p) and dtype in (None, p.dtype):
-                    memo[id(p)] = p  # already on the emulated device
-                elif (
-                    id(p) not in memo
-                    and (own := self.parameter_move and self.parameter_move(p)) is not None
-                ):
-                    memo[id(p)] = own
-                    params.append(own)
-                elif id(p) not in memo:
-                    grad = None if p.grad is None else self._fake(p.grad, dtype)
-                    memo[id(p)] = self._parameter(p, dtype)
-                    if grad is not None:
-                        memo[id(p)].grad = grad
-                    params.append(memo[id(p)])
-                sub._parameters[name] = memo[id(p)]
-            for name, b in sub._buffers.items():
-                if b is None:
-                    continue
-                if id(b) not in memo:
-                    memo[id(b)] = self._fake(b, dtype if b.is_floating_point() else None)
-                    buffers.append(memo[id(b)])
-                sub._buffers[name] = memo[id(b)]
-        if self.moves is not None:
-            self.moves.after_move(module)
-        self.register(params, Category.PARAMETERS)
-        self.register(buffers, Category.BUFFERS)
-
-    def handles(self, func: Any, args: tuple) -> bool:
-        return self.values is not None and self.values.handles(func, args)
-
-    def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        return self.values.answer(func, args, kwargs)
-
-
-class CpuForCuda:
-    """ "cuda" is the CPU: real tensors, nothing copied (``Tensor.to("cuda")`` of a CPU tensor
-    is that tensor). ``parameter_move``: as :class:`FakeCuda`'s (a parameter class that moves
-    itself: bitsandbytes quantizes its weights on the way)."""
-
-    def __init__(
-        self, parameter_move: Callable[[torch.Tensor], torch.Tensor | None] | None = None
-    ) -> None:
-        self.parameter_move = parameter_move
-
-    def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
-        return func(*args, **{**kwargs, "device": "cpu"})
-
-    def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
-        return t if dtype is None else t.to(dtype)
-
-    def module(self, module: nn.Module, dtype: torch.dtype | None) -> None:
-        if self.parameter_move is not None:
-            for sub in module.modules():
-                for name, p in sub._parameters.items():
-                    moved = None if p is None else self.parameter_move(p)
-                    if moved is not None:
-                        sub._parameters[name] = moved
-        if dtype is not None:
-            module.to(dtype)
-
-    def handles(self, func: Any, args: tuple) -> bool:
-        return func in REDUCTIONS  # NCCL's PREMUL_SUM, which gloo refuses (premul_sum.py)
-
-    def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
-        return reduce_then_scale(func, args, kwargs)
-
-    def host_factory(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> None:
-        return None  # built for real
-
-    def reported_device(self) -> None:
-        return None
 
 
 _IMPORTING = "<frozen importlib._bootstrap>"

@@ -5,7 +5,7 @@ mode of their own, which the trace does not record.
 A program builds its model on the CPU and then moves it: ``LlamaForCausalLM(config).cuda()``.
 Built for real, a Llama-3-70B-shaped model needs 280 GB of host memory and minutes of random
 initialisation before the move turns every parameter into a fake tensor anyway (its values are
-never kept: ``cuda_emulation.FakeCuda.module``). So while the program runs under ``run``, a
+never kept: ``device_mappings.FakeCuda.module``). So while the program runs under ``run``, a
 data-free constructor (``torch.empty``, ``zeros``, ``randn`` ...: :data:`DATA_FREE`) called in
 an ``nn.Module``'s ``__init__`` (anywhere below it on the call stack) with no device or the CPU
 gives a *host stand-in* when its output has at least :data:`HOST_STAND_IN_MIN_BYTES`: a fake
@@ -18,10 +18,10 @@ datasets, DataLoader workers, batches and what is computed from them), tensors m
 (``torch.tensor``, ``as_tensor``) or from constants whose values a constructor may read
 (``arange``, ``linspace``), and small outputs (a constructor's ``.item()`` of a scale, a table
 of frequencies). Host stand-ins are host memory: the trace records none of their operators
-(``program_trace.ProgramTracker``); one that meets an emulated tensor in an operator (a module's
+(``program_tracker.ProgramTracker``); one that meets an emulated tensor in an operator (a module's
 unregistered tensor attribute used on the device) is recorded from that use, as a real host
 tensor is. Its values read as the stand-in zero (``value_stand_ins.py``). ``--measure`` builds
-for real: its mapping (``cuda_emulation.CpuForCuda``) makes no stand-ins.
+for real: its mapping (``device_mappings.CpuForCuda``) makes no stand-ins.
 """
 
 from __future__ import annotations

@@ -38,7 +38,8 @@ from .blocks import HEAD, MIN_BLOCKS, SMALL, NotExtensible, extend, find_block_s
 from .blocks import truncate as truncate_stack
 from .cuda_emulation import EmulatedGpu
 from .policy import DevicePolicy
-from .program_trace import ProgramTrace, TimelineCounter, trace_program
+from .program_trace import ProgramTrace, trace_program
+from .program_tracker import TimelineCounter
 
 Gate = Literal["pass", "drop", "hold"]
 
