@@ -29,7 +29,24 @@ from .commands import (
 from .options import GPU_OPTIONS, PARALLEL_OPTIONS, add_spec_options
 
 
-def _add_output_options(parser: argparse.ArgumentParser, *, html: bool = True) -> None:
+def _add_output_options(
+    parser: argparse.ArgumentParser,
+    *,
+    html: bool = True,
+    snapshot: str | None = None,
+    plot: str | None = None,
+) -> None:
+    """--json, --html, --debug, --no-cache; ``snapshot``: what --memory-snapshot writes (the
+    predicted "step" or "run"), ``plot``: what --plot draws; None for no such option."""
+    if plot is not None:
+        parser.add_argument("--plot", metavar="FILE.png", help=f"write {plot}")
+    if snapshot is not None:
+        parser.add_argument(
+            "--memory-snapshot",
+            metavar="FILE.pickle",
+            help=f"also write the predicted {snapshot} as a PyTorch CUDA memory snapshot "
+            "(open it at pytorch.org/memory_viz)",
+        )
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
     if html:
         parser.add_argument(
@@ -94,13 +111,7 @@ def _add_estimate(sub: Any) -> None:
         "estimate", help="predict the peak memory of a training step (fake tensors, no GPU)"
     )
     add_spec_options(p)
-    p.add_argument(
-        "--memory-snapshot",
-        metavar="FILE.pickle",
-        help="also write the predicted step as a PyTorch CUDA memory snapshot "
-        "(open it at pytorch.org/memory_viz)",
-    )
-    _add_output_options(p)
+    _add_output_options(p, snapshot="step")
     p.set_defaults(func=cmd_estimate)
 
 
@@ -141,8 +152,7 @@ def _add_compare(sub: Any) -> None:
         help="largest acceptable final-loss gap (default 0.05)",
     )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present, else cpu")
-    p.add_argument("--plot", metavar="FILE.png", help="write loss curves and memory bars")
-    _add_output_options(p, html=False)
+    _add_output_options(p, html=False, plot="loss curves and memory bars")
     p.set_defaults(func=cmd_compare)
 
 
@@ -184,13 +194,8 @@ def _add_run(sub: Any) -> None:
         metavar="SECONDS",
         help="stop the program after SECONDS (one that never steps), reporting what was seen",
     )
-    p.add_argument(
-        "--memory-snapshot",
-        metavar="FILE.pickle",
-        help="also write the predicted run as a PyTorch CUDA memory snapshot",
-    )
     _add_launch_options(p)
-    _add_output_options(p)
+    _add_output_options(p, snapshot="run")
     p.add_argument(
         "command",
         nargs=argparse.REMAINDER,
@@ -354,8 +359,7 @@ def _add_rehearse(sub: Any) -> None:
         help="also rehearse narrower copies, at these fractions of the width (at least three, "
         "dividing every head count; e.g. 0.25,0.5,0.75): every depth at every width",
     )
-    p.add_argument("--plot", metavar="FILE.png", help="write measured points and fitted lines")
-    _add_output_options(p, html=False)
+    _add_output_options(p, html=False, plot="measured points and fitted lines")
     p.set_defaults(func=cmd_rehearse)
 
 

@@ -44,6 +44,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from types import ModuleType, SimpleNamespace
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -204,13 +205,13 @@ def _engines_told(
         notes[UNFUSED_FIRST_STEP] = None
         return initial(wrapper)
 
-    engine_class._configure_optimizer = configure_optimizer
-    FP16_UnfusedOptimizer.initialize_optimizer_states = initialize_optimizer_states
-    try:
+    with (
+        mock.patch.object(engine_class, "_configure_optimizer", configure_optimizer),
+        mock.patch.object(
+            FP16_UnfusedOptimizer, "initialize_optimizer_states", initialize_optimizer_states
+        ),
+    ):
         yield
-    finally:
-        engine_class._configure_optimizer = original
-        FP16_UnfusedOptimizer.initialize_optimizer_states = initial
 
 
 UNFUSED_FIRST_STEP = (
@@ -291,13 +292,10 @@ def _hooks_under_their_modes() -> Iterator[None]:
 
         return register_under
 
-    for name, register in saved.items():
-        setattr(torch.Tensor, name, registering(register))
-    try:
-        yield
-    finally:
+    with contextlib.ExitStack() as patched:
         for name, register in saved.items():
-            setattr(torch.Tensor, name, register)
+            patched.enter_context(mock.patch.object(torch.Tensor, name, registering(register)))
+        yield
 
 
 FUSED_ADAM_NOTE = (
@@ -331,7 +329,6 @@ def _fused_adam_standing_in(notes: dict[str, None]) -> Iterator[None]:
     kernel is a C++/CUDA extension DeepSpeed compiles, which cannot run on fake tensors."""
     from deepspeed.ops.adam import fused_adam
 
-    saved = fused_adam.FusedAdamBuilder
     init = fused_adam.FusedAdam.__dict__["__init__"]
 
     def made_on_device(optimizer: Any, *args: Any, **kwargs: Any) -> None:
@@ -341,13 +338,11 @@ def _fused_adam_standing_in(notes: dict[str, None]) -> Iterator[None]:
         device = fused_adam.get_accelerator().current_device_name()
         optimizer._dummy_overflow_buf = torch.zeros(1, dtype=torch.int, device=device)
 
-    fused_adam.FusedAdamBuilder = _FusedAdamKernel(notes)
-    fused_adam.FusedAdam.__init__ = made_on_device
-    try:
+    with (
+        mock.patch.object(fused_adam, "FusedAdamBuilder", _FusedAdamKernel(notes)),
+        mock.patch.object(fused_adam.FusedAdam, "__init__", made_on_device),
+    ):
         yield
-    finally:
-        fused_adam.FusedAdamBuilder = saved
-        fused_adam.FusedAdam.__init__ = init
 
 
 ZERO3_CHECKS_NOTE = (
@@ -365,22 +360,15 @@ def _rank0_lists_own(notes: dict[str, None]) -> Iterator[None]:
     rank but 0. Rank 0's list is the rank's own here (``ZERO3_CHECKS_NOTE``)."""
     from deepspeed.runtime.zero import utils
 
-    saved = {
-        name: getattr(utils, name)
-        for name in ("assert_lst_len_same_as_other_ranks", "get_lst_from_rank0")
-    }
-
     def own(lst: list[int]) -> list[int]:
         notes[ZERO3_CHECKS_NOTE] = None
         return list(lst)
 
-    utils.assert_lst_len_same_as_other_ranks = own
-    utils.get_lst_from_rank0 = own
-    try:
+    with (
+        mock.patch.object(utils, "assert_lst_len_same_as_other_ranks", own),
+        mock.patch.object(utils, "get_lst_from_rank0", own),
+    ):
         yield
-    finally:
-        for name, value in saved.items():
-            setattr(utils, name, value)
 
 
 @contextlib.contextmanager
@@ -400,8 +388,5 @@ def _gathers_tagged(register: Register) -> Iterator[None]:
         gathered = [p.data for p in iter_params(module, recurse=True) if p.data.numel()]
         register(gathered, Category.ALL_GATHER_BUFFERS)
 
-    PartitionedParameterCoordinator.fetch_sub_module = fetched
-    try:
+    with mock.patch.object(PartitionedParameterCoordinator, "fetch_sub_module", fetched):
         yield
-    finally:
-        PartitionedParameterCoordinator.fetch_sub_module = fetch
