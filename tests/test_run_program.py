@@ -403,3 +403,13 @@ def test_cli_run_json(capsys):
     assert "GAN peak bytes" in captured.err
     assert [w["optimizer"] for w in result["optimizer_windows"]] == ["Adam (opt_d)", "Adam (opt_g)"]
     assert result["program_peak_bytes"] == _printed(captured.err)["GAN"]
+
+
+def test_a_default_device_taken_from_an_emulated_tensor_is_named():
+    """``with torch.device(x.device):`` of an emulated tensor is a plain CPU device here (the
+    table is host memory, GPU memory in the program's GPU run): the notes name the line."""
+    report = run_program(ProgramSpec(program=str(PROGRAMS / "device_context.py")))
+    program = str(PROGRAMS / "device_context.py")
+    assert any("with torch.device(...)" in n and f"{program}:8" in n for n in report.notes), (
+        report.notes
+    )

@@ -361,6 +361,25 @@ def _reporting(mode: FakeTensorMode, device: torch.device) -> property:
     return property(reported, _FAKE_DEVICE.fset)
 
 
+def _host_device_contexts(seen: dict[str, None]) -> Callable[..., None]:
+    """``DeviceContext.__init__`` (``with torch.device(d):``, called from C++ with the program's
+    frame next) that records where the program set the CPU as the default device. An emulated
+    tensor's device is the CPU object (:class:`FakeCuda`), and a device rebuilt from it
+    (``with torch.device(x.device):``, torchtitan's RoPE table) is a plain CPU device: the
+    tensors made inside are host memory here, GPU memory in the program's GPU run. The two are
+    not told apart, so the notes name each place."""
+    init = torch.utils._device.DeviceContext.__init__
+
+    def recording(context: Any, device: Any) -> None:
+        init(context, device)
+        if context.device.type == "cpu":
+            frame = sys._getframe(1)
+            if "site-packages/torch/" not in frame.f_code.co_filename:
+                seen[f"{frame.f_code.co_filename}:{frame.f_lineno}"] = None
+
+    return recording
+
+
 def _under(mode: TorchFunctionMode, apply: Callable[..., Any]) -> Callable[..., Any]:
     """``BackwardCFunction.apply`` (how autograd's engine calls a custom
     ``autograd.Function``'s ``backward``) with ``mode`` active: the engine runs it with no
@@ -387,6 +406,9 @@ class CudaEmulation:
         self.mapping = mapping
         self.autocasts: dict[str, None] = {}
         """The dtypes the program asked ``torch.autocast("cuda")`` for, in order (notes)."""
+        self.host_device_contexts: dict[str, None] = {}
+        """Where the program entered ``with torch.device(...)`` on the CPU (``file:line``),
+        in order (notes: :func:`_host_device_contexts`)."""
         self._stack = contextlib.ExitStack()
 
     def _functions(self) -> dict[str, Callable[..., Any]]:
@@ -536,6 +558,11 @@ class CudaEmulation:
         self._patch(torch.amp.autocast_mode.autocast, "__init__", init)
         if reported is not None:
             self._patch(FakeTensor, "device", _reporting(*reported))
+            self._patch(
+                torch.utils._device.DeviceContext,
+                "__init__",
+                _host_device_contexts(self.host_device_contexts),
+            )
         device_mode = _DeviceMode(mapping)
         self._patch(BackwardCFunction, "apply", _under(device_mode, BackwardCFunction.apply))
         self._stack.enter_context(device_mode)

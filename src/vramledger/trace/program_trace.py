@@ -340,6 +340,13 @@ def trace_program(
             f"the program ran torch.autocast('cuda') to {' and '.join(emulation.autocasts)} "
             f"(as CPU autocast over the emulated tensors, with {policy.name}'s operator lists)"
         )
+    if emulation.host_device_contexts:
+        notes.append(
+            "the program set the CPU as the default device (with torch.device(...)) at "
+            f"{', '.join(emulation.host_device_contexts)}: tensors made there are host memory "
+            "here; where that device was taken from a GPU tensor (torch.device(x.device)), "
+            "the GPU run makes them on the GPU and this prediction does not count them"
+        )
     notes += world.notes() if world is not None else []
     notes += shapes.notes()
     if (built := host.note()) is not None:
