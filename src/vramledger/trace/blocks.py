@@ -265,50 +265,70 @@ def extend(
     run lies in the extended one (``program_blocks.ExtendedCounter``)."""
     if blocks < HEAD + 2:
         raise NotExtensible(f"need at least {HEAD + 2} traced blocks")
-    regions = _regions(tl, blocks)
-    # Where each storage was allocated, inside a region: (region, block, identity in the block),
-    # the identity being (operator, module relative to the block, bytes, occurrence) so that a
-    # block with an extra storage (the first one allocates the cuBLAS workspace) does not shift
-    # the identities of the others.
-    where: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
-    for r, region in enumerate(regions):
-        order = range(blocks) if region.ascending else range(blocks - 1, -1, -1)
-        for k, (a, b) in zip(order, region.chunks, strict=True):
-            seen: dict[tuple[Any, ...], int] = {}
-            for e in range(a, b):
-                ev = tl.events[e]
-                if ev >= 0:
-                    base = (
-                        tl.op[ev],
-                        _relative(tl.module[ev], prefix, k),
-                        tl.nbytes[ev],
-                        tl.labels.get(ev),
-                    )
-                    seen[base] = seen.get(base, 0) + 1
-                    where[ev] = (r, k, (*base, seen[base]))
-    out = Timeline()
-    new_sid: dict[Any, int] = {}
-    middle = HEAD
-    region_starts = {reg.start: r for r, reg in enumerate(regions)}
-    mark_at: dict[int, list[tuple[int, Any]]] = {}
-    for index, step, phase in tl.marks:
-        mark_at.setdefault(index, []).append((step, phase))
+    return _Extension(tl, blocks, depth, prefix).run(origins)
 
-    def outside_module(module: str | None) -> str | None:
+
+class _Extension:
+    """One :func:`extend`: the traced timeline's regions, where each of their storages was
+    allocated, and the extended timeline being written."""
+
+    def __init__(self, tl: Timeline, blocks: int, depth: int, prefix: str) -> None:
+        self.tl, self.blocks, self.depth, self.prefix = tl, blocks, depth, prefix
+        self.regions = _regions(tl, blocks)
+        self.where = _allocated_where(tl, self.regions, blocks, prefix)
+        self.out = Timeline()
+        self.new_sid: dict[Any, int] = {}
+        self.mark_at: dict[int, list[tuple[int, Any]]] = {}
+        for index, step, phase in tl.marks:
+            self.mark_at.setdefault(index, []).append((step, phase))
+
+    def run(self, origins: list[tuple[int, int]] | None) -> Timeline:
+        tl, out, regions, depth, blocks = self.tl, self.out, self.regions, self.depth, self.blocks
+        region_starts = {reg.start: r for r, reg in enumerate(regions)}
+        e = 0
+        n = len(tl.events)
+        while e <= n:
+            for step, phase in self.mark_at.get(e, ()):
+                out.mark(step, phase)
+            if e == n:
+                break
+            if e in region_starts:
+                r = region_starts[e]
+                region = regions[r]
+                order = range(depth) if region.ascending else range(depth - 1, -1, -1)
+                templates: dict[int, list[tuple[Any, ...]]] = {}
+                for j in order:
+                    source = j if j < HEAD else blocks - 1 if j == depth - 1 else HEAD
+                    pos = source if region.ascending else blocks - 1 - source
+                    if source not in templates:
+                        templates[source] = self.chunk_template(r, *region.chunks[pos], source)
+                    self.emit_chunk(templates[source], j)
+                    if origins is not None:
+                        origins.extend((ee, j) for ee in range(*region.chunks[pos]))
+                e = region.stop
+                continue
+            self.emit_outside(e)
+            if origins is not None:
+                origins.append((e, -1))
+            e += 1
+        return out
+
+    def outside_module(self, module: str | None) -> str | None:
         """The module of an allocation outside every region: one in the first blocks as it
         is, one in the last renumbered as the new last (FSDP's unsharding for the last block's
         backward runs in a hook of its output's autograd node, before its block label)."""
-        found = _block_offset(module, prefix, 0)
+        found = _block_offset(module, self.prefix, 0)
         if found is None or found[0] < HEAD:
             return module
-        if found[0] == blocks - 1:
-            return f"{prefix}.{depth - 1}{found[1]}"
+        if found[0] == self.blocks - 1:
+            return f"{self.prefix}.{self.depth - 1}{found[1]}"
         raise NotExtensible("an event outside the blocks belongs to a middle block's module")
 
-    def emit_outside(e: int) -> None:
+    def emit_outside(self, e: int) -> None:
         """An event outside every region, copied as it is; a free there, or the module of an
         allocation there, may refer only to the first blocks (kept as traced) or to the last
         (renumbered as the new last)."""
+        tl, out, new_sid = self.tl, self.out, self.new_sid
         ev = tl.events[e]
         if ev >= 0:
             step, phase = tl.origin[ev]
@@ -316,7 +336,7 @@ def extend(
                 tl.nbytes[ev],
                 step,
                 phase,
-                outside_module(tl.module[ev]),
+                self.outside_module(tl.module[ev]),
                 tl.op[ev],
                 None,
                 recomputed=tl.recomputed[ev],
@@ -329,22 +349,23 @@ def extend(
             return
         sid = ~ev
         key: tuple[Any, ...] = ("outside", sid)
-        if sid in where:
-            r, k, o = where[sid]
+        if sid in self.where:
+            r, k, o = self.where[sid]
             if k < HEAD:
                 key = (r, k, o)
-            elif k == blocks - 1:
-                key = (r, depth - 1, o)
+            elif k == self.blocks - 1:
+                key = (r, self.depth - 1, o)
             else:
                 raise NotExtensible("an event outside the blocks refers to a middle block")
         if key not in new_sid:
             raise NotExtensible(f"reference to {key} before its allocation")
         out.free(new_sid[key], None)
 
-    def chunk_template(r: int, a: int, b: int, source: int) -> list[tuple[Any, ...]]:
+    def chunk_template(self, r: int, a: int, b: int, source: int) -> list[tuple[Any, ...]]:
         """The events of block ``source``'s chunk ``[a, b)`` of region ``r``, made ready to emit
         as any block, with every lookup that does not depend on the block done once (an 80-block
         model emits the middle block's chunk 76 times)."""
+        tl, where, mark_at, prefix = self.tl, self.where, self.mark_at, self.prefix
         items: list[tuple[Any, ...]] = []
         for ee in range(a, b):
             if ee != a and ee in mark_at:
@@ -379,15 +400,16 @@ def extend(
                     rr, k, o = where[sid]
                     items.append((False, None, rr, k - source, o))
                 else:
-                    if source == middle:
+                    if source == HEAD:
                         raise NotExtensible(
                             "a middle block frees a storage from outside the blocks"
                         )
                     items.append((False, ("outside", sid), None, None, None))
         return items
 
-    def emit_chunk(items: list[tuple[Any, ...]], j: int) -> None:
+    def emit_chunk(self, items: list[tuple[Any, ...]], j: int) -> None:
         """Every event of a chunk template, as block ``j``."""
+        out, new_sid, prefix = self.out, self.new_sid, self.prefix
         nbytes, tags, on_host, module_of, recomputed, ops = (
             out.nbytes,
             out.tags,
@@ -437,33 +459,31 @@ def extend(
                 events.append(~new_sid[key])
                 event_block.append(j)
 
-    e = 0
-    n = len(tl.events)
-    while e <= n:
-        for step, phase in mark_at.get(e, ()):
-            out.mark(step, phase)
-        if e == n:
-            break
-        if e in region_starts:
-            r = region_starts[e]
-            region = regions[r]
-            order = range(depth) if region.ascending else range(depth - 1, -1, -1)
-            templates: dict[int, list[tuple[Any, ...]]] = {}
-            for j in order:
-                source = j if j < HEAD else blocks - 1 if j == depth - 1 else middle
-                pos = source if region.ascending else blocks - 1 - source
-                if source not in templates:
-                    templates[source] = chunk_template(r, *region.chunks[pos], source)
-                emit_chunk(templates[source], j)
-                if origins is not None:
-                    origins.extend((ee, j) for ee in range(*region.chunks[pos]))
-            e = region.stop
-            continue
-        emit_outside(e)
-        if origins is not None:
-            origins.append((e, -1))
-        e += 1
-    return out
+
+def _allocated_where(
+    tl: Timeline, regions: list[_Region], blocks: int, prefix: str
+) -> dict[int, tuple[int, int, tuple[Any, ...]]]:
+    """Where each storage was allocated, inside a region: (region, block, identity in the
+    block), the identity being (operator, module relative to the block, bytes, occurrence) so
+    that a block with an extra storage (the first one allocates the cuBLAS workspace) does not
+    shift the identities of the others."""
+    where: dict[int, tuple[int, int, tuple[Any, ...]]] = {}
+    for r, region in enumerate(regions):
+        order = range(blocks) if region.ascending else range(blocks - 1, -1, -1)
+        for k, (a, b) in zip(order, region.chunks, strict=True):
+            seen: dict[tuple[Any, ...], int] = {}
+            for e in range(a, b):
+                ev = tl.events[e]
+                if ev >= 0:
+                    base = (
+                        tl.op[ev],
+                        _relative(tl.module[ev], prefix, k),
+                        tl.nbytes[ev],
+                        tl.labels.get(ev),
+                    )
+                    seen[base] = seen.get(base, 0) + 1
+                    where[ev] = (r, k, (*base, seen[base]))
+    return where
 
 
 RECORDED_COLUMNS = (

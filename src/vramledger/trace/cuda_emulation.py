@@ -237,6 +237,43 @@ def _mapped_load(load: Callable[..., Any], mapping: DeviceMapping) -> Callable[.
     return mapped
 
 
+def _mapped_load_file(load_file: Callable[..., Any], mapping: DeviceMapping) -> Callable[..., Any]:
+    """``safetensors.torch.load_file`` whose ``device="cuda"`` tensors are read into host
+    memory and moved by ``mapping``."""
+
+    def mapped_load_file(filename: Any, device: Any = "cpu") -> dict[str, torch.Tensor]:
+        if not _is_cuda(device):
+            return load_file(filename, device=device)
+        return {k: mapping.move(v, None) for k, v in load_file(filename).items()}
+
+    return mapped_load_file
+
+
+def _cuda_autocast_on_cpu(
+    autocast_init: Callable[..., None], autocasts: dict[str, None]
+) -> Callable[..., None]:
+    """``torch.autocast.__init__`` that runs ``autocast("cuda")`` as CPU autocast, with CUDA's
+    dtype, recording each dtype asked for in ``autocasts``."""
+
+    def init(
+        autocast: Any,
+        device_type: str,
+        dtype: torch.dtype | None = None,
+        enabled: bool = True,
+        cache_enabled: bool | None = None,
+    ) -> None:
+        if device_type == "cuda":
+            # CUDA's own default (float16, or what torch.set_autocast_dtype("cuda") set),
+            # not CPU autocast's bfloat16
+            dtype = torch.get_autocast_dtype("cuda") if dtype is None else dtype
+            if enabled:
+                autocasts[str(dtype).removeprefix("torch.")] = None
+            device_type = "cpu"
+        autocast_init(autocast, device_type, dtype, enabled, cache_enabled)
+
+    return init
+
+
 def _device_index(device: Any) -> int:
     """``set_device``'s argument (an index, ``"cuda:1"``, ``torch.device("cuda", 1)``) as an
     index."""
@@ -528,34 +565,16 @@ class CudaEmulation:
         except ImportError:
             safetensors_torch = None
         if safetensors_torch is not None:
-            load_file = safetensors_torch.load_file
-
-            def mapped_load_file(filename: Any, device: Any = "cpu") -> dict[str, torch.Tensor]:
-                if not _is_cuda(device):
-                    return load_file(filename, device=device)
-                return {k: mapping.move(v, None) for k, v in load_file(filename).items()}
-
-            self._patch(safetensors_torch, "load_file", mapped_load_file)
-        autocast_init = torch.amp.autocast_mode.autocast.__init__
-        autocasts = self.autocasts
-
-        def init(
-            autocast: Any,
-            device_type: str,
-            dtype: torch.dtype | None = None,
-            enabled: bool = True,
-            cache_enabled: bool | None = None,
-        ) -> None:
-            if device_type == "cuda":
-                # CUDA's own default (float16, or what torch.set_autocast_dtype("cuda") set),
-                # not CPU autocast's bfloat16
-                dtype = torch.get_autocast_dtype("cuda") if dtype is None else dtype
-                if enabled:
-                    autocasts[str(dtype).removeprefix("torch.")] = None
-                device_type = "cpu"
-            autocast_init(autocast, device_type, dtype, enabled, cache_enabled)
-
-        self._patch(torch.amp.autocast_mode.autocast, "__init__", init)
+            self._patch(
+                safetensors_torch,
+                "load_file",
+                _mapped_load_file(safetensors_torch.load_file, mapping),
+            )
+        self._patch(
+            torch.amp.autocast_mode.autocast,
+            "__init__",
+            _cuda_autocast_on_cpu(torch.amp.autocast_mode.autocast.__init__, self.autocasts),
+        )
         if reported is not None:
             self._patch(FakeTensor, "device", _reporting(*reported))
             self._patch(

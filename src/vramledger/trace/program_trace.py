@@ -261,7 +261,94 @@ def trace_program(
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values = KnownValues(mode)
     host = HostStandIns()
-    tracker = ProgramTracker(
+    tracker = _tracker(mode, host, values, policy, world)
+    observer = TrackerObserver(tracker, policy.host_resident)
+    phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
+    stand_ins = ValueStandIns(values)
+    quantization = EmulatedQuantization(phases.register, cuda_target=policy.name == "cuda")
+    fake_cuda = FakeCuda(
+        mode, phases.register, stand_ins, host, moves, parameter_move=quantization.move
+    )
+    emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
+    if moves is not None:
+        moves.tracker = tracker
+    notes: list[str] = []
+    foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
+    try:
+        with (
+            _fake_environment(policy),
+            tracker,
+            # the program's torch.compile'd modules and functions run as Inductor runs them
+            compiled_regions(tracker, notes, policy.name),
+            phases.hooks(),
+            emulation,
+            foreach as decided,
+            weights_without_data() as shapes,
+            offline_hub() as hub,
+            hf_known_values_once_imported(values) as phases.on_forward,
+            quantization,
+            world.entered(fake_cuda.device, phases.register, phases.replaced)
+            if world is not None
+            else contextlib.nullcontext(),
+        ):
+            run = launch(spec, phases)
+    except ProgramFailed as failed:
+        _raise_refusal(failed, hub)
+        raise
+    timeline = tracker.close()
+    if run.steps:
+        # What runs after the last optimizer step (evaluation, logging) is the last step's
+        # tail: its own step would have no forward and backward to report.
+        timeline.marks = [m for m in timeline.marks if m[1] <= run.steps]
+    notes += _notes(
+        run,
+        decided=bool(decided),
+        emulation=emulation,
+        world=world,
+        shapes=shapes,
+        host=host,
+        quantization=quantization,
+        stand_ins=stand_ins,
+        values=values,
+        tracker=tracker,
+        policy=policy,
+    )
+    return ProgramTrace(
+        timeline=timeline,
+        run=run,
+        parameters=sum(phases.parameters.values()),
+        trainable_parameters=sum(phases.trainable.values()),
+        notes=list(dict.fromkeys(policy.notes() + notes)),
+        seconds=time.perf_counter() - start,
+    )
+
+
+@contextlib.contextmanager
+def _fake_environment(policy: DevicePolicy) -> Iterator[None]:
+    """What a program's run on fake tensors needs around it, before the tracker."""
+    with (
+        warnings.catch_warnings(),
+        policy.context(),
+        noop_conversions(),
+        # DTensor's first propagation of an operator (torchtitan's fused AdamW on FSDP2's
+        # shards at step 1) makes global-shape tensors under the step's fake mode
+        untracked_sharding_propagation(),
+        torch.compiler.set_stance("force_eager"),
+    ):
+        # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
+        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+        yield
+
+
+def _tracker(
+    mode: FakeTensorMode,
+    host: HostStandIns,
+    values: KnownValues,
+    policy: DevicePolicy,
+    world: ProgramWorld | None,
+) -> ProgramTracker:
+    """The tracker of a program's run on ``mode``'s fake tensors under ``policy``."""
+    return ProgramTracker(
         mode,
         host,
         host_numbers=policy.name == "cpu",
@@ -273,64 +360,39 @@ def trace_program(
         op_categories=world.op_categories if world is not None else None,
         resize_category=world.resize_category if world is not None else None,
     )
-    observer = TrackerObserver(tracker, policy.host_resident)
-    phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
-    stand_ins = ValueStandIns(values)
-    quantization = EmulatedQuantization(phases.register, cuda_target=policy.name == "cuda")
-    fake_cuda = FakeCuda(
-        mode, phases.register, stand_ins, host, moves, parameter_move=quantization.move
-    )
-    emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
-    ranks = (
-        world.entered(fake_cuda.device, phases.register, phases.replaced)
-        if world is not None
-        else contextlib.nullcontext()
-    )
-    if moves is not None:
-        moves.tracker = tracker
+
+
+def _raise_refusal(failed: ProgramFailed, hub: Any) -> None:
+    """Raise what the program's exception means, when it is not the program's own: a download
+    refused offline, or an operator that needs a value fake tensors do not have."""
+    if (refused := hub.refusal(failed.exception)) is not None:
+        raise refused from None
+    if isinstance(failed.exception, _FAKE_LIMITS):
+        exc = failed.exception
+        raise TraceError(
+            f"the program needs a value computed from parameters ({type(exc).__name__}: "
+            f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}), which fake "
+            f"tensors do not have",
+            hint="run it for real with `vramledger run --measure` (on CPU)",
+        ) from exc
+
+
+def _notes(
+    run: ProgramRun,
+    *,
+    decided: bool,
+    emulation: CudaEmulation,
+    world: ProgramWorld | None,
+    shapes: Any,
+    host: HostStandIns,
+    quantization: EmulatedQuantization,
+    stand_ins: ValueStandIns,
+    values: KnownValues,
+    tracker: ProgramTracker,
+    policy: DevicePolicy,
+) -> list[str]:
+    """What the trace of a program assumed and did, for the notes."""
     notes: list[str] = []
-    foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
-    try:
-        with (
-            warnings.catch_warnings(),
-            policy.context(),
-            noop_conversions(),
-            # DTensor's first propagation of an operator (torchtitan's fused AdamW on FSDP2's
-            # shards at step 1) makes global-shape tensors under the step's fake mode
-            untracked_sharding_propagation(),
-            torch.compiler.set_stance("force_eager"),
-            tracker,
-            # the program's torch.compile'd modules and functions run as Inductor runs them
-            compiled_regions(tracker, notes, policy.name),
-            phases.hooks(),
-            emulation,
-            foreach as decided,
-            weights_without_data() as shapes,
-            offline_hub() as hub,
-            hf_known_values_once_imported(values) as phases.on_forward,
-            quantization,
-            ranks,
-        ):
-            # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
-            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-            run = launch(spec, phases)
-    except ProgramFailed as failed:
-        if (refused := hub.refusal(failed.exception)) is not None:
-            raise refused from None
-        if isinstance(failed.exception, _FAKE_LIMITS):
-            exc = failed.exception
-            raise TraceError(
-                f"the program needs a value computed from parameters ({type(exc).__name__}: "
-                f"{str(exc).strip().splitlines()[0] if str(exc).strip() else ''}), which fake "
-                f"tensors do not have",
-                hint="run it for real with `vramledger run --measure` (on CPU)",
-            ) from exc
-        raise
-    timeline = tracker.close()
-    if run.steps:
-        # What runs after the last optimizer step (evaluation, logging) is the last step's
-        # tail: its own step would have no forward and backward to report.
-        timeline.marks = [m for m in timeline.marks if m[1] <= run.steps]
     if decided:
         notes.append(
             "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
@@ -367,11 +429,4 @@ def trace_program(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "
             f"{tracker.scalar_answer} was used (scalars never change memory)"
         )
-    return ProgramTrace(
-        timeline=timeline,
-        run=run,
-        parameters=sum(phases.parameters.values()),
-        trainable_parameters=sum(phases.trainable.values()),
-        notes=list(dict.fromkeys(policy.notes() + notes)),
-        seconds=time.perf_counter() - start,
-    )
+    return notes
