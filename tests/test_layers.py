@@ -52,6 +52,7 @@ LAYERS: dict[str, list[str]] = {
         "errors",
         "gc_pause",
         "gpus",
+        "import_hooks",
         "jsonfile",
         "offline_hub",
         "optimizers",

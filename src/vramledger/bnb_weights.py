@@ -45,8 +45,6 @@ made.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from types import ModuleType
@@ -61,6 +59,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .adapters import quantized_tensors
 from .categories import Category
 from .errors import TraceError
+from .import_hooks import when_imported
 
 MODULE = "bitsandbytes.nn.modules"
 LIGHTNING_MODULE = "lightning.fabric.plugins.precision.bitsandbytes"
@@ -69,47 +68,6 @@ LIGHTNING_LAYERS = ("_Linear4bit", "_Linear8bitLt")
 once its ``_import_bitsandbytes`` has run)."""
 
 Register = Callable[[list[torch.Tensor], Category], None]
-
-
-class _OnImport(importlib.abc.MetaPathFinder):
-    """Calls ``then(module)`` once ``name`` has been executed, when the program imports it."""
-
-    def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
-        self.name = name
-        self.then = then
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name:
-            return None
-        sys.meta_path.remove(self)  # the other finders find it; this one only waits for it
-        spec = importlib.util.find_spec(fullname)
-        loader = getattr(spec, "loader", None)
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        exec_module, then = loader.exec_module, self.then
-
-        def exec_then(module: ModuleType) -> None:
-            exec_module(module)
-            then(module)
-
-        loader.exec_module = exec_then
-        return spec
-
-
-@contextlib.contextmanager
-def _when_imported(name: str, then: Callable[[ModuleType], None]) -> Iterator[None]:
-    """``then(module)`` now if ``name`` is imported, else when the program imports it."""
-    finder = None
-    if name in sys.modules:
-        then(sys.modules[name])
-    else:
-        finder = _OnImport(name, then)
-        sys.meta_path.insert(0, finder)
-    try:
-        yield
-    finally:
-        if finder is not None and finder in sys.meta_path:
-            sys.meta_path.remove(finder)
 
 
 class _Patches:
@@ -165,8 +123,8 @@ class EmulatedQuantization:
     def __enter__(self) -> EmulatedQuantization:
         meta = type(nn.Parameter)
         self.patches.set(meta, "__instancecheck__", self.instancecheck(meta.__instancecheck__))
-        self._imports.enter_context(_when_imported(MODULE, self.patch))
-        self._imports.enter_context(_when_imported(LIGHTNING_MODULE, self.patch_lightning))
+        self._imports.enter_context(when_imported(MODULE, self.patch))
+        self._imports.enter_context(when_imported(LIGHTNING_MODULE, self.patch_lightning))
         return self
 
     def __exit__(self, *exc: Any) -> None:
@@ -409,8 +367,8 @@ def real_quantization() -> Iterator[None]:
 
     try:
         with (
-            _when_imported("bitsandbytes.functional", lambda _: _fresh_code_cache(patches)),
-            _when_imported(LIGHTNING_MODULE, patch),
+            when_imported("bitsandbytes.functional", lambda _: _fresh_code_cache(patches)),
+            when_imported(LIGHTNING_MODULE, patch),
         ):
             yield
     finally:

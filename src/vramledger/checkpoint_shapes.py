@@ -49,8 +49,8 @@ from typing import Any, Literal
 
 import torch
 
-from .bnb_weights import _OnImport
 from .errors import InputError
+from .import_hooks import OnImport
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file opens with its header's length, an unsigned 64-bit little-endian int."""
@@ -317,7 +317,7 @@ def _from_pretrained(shapes: CheckpointShapes, original: Any) -> classmethod:
 
 def _lazy_loads_replaced(
     shapes: CheckpointShapes, replacements: dict[int, tuple[Any, Any]]
-) -> list[_OnImport]:
+) -> list[OnImport]:
     """Lightning's ``_lazy_load`` (``LIGHTNING_LAZY_LOAD``) entered in ``replacements`` where
     imported, else replaced when the program imports it (before ``litgpt.utils`` binds it):
     the import hooks waiting, for removal on exit."""
@@ -336,7 +336,7 @@ def _lazy_loads_replaced(
             if original is not None:
                 replacements[id(original)] = (original, _lazy_load(shapes, original))
         else:
-            finders.append(_OnImport(module_name, replace))
+            finders.append(OnImport(module_name, replace))
             sys.meta_path.insert(0, finders[-1])
     return finders
 

@@ -37,18 +37,16 @@ bucket, the partition's fp32 gradient) are not kept.
 from __future__ import annotations
 
 import contextlib
-import importlib.abc
-import importlib.util
-import sys
 import warnings
 from collections.abc import Callable, Iterator
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 from unittest import mock
 
 import torch
 
 from ..categories import Category
+from ..import_hooks import when_imported
 from ..trace.program_trace import STANDS_FOR
 from .deepspeed_runtime import (
     FAKE_RUN_WARNINGS,
@@ -64,51 +62,12 @@ EMULATED_DEVICE = "cuda"
 """The device type DeepSpeed's accelerator names in a trace: the emulated GPU's."""
 
 
-class _Imported(importlib.abc.MetaPathFinder):
-    """Calls ``then()`` once the module ``name`` has been executed by an import."""
-
-    def __init__(self, name: str, then: Callable[[], None]) -> None:
-        self.name = name
-        self.then = then
-        self._finding = False
-
-    def find_spec(self, fullname: str, path: Any = None, target: Any = None) -> Any:
-        if fullname != self.name or self._finding:
-            return None
-        self._finding = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._finding = False
-        loader = None if spec is None else spec.loader
-        if loader is None or not hasattr(loader, "exec_module"):
-            return spec
-        execute, then = loader.exec_module, self.then
-
-        def exec_module(module: ModuleType) -> None:
-            execute(module)
-            then()
-
-        loader.exec_module = exec_module  # type: ignore[method-assign]
-        return spec
-
-
 @contextlib.contextmanager
 def once_imported(name: str, setup: Callable[[contextlib.ExitStack], None]) -> Iterator[None]:
     """``setup(stack)`` as soon as ``name`` is imported (at once if it is already); whatever it
     enters on ``stack`` is exited when this context ends."""
-    with contextlib.ExitStack() as stack:
-        if name in sys.modules:
-            setup(stack)
-            yield
-            return
-        finder = _Imported(name, lambda: setup(stack))
-        sys.meta_path.insert(0, finder)
-        try:
-            yield
-        finally:
-            if finder in sys.meta_path:
-                sys.meta_path.remove(finder)
+    with contextlib.ExitStack() as stack, when_imported(name, lambda _module: setup(stack)):
+        yield
 
 
 @contextlib.contextmanager
