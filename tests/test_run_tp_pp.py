@@ -13,11 +13,10 @@ from __future__ import annotations
 import pytest
 
 from vramledger.categories import Category
-from vramledger.measure_program import measure_program
 from vramledger.predict_program import run_program
 
-from .gloo_noise import largest_transient_collective, late_free_window
-from .test_run_ranks import EXACT_BYTES, _per_rank, _spec
+from .gloo_noise import largest_transient_collective
+from .test_run_ranks import _per_rank, _spec, assert_every_rank_equals_its_real_process
 
 TP_PARAMETERS = 492_160
 """tp_torchrun.py's model: embedding 256 x 128, two blocks of (two norms of 128, four 128 x 128
@@ -37,19 +36,7 @@ output: 32,768 + 2 x 213,248 + 128 + 32,768."""
 )
 def test_every_rank_equals_its_real_gloo_process(name, args):
     """Each rank's steady window and steady steps: --target cpu vs the rank's real process."""
-    spec = _spec(name, args=tuple(args), nproc_per_node=2)
-    predicted = _per_rank(run_program(spec, target="cpu"))
-    measured = dict(measure_program(spec).ranks)
-    assert sorted(predicted) == sorted(measured) == [0, 1]
-    for rank, got in measured.items():
-        want = predicted[rank]
-        below, above = late_free_window(EXACT_BYTES, largest_transient_collective(want.ledger))
-        pairs = [
-            (w.peak_bytes, g.peak_bytes) for w, g in zip(want.windows, got.windows, strict=True)
-        ]
-        pairs += [(want.step_peaks[k], v) for k, v in got.step_peaks.items() if k >= 2]
-        for want_bytes, got_bytes in pairs:
-            assert -below <= got_bytes - want_bytes <= above, (name, rank, want_bytes, got_bytes)
+    assert_every_rank_equals_its_real_process(_spec(name, args=tuple(args), nproc_per_node=2))
 
 
 def test_tensor_parallel_program_is_tp():

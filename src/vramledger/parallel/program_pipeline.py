@@ -34,6 +34,7 @@ import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
+from unittest import mock
 
 import torch
 
@@ -81,14 +82,6 @@ def program_pipelines(
     from torch.distributed.pipelining import schedules, stage
     from torch.distributed.pipelining._utils import _StageBackwardMeta, _StageForwardMeta
 
-    saved = [
-        (schedules._PipelineSchedule, "_warmup_p2p"),
-        (stage.PipelineStage, "_send_meta"),
-        (stage.PipelineStage, "_recv_meta"),
-        (stage.PipelineStage, "_prepare_forward_infra"),
-        (stage.PipelineStage, "_prepare_backward_infra"),
-    ]
-    originals = [(owner, name, owner.__dict__[name]) for owner, name in saved]
     prepare_fwd = stage.PipelineStage.__dict__["_prepare_forward_infra"]
     prepare_bwd = stage.PipelineStage.__dict__["_prepare_backward_infra"]
 
@@ -142,15 +135,16 @@ def program_pipelines(
             mail.metas.setdefault((s.stage_index, s.stage_index - 1), sent)
         return out
 
-    replacements = [warmup_p2p, send_meta, recv_meta, prepare_forward_infra, prepare_backward_infra]
-    for (owner, name), function in zip(saved, replacements, strict=True):
-        setattr(owner, name, function)
-    try:
-        with works_hold_tensors():
-            yield
-    finally:
-        for owner, name, function in originals:
-            setattr(owner, name, function)
+    pipeline_stage = stage.PipelineStage
+    with (
+        mock.patch.object(schedules._PipelineSchedule, "_warmup_p2p", warmup_p2p),
+        mock.patch.object(pipeline_stage, "_send_meta", send_meta),
+        mock.patch.object(pipeline_stage, "_recv_meta", recv_meta),
+        mock.patch.object(pipeline_stage, "_prepare_forward_infra", prepare_forward_infra),
+        mock.patch.object(pipeline_stage, "_prepare_backward_infra", prepare_backward_infra),
+        works_hold_tensors(),
+    ):
+        yield
 
 
 def _derived_grad_meta(s: Any) -> Any:

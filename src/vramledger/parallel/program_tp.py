@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 from torch import nn
@@ -57,22 +58,17 @@ def program_tensor_parallel(
 
     applied: dict[str, None] = {}
     sizes: dict[int, None] = {}
-    current = [""]  # the note as it reads now: kept up to date as styles are applied
 
-    def wrap(cls: type, original: Any) -> Any:
+    def wrap(original: Any) -> Any:
         def apply(style: Any, module: nn.Module, device_mesh: Any) -> nn.Module:
             used["tp"] = None
             op_categories.update(COLLECTIVE_OP_CATEGORIES)
             applied[type(style).__name__] = None
             sizes[device_mesh.size()] = None
-            notes.pop(current[0], None)
-            current[0] = _note(applied, sizes)
-            notes[current[0]] = None
             return original(style, module, device_mesh)
 
         return apply
 
-    saved = [(cls, cls.__dict__["_apply"]) for cls in _styles()]
     register = nn.Module.__dict__["register_parameter"]
 
     def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
@@ -81,15 +77,17 @@ def program_tensor_parallel(
         if old is not None and isinstance(param, DTensor) and param is not old:
             replaced(old, param)
 
-    for cls, original in saved:
-        cls._apply = wrap(cls, original)
-    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        nn.Module.register_parameter = register  # type: ignore[method-assign]
-        for cls, original in saved:
-            cls._apply = original
+    with contextlib.ExitStack() as patches:
+        for cls in _styles():
+            patches.enter_context(mock.patch.object(cls, "_apply", wrap(cls.__dict__["_apply"])))
+        patches.enter_context(
+            mock.patch.object(nn.Module, "register_parameter", register_parameter)
+        )
+        try:
+            yield
+        finally:
+            if applied:
+                notes[_note(applied, sizes)] = None
 
 
 def _note(applied: dict[str, None], sizes: dict[int, None]) -> str:

@@ -39,6 +39,7 @@ Everything is restored on exit.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -398,6 +399,10 @@ def _reporting(mode: FakeTensorMode, device: torch.device) -> property:
     return property(reported, _FAKE_DEVICE.fset)
 
 
+_TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")
+"""PyTorch's own files: a ``with torch.device(...)`` there is PyTorch's, not the program's."""
+
+
 def _host_device_contexts(seen: dict[str, None]) -> Callable[..., None]:
     """``DeviceContext.__init__`` (``with torch.device(d):``, called from C++ with the program's
     frame next) that records where the program set the CPU as the default device. An emulated
@@ -411,7 +416,7 @@ def _host_device_contexts(seen: dict[str, None]) -> Callable[..., None]:
         init(context, device)
         if context.device.type == "cpu":
             frame = sys._getframe(1)
-            if "site-packages/torch/" not in frame.f_code.co_filename:
+            if not frame.f_code.co_filename.startswith(_TORCH_DIR):
                 seen[f"{frame.f_code.co_filename}:{frame.f_lineno}"] = None
 
     return recording
