@@ -408,8 +408,10 @@ def test_cli_run_json(capsys):
 def test_a_default_device_taken_from_an_emulated_tensor_is_named():
     """``with torch.device(x.device):`` of an emulated tensor is a plain CPU device here (the
     table is host memory, GPU memory in the program's GPU run): the notes name the line."""
-    report = run_program(ProgramSpec(program=str(PROGRAMS / "device_context.py")))
-    program = str(PROGRAMS / "device_context.py")
-    assert any("with torch.device(...)" in n and f"{program}:8" in n for n in report.notes), (
+    program = PROGRAMS / "device_context.py"
+    lines = program.read_text().splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.startswith("with torch.device("))
+    report = run_program(ProgramSpec(program=str(program)))
+    assert any("with torch.device(...)" in n and f"{program}:{line}" in n for n in report.notes), (
         report.notes
     )
