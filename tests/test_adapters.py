@@ -14,15 +14,10 @@ LORA = "r=8,alpha=16,targets=q_proj,v_proj"
 # tiny-llama: hidden 64, 2 layers; q_proj 64 -> 64, v_proj 64 -> 32 (2 key/value heads of 16)
 ADAPTER_PARAMETERS = 2 * (8 * (64 + 64) + 8 * (64 + 32))
 PLAIN_RUN_BOUND = 1e-4
-"""LoRA and LLM.int8 against the plain run's allocator count: the README's "within 0.01 %"
-(measured on 2026-12-02: fp32 LoRA -0.0081 %, bf16-mixed LoRA -0.0014 %, int8 -0.0016 %: a few
-scalars the trace does not see)."""
-NF4_CPU_SCRATCH = 0.0003
-"""QLoRA (nf4) on CPU: bitsandbytes' CPU 4-bit kernels take a little scratch that the probe of
-each operator on zero inputs does not reproduce; measured -0.020 % (396 B) of the plain run's
-peak on this model (2026-12-03, deterministic). It was -0.925 % while the ledger left out the
-quantization state beside the packed weights (absmax, double quantization's scales, codes and
-offsets: 16,784 B here), which had been taken for this scratch."""
+"""LoRA, LLM.int8 and QLoRA against the plain run's allocator count: the README's "within
+0.01 %" (measured on 2026-12-02: fp32 LoRA -0.0081 %, bf16-mixed LoRA -0.0014 %, int8
+-0.0016 %: a few scalars the trace does not see; on 2026-12-03, with measure's tracked run
+first, `vramledger measure` of LoRA, int8 and nf4 at batch 2 were exact)."""
 
 
 def _real(**spec):
@@ -52,9 +47,11 @@ def test_quantized_base_is_bitsandbytes_own_layout(kind):
         == estimate(model=TINY, target="cpu", seq_len=64).parameters + ADAPTER_PARAMETERS
     )
     assert est.trainable_parameters == ADAPTER_PARAMETERS
-    # the allocator's own count: bitsandbytes' CPU 4-bit kernels take a little scratch the
-    # probe of each operator on zero inputs does not reproduce (396 B)
-    assert abs(m.error()) <= (NF4_CPU_SCRATCH if kind == "nf4" else PLAIN_RUN_BOUND)
+    # the allocator's own count; measure's tracked run goes first, so bitsandbytes' import-time
+    # tables and the bounds its CPU quantization caches on first use (144 + 252 B, counted
+    # only when this was the process's first such run: -0.020 % here, -1.05 % on the MLP
+    # below) are the process's, not the step's
+    assert abs(m.error()) <= PLAIN_RUN_BOUND
 
 
 def test_quantized_weights_take_their_packed_bytes():
@@ -124,7 +121,7 @@ def test_quantize_a_model_that_is_not_a_transformers_model():
         est.trainable_parameters == m.ledger.trainable_parameters == 4 * (32 + 64) + 4 * (64 + 64)
     )
     assert est.at_peak == m.ledger.at_peak
-    assert abs(m.error()) <= NF4_CPU_SCRATCH
+    assert abs(m.error()) <= PLAIN_RUN_BOUND
     assert any(
         n.startswith("not a transformers model: --quantize replaced every") for n in est.notes
     )
