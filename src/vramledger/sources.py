@@ -242,12 +242,12 @@ def hf_source(
     return ModelSource(
         name=name,
         build=builder(config),
+        declared_dtype=declared_dtype(config),
         builder=builder,
         task=task,
         config=config,
         skip_init=_hf_skip_init,
         supports_hf_checkpointing=True,
-        declared_dtype=declared_dtype(config),
         attn_implementation=attn_implementation,
     )
 

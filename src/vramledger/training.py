@@ -215,9 +215,9 @@ def assemble(
         loss_fn=loss_fn,
         optimizer=opt,
         precision=precision,
-        device_type=device.type,
         grad_accum=grad_accum,
         masters=masters,
         grad_scaler=grad_scaler,
         loss_scaler=loss_scaler,
+        device_type=device.type,
     )

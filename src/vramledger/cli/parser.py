@@ -106,30 +106,70 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+COMMANDS: dict[str, dict[str, str]] = {
+    "estimate": {
+        "help": "predict the peak memory of a training step (fake tensors, no GPU)",
+    },
+    "measure": {
+        "help": "run the training step for real and measure it",
+    },
+    "compare": {
+        "help": "train with several optimizers and compare loss curves and memory",
+    },
+    "run": {
+        "help": "predict the memory of your own training program, run unchanged with CUDA "
+        "emulated on fake tensors (no GPU)",
+        "usage": "vramledger run [OPTIONS] -- PROGRAM.py|-m MODULE|COMMAND [ARGS...]",
+    },
+    "plan": {
+        "help": "the fewest GPUs of a kind per optimizer, and the configurations that fit",
+    },
+    "advise": {
+        "help": "what to change first when a training step does not fit a GPU",
+    },
+    "fit": {
+        "help": "the largest micro-batch and/or sequence length that fits a GPU",
+    },
+    "rehearse": {
+        "help": "run shallow (with --widths also narrower) copies of the model for real, fit their "
+        "growth, extrapolate",
+    },
+    "serve": {
+        "help": "a local web page to ask estimate, fit, plan and advise from (needs the serve extra)",
+    },
+    "cache": {
+        "help": "where the cache of traces and answers is and what it holds; clear it",
+    },
+}
+"""Each subcommand's ``add_parser`` arguments: its one-line help (and usage)."""
+
+
+def _command(sub: Any, func: Any) -> argparse.ArgumentParser:
+    """The subcommand of ``func`` (``cmd_NAME``), whose parsed arguments go to it."""
+    name = func.__name__.removeprefix("cmd_")
+    p = sub.add_parser(name, **COMMANDS[name])
+    p.set_defaults(func=func)
+    return p
+
+
 def _add_estimate(sub: Any) -> None:
-    p = sub.add_parser(
-        "estimate", help="predict the peak memory of a training step (fake tensors, no GPU)"
-    )
+    p = _command(sub, cmd_estimate)
     add_spec_options(p)
     _add_output_options(p, snapshot="step")
-    p.set_defaults(func=cmd_estimate)
 
 
 def _add_measure(sub: Any) -> None:
-    p = sub.add_parser("measure", help="run the training step for real and measure it")
+    p = _command(sub, cmd_measure)
     add_spec_options(p, exclude=GPU_OPTIONS)
     p.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="where to run (default cpu)"
     )
     p.add_argument("--compare", action="store_true", help="also estimate, and report the error")
     _add_output_options(p)
-    p.set_defaults(func=cmd_measure)
 
 
 def _add_compare(sub: Any) -> None:
-    p = sub.add_parser(
-        "compare", help="train with several optimizers and compare loss curves and memory"
-    )
+    p = _command(sub, cmd_compare)
     add_spec_options(p, exclude=("optimizer", "steps", "target", *GPU_OPTIONS))
     p.add_argument(
         "--optimizers",
@@ -153,27 +193,21 @@ def _add_compare(sub: Any) -> None:
     )
     p.add_argument("--device", choices=("cpu", "cuda"), help="default: cuda when present, else cpu")
     _add_output_options(p, html=False, plot="loss curves and memory bars")
-    p.set_defaults(func=cmd_compare)
 
 
 def _add_run(sub: Any) -> None:
-    p = sub.add_parser(
-        "run",
-        help="predict the memory of your own training program, run unchanged with CUDA "
-        "emulated on fake tensors (no GPU)",
-        usage="vramledger run [OPTIONS] -- PROGRAM.py|-m MODULE|COMMAND [ARGS...]",
-    )
-    p.add_argument(
-        "--gpu",
-        metavar="NAME",
-        help="the GPU torch.cuda answers as and the prediction is for (default h100-80gb)",
-    )
+    p = _command(sub, cmd_run)
     p.add_argument(
         "--target",
         choices=TARGETS,
         default="cuda",
         help="whose decisions the fake tensors follow (default cuda; cpu: predict what a real "
         "CPU run's allocator counts, to check against --measure)",
+    )
+    p.add_argument(
+        "--gpu",
+        metavar="NAME",
+        help="the GPU torch.cuda answers as and the prediction is for (default h100-80gb)",
     )
     p.add_argument(
         "--measure",
@@ -202,7 +236,6 @@ def _add_run(sub: Any) -> None:
         metavar="PROGRAM [ARGS...]",
         help="a .py script, -m MODULE, or a console script, with its arguments (after --)",
     )
-    p.set_defaults(func=cmd_run)
 
 
 def _add_launch_options(parser: argparse.ArgumentParser) -> None:
@@ -223,9 +256,7 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_plan(sub: Any) -> None:
-    p = sub.add_parser(
-        "plan", help="the fewest GPUs of a kind per optimizer, and the configurations that fit"
-    )
+    p = _command(sub, cmd_plan)
     add_spec_options(
         p,
         exclude=("optimizer", "precision", "target", "steps", *PARALLEL_OPTIONS),
@@ -288,21 +319,17 @@ def _add_plan(sub: Any) -> None:
         "parameters or more, or when the first trace takes over a second; else 1)",
     )
     _add_output_options(p)
-    p.set_defaults(func=cmd_plan)
 
 
 def _add_advise(sub: Any) -> None:
-    p = sub.add_parser(
-        "advise", help="what to change first when a training step does not fit a GPU"
-    )
+    p = _command(sub, cmd_advise)
     add_spec_options(p)
     _add_gpu_options(p)
     _add_output_options(p)
-    p.set_defaults(func=cmd_advise)
 
 
 def _add_fit(sub: Any) -> None:
-    p = sub.add_parser("fit", help="the largest micro-batch and/or sequence length that fits a GPU")
+    p = _command(sub, cmd_fit)
     add_spec_options(p, exclude=("target", "steps"))
     p.add_argument(
         "--max",
@@ -331,15 +358,10 @@ def _add_fit(sub: Any) -> None:
         help="answer with activation checkpointing on, off or both (default both)",
     )
     _add_output_options(p)
-    p.set_defaults(func=cmd_fit)
 
 
 def _add_rehearse(sub: Any) -> None:
-    p = sub.add_parser(
-        "rehearse",
-        help="run shallow (with --widths also narrower) copies of the model for real, fit their "
-        "growth, extrapolate",
-    )
+    p = _command(sub, cmd_rehearse)
     add_spec_options(
         p,
         exclude=("target", *PARALLEL_OPTIONS, *GPU_OPTIONS),
@@ -360,14 +382,10 @@ def _add_rehearse(sub: Any) -> None:
         "dividing every head count; e.g. 0.25,0.5,0.75): every depth at every width",
     )
     _add_output_options(p, html=False, plot="measured points and fitted lines")
-    p.set_defaults(func=cmd_rehearse)
 
 
 def _add_serve(sub: Any) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="a local web page to ask estimate, fit, plan and advise from (needs the serve extra)",
-    )
+    p = _command(sub, cmd_serve)
     p.add_argument(
         "dir",
         nargs="?",
@@ -387,13 +405,10 @@ def _add_serve(sub: Any) -> None:
         help="also build models from FILE.py:FUNCTION under DIR (runs that Python code)",
     )
     p.add_argument("--debug", action="store_true", help="show the server's and workers' logs")
-    p.set_defaults(func=cmd_serve)
 
 
 def _add_cache(sub: Any) -> None:
-    p = sub.add_parser(
-        "cache", help="where the cache of traces and answers is and what it holds; clear it"
-    )
+    p = _command(sub, cmd_cache)
     p.add_argument(
         "action",
         choices=("info", "clear"),
@@ -402,4 +417,3 @@ def _add_cache(sub: Any) -> None:
         default="info",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
-    p.set_defaults(func=cmd_cache)

@@ -336,15 +336,15 @@ def fit(
                 )
             estimates += len(sizer.ledgers)
     return Fit(
+        seconds=time.perf_counter() - start,
         gpu=gpu,
         margin_bytes=margin,
         maximize=maximize,
-        answers=answers,
         seq_step=seq_step,
-        estimates=estimates,
-        seconds=time.perf_counter() - start,
-        notes=notes,
+        answers=answers,
         no_fit=no_fit,
+        estimates=estimates,
+        notes=notes,
     )
 
 

@@ -5,7 +5,7 @@ answers, moved until they fit and one GPU fewer does not, and the Pareto front."
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from ..gpus import Gpu
 from ..spec import TrainingSpec
@@ -51,35 +51,24 @@ def _derived_key(cfg: Configuration) -> tuple[str, str, bool, int, str, str]:
     )
 
 
+@dataclass(kw_only=True, eq=False)
 class Planner:
     """The state of one plan: derived peaks, re-estimates, and what was learned from them."""
 
-    def __init__(
-        self,
-        spec: TrainingSpec,
-        gpu: Gpu,
-        *,
-        capacity: int,
-        max_gpus: int,
-        host_memory: int | None,
-        gpus_per_node: int,
-        runner: Runner,
-        reference: str,
-    ) -> None:
-        self.spec = spec
-        self.gpu = gpu
-        self.capacity = capacity
-        self.max_gpus = max_gpus
-        self.host_memory = host_memory
-        self.gpus_per_node = gpus_per_node
-        self.runner = runner
-        self.reference = reference
-        self.derived: dict[tuple[str, str, bool, int, str, str], DerivedPeaks] = {}
-        self.candidates: list[Candidate] = []
-        self.verified: dict[Configuration, Candidate] = {}
-        self.errors: list[float] = []
-        """Derived / re-estimated reserved peak - 1, at every count re-estimated."""
-        self.notes: list[str] = []
+    spec: TrainingSpec
+    gpu: Gpu
+    capacity: int
+    max_gpus: int
+    host_memory: int | None
+    gpus_per_node: int
+    runner: Runner
+    reference: str
+    derived: dict[tuple[str, str, bool, int, str, str], DerivedPeaks] = field(default_factory=dict)
+    candidates: list[Candidate] = field(default_factory=list)
+    verified: dict[Configuration, Candidate] = field(default_factory=dict)
+    errors: list[float] = field(default_factory=list)
+    """Derived / re-estimated reserved peak - 1, at every count re-estimated."""
+    notes: list[str] = field(default_factory=list)
 
     # -- fitting -------------------------------------------------------------------------------
     def host_per_node(self, per_rank: int, gpus: int) -> int:

@@ -138,8 +138,8 @@ def plan(
             if facts_cache[first].trainable_parameters >= WORKERS_AT_ONCE_PARAMETERS:
                 runner.start_workers()  # their start-up overlaps the first trace
         planner = Planner(
-            spec,
-            gpu,
+            spec=spec,
+            gpu=gpu,
             capacity=gpu.memory_bytes - margin,
             max_gpus=max_gpus,
             host_memory=host_memory,

@@ -61,13 +61,21 @@ TRACE_DEVICE = torch.device("cpu")
 
 @dataclass(frozen=True, kw_only=True)
 class TraceResult:
+    """One traced step: its timeline and what the ledger says beside it."""
+
     timeline: Timeline
+    """Every storage of the step, with its category, phase, module and lifetime."""
     model_name: str
     parameters: int
+    """Parameters of the model, counted once where tied; ``trainable_parameters``: those
+    that train."""
     trainable_parameters: int
     optimizer_state_bytes: int
+    """Bytes of ``optimizer.state`` after the last step, and how they were found
+    (``optimizer_state_method``)."""
     optimizer_state_method: str
     seconds: float
+    """Wall time of the trace."""
     notes: list[str] = field(default_factory=list)
     routing_dependent: dict[str, str] = field(default_factory=dict)
     """Value-dependent operators that read MoE routing values (operator -> module): the memory

@@ -302,7 +302,6 @@ def trace_program(
         timeline.marks = [m for m in timeline.marks if m[1] <= run.steps]
     notes += _notes(
         run,
-        decided=bool(decided),
         emulation=emulation,
         world=world,
         shapes=shapes,
@@ -312,6 +311,7 @@ def trace_program(
         values=values,
         tracker=tracker,
         policy=policy,
+        decided=bool(decided),
     )
     return ProgramTrace(
         timeline=timeline,
