@@ -86,6 +86,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.dtensor_compat",
         "trace.engine",
         "trace.fake",
+        "trace.trace_errors",
         "trace.fake_corrections",
         "trace.hf_compat",
         "trace.inductor_stub",

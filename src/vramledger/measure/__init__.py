@@ -153,58 +153,14 @@ def measure(
 ) -> Measurement:
     """Run ``spec`` for real on ``device`` ('cpu' or 'cuda') and measure it."""
     spec, _ = apply_accelerate(as_spec(spec, fields))
-    if device not in ("cpu", "cuda"):
-        raise InputError(f"unknown device {device!r}", hint="measure on cpu or cuda")
-    if spec.attn_implementation == "flash_attention_2":
-        raise InputError(
-            "flash_attention_2 is modelled from flash-attn's code for estimates; its stand-in "
-            "computes nothing, so a real run cannot use it",
-            hint="measure with --attn-implementation sdpa or eager, or run your own script "
-            "with flash-attn on the GPU",
-        )
-    if device == "cuda" and not torch.cuda.is_available():
-        raise InputError("no CUDA GPU here", hint="measure on cpu, or run on a machine with a GPU")
-    if spec.world_size > 1:
-        check_world(spec)
-        if compare:
-            raise InputError(
-                "--compare is not available under torchrun (the estimate uses its own fake process group)",
-                hint="run `vramledger estimate` with the same options separately",
-            )
-        if device == "cuda":
-            torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
+    _check(spec, device, compare)
+    if spec.world_size > 1 and device == "cuda":
+        torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
     start = time.perf_counter()
     # Garbage of earlier work in this process (models in reference cycles) must not die inside
     # the measured steps: on CPU its frees would be subtracted, on CUDA it is counted until then.
     gc.collect()
-    measured_run, ledger_run = PLAIN_RUN, TRACKED_RUN
-    if spec.world_size > 1 and (spec.pp > 1 or spec.parallelism.is_deepspeed):
-        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
-        # (a plain run counted, then a tracked run for the ledger)
-        run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
-        ledger, peaks = run.ledger, run.counted_step_peaks
-        method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
-    elif device == "cpu" and spec.world_size > 1:
-        # gloo frees on its own threads, which the profiler misses: count every thread
-        peaks = _plain_counted(spec)
-        ledger, _ = _tracked(spec, "cpu")
-        method = COUNTED
-    elif device == "cpu":
-        # The tracked run first: the libraries the step imports lazily (bitsandbytes, peft) and
-        # the tables they cache on first use (bitsandbytes' CPU quantization bounds) are then the
-        # process's, made before the count starts, as in a program that imports at the top;
-        # counted only when this was the first such run in the process, they made the plain
-        # run's peak depend on what ran before it (396 B on a 37 KB model, 1 %).
-        ledger, _ = _tracked(spec, device)
-        gc.collect()
-        with recording() as prof:
-            steps = _plain(spec, device)
-        peaks = _profiler_step_peaks(prof, steps)
-        method = "torch.profiler memory events (profile_memory=True) per step"
-    else:
-        peaks = _plain_cuda(spec)
-        ledger, _ = _tracked(spec, "cuda")
-        method = "torch.cuda.max_memory_allocated() per step"
+    ledger, peaks, method = _runs(spec, device)
     estimate = predict(spec, target=device) if compare else None
     ledger = _with_seconds(ledger, time.perf_counter() - start)
     rank_results: list[dict[str, Any]] = []
@@ -223,12 +179,63 @@ def measure(
         measured_peak_bytes=max(v for k, v in peaks.items() if k >= 2),
         measured_first_step_peak_bytes=peaks[1],
         measured_step_peaks=peaks,
-        method=f"{method}, {measured_run}",
-        measured_run=measured_run,
-        ledger_run=ledger_run,
+        method=f"{method}, {PLAIN_RUN}",
+        measured_run=PLAIN_RUN,
+        ledger_run=TRACKED_RUN,
         estimate=estimate,
         ranks=rank_results,
     )
+
+
+def _check(spec: TrainingSpec, device: str, compare: bool) -> None:
+    """Refuse, in one line, what cannot be measured here."""
+    if device not in ("cpu", "cuda"):
+        raise InputError(f"unknown device {device!r}", hint="measure on cpu or cuda")
+    if spec.attn_implementation == "flash_attention_2":
+        raise InputError(
+            "flash_attention_2 is modelled from flash-attn's code for estimates; its stand-in "
+            "computes nothing, so a real run cannot use it",
+            hint="measure with --attn-implementation sdpa or eager, or run your own script "
+            "with flash-attn on the GPU",
+        )
+    if device == "cuda" and not torch.cuda.is_available():
+        raise InputError("no CUDA GPU here", hint="measure on cpu, or run on a machine with a GPU")
+    if spec.world_size > 1:
+        check_world(spec)
+        if compare:
+            raise InputError(
+                "--compare is not available under torchrun (the estimate uses its own fake process group)",
+                hint="run `vramledger estimate` with the same options separately",
+            )
+
+
+def _runs(spec: TrainingSpec, device: str) -> tuple[Ledger, dict[int, int], str]:
+    """The plain run's allocator peaks per step and the tracked run's ledger, and how the
+    peaks were counted."""
+    if spec.world_size > 1 and (spec.pp > 1 or spec.parallelism.is_deepspeed):
+        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
+        # (a plain run counted, then a tracked run for the ledger)
+        run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
+        method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
+        return run.ledger, run.counted_step_peaks, method
+    if device == "cpu" and spec.world_size > 1:
+        # gloo frees on its own threads, which the profiler misses: count every thread
+        peaks = _plain_counted(spec)
+        return _tracked(spec, "cpu")[0], peaks, COUNTED
+    if device == "cpu":
+        # The tracked run first: the libraries the step imports lazily (bitsandbytes, peft) and
+        # the tables they cache on first use (bitsandbytes' CPU quantization bounds) are then the
+        # process's, made before the count starts, as in a program that imports at the top;
+        # counted only when this was the first such run in the process, they made the plain
+        # run's peak depend on what ran before it (396 B on a 37 KB model, 1 %).
+        ledger, _ = _tracked(spec, device)
+        gc.collect()
+        with recording() as prof:
+            steps = _plain(spec, device)
+        method = "torch.profiler memory events (profile_memory=True) per step"
+        return ledger, _profiler_step_peaks(prof, steps), method
+    peaks = _plain_cuda(spec)
+    return _tracked(spec, "cuda")[0], peaks, "torch.cuda.max_memory_allocated() per step"
 
 
 def check_world(spec: TrainingSpec) -> None:

@@ -128,15 +128,10 @@ def plan(
     spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
     start = time.perf_counter()
     bases = _bases(spec, optimizers, list(precisions or [spec.precision]), checkpointing)
-    facts_cache: dict[tuple[str, bool], ModelFacts] = {}
     fewest_gpus: dict[str, Candidate | None] = {}
     on_gpu: dict[str, Candidate | None] = {}
     with Runner(workers) as runner:
-        if bases:
-            first = (bases[0].precision, bases[0].grad_checkpointing)
-            facts_cache[first] = model_facts(bases[0])
-            if facts_cache[first].trainable_parameters >= WORKERS_AT_ONCE_PARAMETERS:
-                runner.start_workers()  # their start-up overlaps the first trace
+        facts_cache = _first_facts(bases, runner)
         planner = Planner(
             spec=spec,
             gpu=gpu,
@@ -179,6 +174,19 @@ def plan(
             notes=list(dict.fromkeys(planner.notes)),
             layouts=layouts,
         )
+
+
+def _first_facts(bases: list[TrainingSpec], runner: Runner) -> dict[tuple[str, bool], ModelFacts]:
+    """The first base's model facts (its trace), keyed by (precision, checkpointing); for a
+    model this large the runner's workers start then, their start-up overlapping the traces
+    that follow."""
+    facts_cache: dict[tuple[str, bool], ModelFacts] = {}
+    if bases:
+        first = (bases[0].precision, bases[0].grad_checkpointing)
+        facts_cache[first] = model_facts(bases[0])
+        if facts_cache[first].trainable_parameters >= WORKERS_AT_ONCE_PARAMETERS:
+            runner.start_workers()
+    return facts_cache
 
 
 def _check(

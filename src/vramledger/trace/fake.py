@@ -11,18 +11,13 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..adapters import adapter_notes, carry_quantization, quantization_state
 from ..attention import AttentionCalls, built_implementation, implementation_note
 from ..categories import Category
 from ..config_depth import config_depth
-from ..errors import InputError, TraceError, VramledgerError
+from ..errors import InputError, VramledgerError
 from ..optimizers import OptimizerChoice
 from ..recipe import Recipe, count_parameters, module_names, resolve
 from ..sources import map_tensors
@@ -51,6 +46,7 @@ from .hf_compat import hf_known_values, ordinary_batches
 from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
 from .policy import DevicePolicy
 from .step_memo import repeated_steps
+from .trace_errors import trace_error
 from .tracker import StorageTracker, TrackerObserver
 from .values import CONCRETE_ROUTINGS, KnownValues
 
@@ -342,23 +338,7 @@ def _run_rank(
     blocks: list[nn.Module] = list(model.get_submodule(stack.fqn)) if stack is not None else []
     with mode:
         model = engine.wrap(model, blocks, recipe.precision.name)
-    tracker = StorageTracker(
-        module_names=names,
-        op_observer=policy.op_observer(),
-        corrections=CORRECTIONS,
-        substitutes=SUBSTITUTES,
-        answer_optimizer_scalars=True,
-        scalar_answer=getattr(engine, "scalar_answer", 1),
-        blocks={id(b): k for k, b in enumerate(blocks)},
-        tensor_blocks={
-            id(t): k
-            for k, b in enumerate(blocks)
-            for t in (*b.parameters(), *quantization_state(b.parameters()))
-        },
-        op_categories=engine.op_categories,
-        resize_category=engine.resize_category,
-        values=values,
-    )
+    tracker = _tracker(names, policy, engine, blocks, values)
     observer = TrackerObserver(tracker, policy.host_resident)
     # torch.compile'd code runs eagerly, except the regions trace/compiled.py compiles
     # (torchao's steps, through step_memo).
@@ -408,6 +388,34 @@ def _run_rank(
     return timeline
 
 
+def _tracker(
+    names: dict[int, str],
+    policy: DevicePolicy,
+    engine: RankEngine,
+    blocks: list[nn.Module],
+    values: KnownValues,
+) -> StorageTracker:
+    """The storage tracker of one rank's trace: the policy's scratch probe, the engine's
+    categories, the repeated blocks and their tensors labelled."""
+    return StorageTracker(
+        module_names=names,
+        op_observer=policy.op_observer(),
+        corrections=CORRECTIONS,
+        substitutes=SUBSTITUTES,
+        answer_optimizer_scalars=True,
+        scalar_answer=getattr(engine, "scalar_answer", 1),
+        blocks={id(b): k for k, b in enumerate(blocks)},
+        tensor_blocks={
+            id(t): k
+            for k, b in enumerate(blocks)
+            for t in (*b.parameters(), *quantization_state(b.parameters()))
+        },
+        op_categories=engine.op_categories,
+        resize_category=engine.resize_category,
+        values=values,
+    )
+
+
 def _add_run_notes(
     notes: list[str],
     values: KnownValues,
@@ -436,57 +444,6 @@ def _add_run_notes(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "
             f"{tracker.scalar_answer} was used (scalars never change memory)"
         )
-
-
-_FAKE_LIMITS = (
-    UnsupportedOperatorException,
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-)
-
-
-def trace_error(exc: Exception, tracker: StorageTracker, target: str = "cuda") -> TraceError:
-    """Say which operator failed in which module, and what to do instead (a hint that is true for
-    this run: ``--target cpu`` is suggested only to a CUDA estimate, and only where the CPU path
-    could differ)."""
-    where = tracker.module_of(exc) or "the training step"
-    measure = "run it for real with `vramledger measure` (--debug shows the traceback)"
-    hint = f"try --target cpu, or {measure}" if target == "cuda" else measure
-    if isinstance(exc, _FAKE_LIMITS):
-        op = getattr(exc, "func", None)
-        if isinstance(exc, UnsupportedOperatorException):
-            return TraceError(
-                f"operator {op} has no fake-tensor implementation (in module {where})", hint=hint
-            )
-        what = (
-            "has an output shape that depends on tensor values"
-            if isinstance(exc, DynamicOutputShapeException)
-            else "needs tensor values"
-        )
-        return TraceError(
-            f"operator {op} {what} (in module {where}), and these values are computed from the "
-            "model's parameters, which a fake-tensor trace does not have (values computed from "
-            "the batch alone are known)",
-            hint=measure,
-        )
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if (
-        "data-dependent" in text
-        or "Data dependent" in text
-        or "GuardOnDataDependent" in type(exc).__name__
-    ):
-        return TraceError(f"data-dependent control flow in module {where}: {text}", hint=measure)
-    if "got mixed torch.Tensor and DTensor" in text and where == "the training step":
-        # PyTorch's own limit, on a real run too: a foreach/fused optimizer step over a list
-        # holding both the tensor plan's DTensor parameters and plain (replicated) ones
-        return TraceError(
-            f"the optimizer step mixes DTensor parameters (split by the tensor-parallel plan) "
-            f"with plain ones (modules the plan leaves out), which PyTorch's foreach and fused "
-            f"optimizer steps refuse ({text})",
-            hint="shard the data-parallel axis with FSDP (--dp-shard N), make the plan cover "
-            "every module, or step without foreach (--optimizer-kwargs '{\"foreach\": false}')",
-        )
-    return TraceError(f"{type(exc).__name__} in module {where}: {text}", hint=hint)
 
 
 def fake_batch(batch: Any, mode: FakeTensorMode, values: KnownValues) -> Any:

@@ -34,12 +34,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import (
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-    FakeTensorMode,
-    UnsupportedOperatorException,
-)
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from ..adapters import logical_numel
 from ..allocator import AllocatorModel
@@ -60,6 +55,7 @@ from .hf_compat import hf_known_values_once_imported
 from .host_stand_ins import HostStandIns
 from .policy import DevicePolicy
 from .program_tracker import ProgramTracker, TimelineCounter, emulated
+from .trace_errors import FAKE_LIMITS
 from .tracker import StorageTracker, TrackerObserver
 from .value_stand_ins import ValueStandIns
 from .values import KnownValues
@@ -215,13 +211,6 @@ class _Phases:
             self.leave_step()
 
 
-_FAKE_LIMITS = (
-    UnsupportedOperatorException,
-    DataDependentOutputException,
-    DynamicOutputShapeException,
-)
-
-
 class ProgramWorld(Protocol):
     """The program as one rank of several (``parallel/program_world.py``): its process group,
     DDP and FSDP2 while it runs, and the categories of FSDP2's buffers."""
@@ -367,7 +356,7 @@ def _raise_refusal(failed: ProgramFailed, hub: Any) -> None:
     refused offline, or an operator that needs a value fake tensors do not have."""
     if (refused := hub.refusal(failed.exception)) is not None:
         raise refused from None
-    if isinstance(failed.exception, _FAKE_LIMITS):
+    if isinstance(failed.exception, FAKE_LIMITS):
         exc = failed.exception
         raise TraceError(
             f"the program needs a value computed from parameters ({type(exc).__name__}: "
