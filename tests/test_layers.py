@@ -76,6 +76,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.autocast_cuda",
         "trace.backward_modules",
         "trace.block_labels",
+        "trace.block_regions",
         "trace.blocks",
         "trace.cache",
         "trace.compiled",

@@ -5,11 +5,11 @@ the events of layer 40 are those of layer 39 with the names shifted. So the trac
 model with ``SMALL`` and ``SMALL + 1`` blocks, every event labelled with the block it belongs
 to (module hooks in forward, gradient hooks on block boundaries in backward, the owning
 parameter in the optimizer step). In each stretch of the timeline that walks the blocks in order
-(a *region*: the forward, the backward, each multi-tensor optimizer operator ...), the events of
-a middle block (``HEAD``) are the template for every middle block — the first ``HEAD`` blocks and the
-last are kept as traced; storages a block references in other blocks
-or regions are kept at the same relative block offset. ``extend`` rebuilds the timeline for any
-depth from the small one.
+(a *region*: the forward, the backward, each multi-tensor optimizer operator ...; found by
+``block_regions.py``), the events of a middle block (``HEAD``) are the template for every middle
+block — the first ``HEAD`` blocks and the last are kept as traced; storages a block references
+in other blocks or regions are kept at the same relative block offset. ``extend`` rebuilds the
+timeline for any depth from the small one.
 
 Exactness is checked, not assumed: the timeline extended from ``SMALL`` to ``SMALL + 1`` blocks
 must equal the traced ``SMALL + 1`` timeline event for event — storages, sizes, categories,
@@ -20,15 +20,14 @@ decoder stacks) fail that check and are traced in full.
 
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
 
-from ..categories import Phase
 from ..gc_pause import gc_paused
 from ..timeline import Timeline
+from .block_regions import NotExtensible, Region, find_regions
 
 SMALL = 4
 """Blocks in the smaller trace."""
@@ -39,10 +38,6 @@ first is prefetched). Block ``HEAD`` is the template for the middle ones; the la
 as traced too."""
 MIN_BLOCKS = SMALL + 3
 """Extend only models with at least this many blocks (otherwise a full trace is as cheap)."""
-
-
-class NotExtensible(Exception):
-    """The timeline does not have the repeated-block structure ``extend`` needs."""
 
 
 @dataclass(frozen=True)
@@ -82,155 +77,6 @@ def truncate(model: nn.Module, stack: BlockStack, depth: int) -> None:
 
 
 # -- the timeline surgery ---------------------------------------------------------------------
-@dataclass
-class _Region:
-    start: int  # first event index
-    stop: int  # one past the last event index
-    ascending: bool
-    chunks: list[tuple[int, int]]  # (start, stop) event span of each block, in region order
-
-
-def _regions(tl: Timeline, blocks: int) -> list[_Region]:
-    """Split the event stream into regions that walk all blocks in order.
-
-    In forward and backward a block's events are everything while it runs, so a region runs
-    to its last labelled event. Elsewhere (setup, optimizer) labels come from the storages, and
-    two regions can meet on the same block (a multi-tensor operator's outputs allocated in block
-    order, then freed in reverse as the list is released; the last block's gradients freed,
-    then the first block's as ``zero_grad`` walks the parameters); there the last block's events
-    stop, at an unlabelled event or a free, once it has as many labelled events as the first
-    block had. When every parameter the optimizer steps is in a block (LoRA adapters, a frozen
-    embedding and head) no unlabelled event stands between such regions.
-
-    Two kinds of events are taken for what they are rather than by their label: a free of the
-    previous block's storage inside a block (a for-loop over parameters frees one parameter's
-    temporary when the next one is computed) belongs to the block where it happens; and a run
-    of frees outside any block that releases storages of several blocks (autocast's weight
-    cache when the autocast region ends) is a region of its own, by the storages' blocks.
-    """
-    timed = _timed_events(tl)
-    labels, sweep = _with_free_sweeps(tl)
-    _refuse_graph_release(tl, sweep)
-    phase_starts = {index for index, _, _ in tl.marks}
-    regions: list[_Region] = []
-    i, n = 0, len(labels)
-    while i < n:
-        if labels[i] is None:
-            i += 1
-            continue
-        first = labels[i]
-        if first not in (0, blocks - 1):
-            if tl.events[i] < 0:  # a late free of a block's storage after its region ended
-                i += 1
-                continue
-            raise NotExtensible(f"a region starts at block {first}")
-        ascending = first == 0
-        order = list(range(blocks)) if ascending else list(range(blocks - 1, -1, -1))
-        chunks: list[tuple[int, int]] = []
-        start = chunk_start = last_labelled = i
-        pos = counted = 0
-        first_count = None
-        j = i
-        while j < n:
-            if j in phase_starts and j > start:
-                break  # a region never spans two phases
-            if sweep[j] != sweep[start]:
-                break  # a sweep of frees is a region of its own
-            lab = labels[j]
-            complete = (
-                pos == len(order) - 1
-                and not timed[j]
-                and first_count is not None
-                and counted >= first_count
-            )
-            if lab is None:
-                if complete:
-                    break
-            elif complete and tl.events[j] < 0:
-                break  # the next region's first free (see the docstring)
-            elif lab == order[pos]:
-                counted += 1
-                last_labelled = j
-            elif pos > 0 and lab == order[pos - 1] and tl.events[j] < 0:
-                pass  # a late free of the previous block's storage, inside this block
-            elif pos + 1 < len(order) and lab == order[pos + 1]:
-                chunks.append((chunk_start, j))
-                if first_count is None:
-                    first_count = counted
-                pos, counted, chunk_start, last_labelled = pos + 1, 1, j, j
-            else:
-                break
-            j += 1
-        if pos != len(order) - 1:
-            if tl.events[i] < 0:  # a late free of a block's storage, not a region
-                i += 1
-                continue
-            raise NotExtensible("a region does not visit every block")
-        stop = last_labelled + 1
-        if timed[start] and len(chunks) >= 2:
-            # The code between one block call and the next (say, releasing the previous
-            # block's output) also runs after the last block: take as many trailing events.
-            a, b = chunks[min(HEAD, len(chunks) - 1)]
-            tail = b - 1 - max(e for e in range(a, b) if labels[e] is not None)
-            if all(labels[e] is None and timed[e] for e in range(stop, min(stop + tail, n))):
-                stop = min(stop + tail, n)
-        chunks.append((chunk_start, stop))
-        regions.append(_Region(start=start, stop=stop, ascending=ascending, chunks=chunks))
-        i = stop
-    return regions
-
-
-def _with_free_sweeps(tl: Timeline) -> tuple[list[int | None], list[int | None]]:
-    """Labels with free sweeps relabelled by the storages' blocks, and each event's sweep."""
-    labels = list(tl.event_block)
-    n = len(labels)
-    sweep: list[int | None] = [None] * n
-    i = 0
-    while i < n:
-        if tl.events[i] >= 0 or labels[i] is not None:
-            i += 1
-            continue
-        j = i
-        while j < n and tl.events[j] < 0 and labels[j] is None:
-            j += 1
-        owners = [tl.block[~tl.events[e]] for e in range(i, j)]
-        if len({b for b in owners if b is not None}) >= 2:
-            labels[i:j] = owners
-            sweep[i:j] = [i] * (j - i)
-        i = j
-    return labels, sweep
-
-
-def _refuse_graph_release(tl: Timeline, sweep: list[int | None]) -> None:
-    """A sweep of frees in backward, outside every block, is the autograd graph released after
-    the backward (``tracker.py`` ends a backward outside every block) freeing tensors of several
-    blocks that a custom autograd Function kept on its ``ctx`` rather than saving them
-    (bitsandbytes' LLM.int8 ``MatMul8bitLt``). Python releases that graph object by object, and
-    past a nesting depth (CPython's trashcan) it defers the rest, so the order of the frees
-    depends on the depth: a 24-layer LLM.int8 model frees the loss among its blocks' tensors,
-    a 5-layer one after them, and an extended trace would differ from the full one (in the order
-    of frees only, which no peak depends on, but the extension is exact or not used)."""
-    bounds = [*tl.marks, (len(tl.events), 0, Phase.SETUP)]
-    starts = {s for s in sweep if s is not None}
-    for (a, _, phase), (b, _, _) in itertools.pairwise(bounds):
-        if phase is Phase.BACKWARD and any(a <= s < b for s in starts):
-            raise NotExtensible(
-                "the autograd graph released after backward frees tensors of several blocks, "
-                "in an order that depends on the depth"
-            )
-
-
-def _timed_events(tl: Timeline) -> list[bool]:
-    """True for events in forward or backward (labelled by the block running, not by storage)."""
-    timed = [False] * len(tl.events)
-    bounds = [*tl.marks, (len(tl.events), 0, Phase.SETUP)]
-    for (a, _, phase), (b, _, _) in itertools.pairwise(bounds):
-        if phase in (Phase.FORWARD, Phase.BACKWARD):
-            for e in range(a, b):
-                timed[e] = True
-    return timed
-
-
 def _block_offset(module: str | None, prefix: str, block: int) -> tuple[int, str] | None:
     """Where a module name in ``prefix``'s blocks is relative to ``block``: (offset, the rest of
     the name), so that a name in block ``block + d`` (FSDP prefetching the next block's
@@ -274,7 +120,7 @@ class _Extension:
 
     def __init__(self, tl: Timeline, blocks: int, depth: int, prefix: str) -> None:
         self.tl, self.blocks, self.depth, self.prefix = tl, blocks, depth, prefix
-        self.regions = _regions(tl, blocks)
+        self.regions = find_regions(tl, blocks, HEAD)
         self.where = _allocated_where(tl, self.regions, blocks, prefix)
         self.out = Timeline()
         self.new_sid: dict[Any, int] = {}
@@ -461,7 +307,7 @@ class _Extension:
 
 
 def _allocated_where(
-    tl: Timeline, regions: list[_Region], blocks: int, prefix: str
+    tl: Timeline, regions: list[Region], blocks: int, prefix: str
 ) -> dict[int, tuple[int, int, tuple[Any, ...]]]:
     """Where each storage was allocated, inside a region: (region, block, identity in the
     block), the identity being (operator, module relative to the block, bytes, occurrence) so
