@@ -59,6 +59,7 @@ LAYERS: dict[str, list[str]] = {
         "parallelism",
         "precision",
         "program",
+        "program_frames",
         "recipe",
         "sources",
         "spec",

@@ -376,7 +376,7 @@ def test_naming_an_optimizer_keeps_no_local_alive():
     snapshot ``f_locals`` returns, holding the first step's batch through every later step)."""
     import weakref
 
-    from vramledger.program import program_name_of
+    from vramledger.program_frames import program_name_of
 
     def loop() -> None:
         batch = torch.zeros(4)

@@ -8,7 +8,8 @@ program after ``max_steps`` steps in all or after ``timeout`` seconds (an intern
 saves, and tells apart how the program ended: it ran to its end, it was stopped, or it raised
 (its exception, with its traceback, is the program's, not vramledger's). What runs around it
 (fake tensors and CUDA emulation, ``trace/program_trace.py``; a real CPU run,
-``measure_program.py``) comes in through :class:`StepHooks`.
+``measure_program.py``) comes in through :class:`StepHooks`. Which stack frames are the
+program's own (for its lines, names and tracebacks) is ``program_frames.py``.
 """
 
 from __future__ import annotations
@@ -17,15 +18,11 @@ import contextlib
 import importlib
 import importlib.metadata
 import importlib.util
-import inspect
-import linecache
 import os
 import runpy
 import signal
 import sys
-import sysconfig
 import threading
-import traceback
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -34,6 +31,7 @@ from typing import Any, Literal, Protocol
 
 from .checkpoint_shapes import replace_everywhere
 from .errors import InputError, VramledgerError
+from .program_frames import PROGRAM_DIRS, program_location, program_name_of, program_traceback
 
 DEFAULT_MAX_STEPS = 20
 """Optimizer steps in all (every optimizer counted) after which the program is stopped."""
@@ -138,98 +136,6 @@ class ProgramRun:
     """Where the program asked to save (``torch.save at train.py:80``), skipped."""
     exit_code: int = 0
     seconds: float = 0.0
-
-
-# -- where in the program ------------------------------------------------------------------------
-_LIBRARY_DIRS = tuple(
-    str(Path(p).resolve())
-    for p in {
-        os.path.dirname(os.__file__),
-        str(Path(__file__).parent),
-        *(str(Path(m.__file__).parent) for m in (contextlib, runpy) if m.__file__),
-        # console scripts' launchers (bin/vramledger, the outermost frame of every run)
-        sysconfig.get_path("scripts"),
-    }
-)
-_PROGRAM_DIRS: list[str] = []
-"""The installed package a console script runs (``litgpt`` for ``litgpt finetune_lora``), and
-the folder of each file the program runs with ``runpy`` (torchtune's ``tune run`` runs its
-recipe, ``site-packages/recipes/lora_finetune_single_device.py``, so): their frames are the
-program's, though they sit in site-packages (set while :func:`launch` runs)."""
-
-
-def _library_frame(filename: str) -> bool:
-    """A frame of the standard library, torch or vramledger (not the program's)."""
-    if filename.startswith("<frozen"):
-        return True
-    try:
-        resolved = str(Path(filename).resolve())
-    except OSError:
-        return False
-    if resolved.startswith(tuple(_PROGRAM_DIRS)):
-        return False
-    if "site-packages" in filename or "dist-packages" in filename:
-        return True
-    return resolved.startswith(_LIBRARY_DIRS)
-
-
-def _program_frame() -> Any:
-    """The innermost frame of the program's own code (outside the standard library, installed
-    packages and vramledger), None when the call came from none."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        name = frame.f_code.co_filename
-        if not name.startswith("<") and not _library_frame(name):
-            return frame
-        frame = frame.f_back
-    return None
-
-
-def program_location() -> str | None:
-    """``file:line: source`` of the program's line running now (``_program_frame``)."""
-    frame = _program_frame()
-    if frame is None:
-        return None
-    name = frame.f_code.co_filename
-    source = linecache.getline(name, frame.f_lineno).strip()
-    where = f"{Path(name).name}:{frame.f_lineno}"
-    return f"{where}: {source}" if source else where
-
-
-def program_name_of(obj: Any) -> str | None:
-    """The program's name for ``obj`` where it runs now: a local or global variable bound to
-    it (``opt_d``), or an attribute of ``self`` (``self.opt_d``)."""
-    frame = _program_frame()
-    if frame is None:
-        return None
-    local = _locals_of(frame)
-    for scope in (local, frame.f_globals):
-        for name, value in scope.items():
-            if value is obj and not name.startswith("_"):
-                return name
-    owner = local.get("self")
-    for name, value in getattr(owner, "__dict__", {}).items():
-        if value is obj:
-            return f"self.{name}"
-    return None
-
-
-def _locals_of(frame: Any) -> dict[str, Any]:
-    """A copy of a function frame's local variables that leaves nothing behind.
-
-    Before Python 3.13 (PEP 667), ``frame.f_locals`` of a function is a snapshot dict the frame
-    keeps: it holds each local as it was when read, after the function rebinds the name. Read
-    at a training loop's first ``optimizer.step()``, it kept that step's batch and activations
-    alive through the next step's forward (``litgpt finetune_lora``: its 20,164-byte logits
-    and batch), in the trace and in the real run alike. The snapshot is emptied once copied
-    (the frame refreshes it from its fast locals whenever it is read again, a tracer's call
-    included). A module's or class body's ``f_locals`` is its namespace: returned as it is."""
-    local = frame.f_locals
-    if not frame.f_code.co_flags & inspect.CO_OPTIMIZED or type(local) is not dict:
-        return local
-    copy = dict(local)
-    local.clear()
-    return copy
 
 
 # -- saves -----------------------------------------------------------------------------------------
@@ -346,13 +252,13 @@ def _package_folders(spec: ProgramSpec) -> list[str]:
 @contextlib.contextmanager
 def _scripts_followed() -> Iterator[None]:
     """A file run with ``runpy.run_path`` while the program runs is the program's
-    (``_PROGRAM_DIRS``)."""
+    (``PROGRAM_DIRS``)."""
     run_path = runpy.run_path
 
     def followed(path_name: Any, *args: Any, **kwargs: Any) -> Any:
         folder = str(Path(path_name).resolve().parent) + os.sep
-        if folder not in _PROGRAM_DIRS:
-            _PROGRAM_DIRS.append(folder)
+        if folder not in PROGRAM_DIRS:
+            PROGRAM_DIRS.append(folder)
         return run_path(path_name, *args, **kwargs)
 
     runpy.run_path = followed
@@ -411,14 +317,52 @@ def _alarm(seconds: float | None) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
-def _program_traceback(exc: BaseException) -> str:
-    """The exception's traceback, from the program's first frame (vramledger's and runpy's
-    frames above it left out), with the exceptions it was raised from."""
-    summary = traceback.TracebackException.from_exception(exc)
-    frames = list(summary.stack)
-    first = next((i for i, f in enumerate(frames) if not _library_frame(f.filename)), 0)
-    summary.stack = traceback.StackSummary.from_list(frames[first:])
-    return "".join(summary.format())
+class _StepCounter:
+    """Counts the program's optimizer steps (``torch.optim``'s global step hooks) into ``run``,
+    names each optimizer, tells ``hooks`` and stops the program after ``max_steps``."""
+
+    def __init__(self, run: ProgramRun, hooks: StepHooks | None, max_steps: int) -> None:
+        self.run, self.hooks, self.max_steps = run, hooks, max_steps
+        # by the object, not id(): an optimizer made after another is freed can reuse its id
+        self.optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self.counts: dict[str, int] = {}
+        # an optimizer whose step steps others (torchtitan's OptimizersContainer, an Optimizer
+        # over each model part's AdamW) takes one step: the outermost, the one the program calls
+        self.depth = 0
+
+    def pre(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        run, counts = self.run, self.counts
+        self.depth += 1
+        if self.depth > 1:
+            return
+        if optimizer not in self.optimizers:
+            self.optimizers[optimizer] = len(run.optimizer_names)
+            name = type(optimizer).__name__
+            counts[name] = counts.get(name, 0) + 1
+            variable = program_name_of(optimizer)
+            run.optimizer_names.append(
+                f"{name} ({variable})"
+                if variable
+                else name
+                if counts[name] == 1
+                else f"{name} #{counts[name]}"
+            )
+        if self.hooks is not None:
+            self.hooks.before_step(optimizer, run.steps + 1)
+
+    def post(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+        run, hooks = self.run, self.hooks
+        self.depth -= 1
+        if self.depth > 0:
+            if hooks is not None:
+                hooks.stepped_within(optimizer)
+            return
+        run.steps += 1
+        run.optimizer_of_step[run.steps] = self.optimizers[optimizer]
+        if hooks is not None:
+            hooks.after_step(optimizer, run.steps)
+        if run.steps >= self.max_steps:
+            raise StopProgram("max-steps")
 
 
 def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
@@ -432,49 +376,14 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     )
 
     argv0, target = _target(spec)
-    _PROGRAM_DIRS[:] = _package_folders(spec)
+    PROGRAM_DIRS[:] = _package_folders(spec)
     run = ProgramRun()
-    # by the object, not id(): an optimizer made after another is freed can reuse its id
-    optimizers: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-    counts: dict[str, int] = {}
-    # an optimizer whose step steps others (torchtitan's OptimizersContainer, an Optimizer over
-    # each model part's AdamW) takes one step: the outermost, the one the program calls
-    depth = [0]
-
-    def pre(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        depth[0] += 1
-        if depth[0] > 1:
-            return
-        if optimizer not in optimizers:
-            optimizers[optimizer] = len(run.optimizer_names)
-            name = type(optimizer).__name__
-            counts[name] = counts.get(name, 0) + 1
-            variable = program_name_of(optimizer)
-            run.optimizer_names.append(
-                f"{name} ({variable})"
-                if variable
-                else name
-                if counts[name] == 1
-                else f"{name} #{counts[name]}"
-            )
-        if hooks is not None:
-            hooks.before_step(optimizer, run.steps + 1)
-
-    def post(optimizer: Any, _args: Any, _kwargs: Any) -> None:
-        depth[0] -= 1
-        if depth[0] > 0:
-            if hooks is not None:
-                hooks.stepped_within(optimizer)
-            return
-        run.steps += 1
-        run.optimizer_of_step[run.steps] = optimizers[optimizer]
-        if hooks is not None:
-            hooks.after_step(optimizer, run.steps)
-        if run.steps >= spec.max_steps:
-            raise StopProgram("max-steps")
-
+    counter = _StepCounter(run, hooks, spec.max_steps)
     start = time.perf_counter()
-    handles = [register_optimizer_step_pre_hook(pre), register_optimizer_step_post_hook(post)]
+    handles = [
+        register_optimizer_step_pre_hook(counter.pre),
+        register_optimizer_step_post_hook(counter.post),
+    ]
     try:
         with (
             _argv_and_path(argv0, spec.args, script=not spec.module),
@@ -495,10 +404,10 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     except VramledgerError:
         raise
     except Exception as exc:
-        raise ProgramFailed(exc, _program_traceback(exc), run.steps) from exc
+        raise ProgramFailed(exc, program_traceback(exc), run.steps) from exc
     finally:
         for handle in handles:
             handle.remove()
-        _PROGRAM_DIRS.clear()
+        PROGRAM_DIRS.clear()
         run.seconds = time.perf_counter() - start
     return run

@@ -8,7 +8,7 @@ A program's fake tensors have shapes, not values. ``loss.item()``, ``float(loss)
   returned as it is;
 - any other value (the loss, a gradient norm: computed from parameters) reads as zero
   (``STAND_IN``: 0.0, 0 or False by dtype), and the read is listed with the program's line
-  (``program.program_location``) for the notes. Control flow that depends on it takes the
+  (``program_frames.program_location``) for the notes. Control flow that depends on it takes the
   branch zero takes, which the same note names.
 """
 
@@ -20,7 +20,7 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 
-from ..program import program_location
+from ..program_frames import program_location
 from .values import KnownValues
 
 STAND_IN = 0
