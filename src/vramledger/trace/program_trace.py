@@ -284,11 +284,7 @@ def trace_program(
     except ProgramFailed as failed:
         _raise_refusal(failed, hub)
         raise
-    timeline = tracker.close()
-    if run.steps:
-        # What runs after the last optimizer step (evaluation, logging) is the last step's
-        # tail: its own step would have no forward and backward to report.
-        timeline.marks = [m for m in timeline.marks if m[1] <= run.steps]
+    timeline = _last_step_with_tail(tracker.close(), run.steps)
     notes += _notes(
         run,
         emulation=emulation,
@@ -349,6 +345,15 @@ def _tracker(
         op_categories=world.op_categories if world is not None else None,
         resize_category=world.resize_category if world is not None else None,
     )
+
+
+def _last_step_with_tail(timeline: Timeline, steps: int) -> Timeline:
+    """``timeline`` with what runs after the last of ``steps`` optimizer steps (evaluation,
+    logging) as the last step's tail: its own step would have no forward and backward to
+    report."""
+    if steps:
+        timeline.marks = [m for m in timeline.marks if m[1] <= steps]
+    return timeline
 
 
 def _raise_refusal(failed: ProgramFailed, hub: Any) -> None:
