@@ -82,6 +82,8 @@ LAYERS: dict[str, list[str]] = {
         "trace.cache",
         "trace.compiled",
         "trace.cpu_scratch",
+        "trace.cuda_api",
+        "trace.cuda_calls",
         "trace.cuda_emulation",
         "trace.cuda_policy",
         "trace.device_mappings",

@@ -22,7 +22,7 @@ from .parallel.program_world import ProgramWorld
 from .predict import policy_for
 from .program import ProgramSpec
 from .torchrun_env import TorchrunRank
-from .trace.cuda_emulation import EmulatedGpu
+from .trace.cuda_api import EmulatedGpu
 from .trace.program_blocks import trace_program_blocks
 from .trace.program_trace import trace_program
 from .verdict import DEFAULT_MARGIN, verdict

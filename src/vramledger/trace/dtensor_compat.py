@@ -32,7 +32,7 @@ def untracked_sharding_propagation() -> Iterator[None]:
 
     def outside_the_trace(self: Any, *args: Any, **kwargs: Any) -> Any:
         # no function mode either: a backward runs under the CUDA emulation's
-        # (``cuda_emulation._BACKWARD``), which would make the propagation's
+        # (``cuda_calls._BACKWARD``), which would make the propagation's
         # ``torch.empty_strided(..., device="cuda")`` a tensor of the trace's fake mode
         with _disable_current_modes(), torch._C.DisableTorchFunction():
             return original(self, *args, **kwargs)

@@ -36,7 +36,7 @@ from ..program import ProgramFailed, ProgramSpec
 from ..timeline import Timeline
 from .blocks import HEAD, MIN_BLOCKS, SMALL, NotExtensible, extend, find_block_stack, same_timeline
 from .blocks import truncate as truncate_stack
-from .cuda_emulation import EmulatedGpu
+from .cuda_api import EmulatedGpu
 from .policy import DevicePolicy
 from .program_trace import ProgramTrace, trace_program
 from .program_tracker import TimelineCounter

@@ -67,7 +67,7 @@ def _fake_leaf(t: Any, host: FakeTensorMode) -> bool:
 
 def _on_trace_device(kwargs: dict[str, Any] | None) -> dict[str, Any] | None:
     """A factory that names CUDA and reaches the fake mode without passing the emulation's
-    function mode (``cuda_emulation._DeviceMode``), made on the trace's device as the emulation
+    function mode (``cuda_calls.DeviceMode``), made on the trace's device as the emulation
     makes every "cuda" tensor. DTensor's sharding propagation does this: it rebuilds each
     argument as ``torch.empty_strided(..., device=mesh.device_type)`` under the fake mode from
     inside DTensor's own ``__torch_function__`` handling, where no function mode is active
