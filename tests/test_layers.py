@@ -88,6 +88,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.cuda_policy",
         "trace.device_mappings",
         "trace.dtensor_compat",
+        "trace.eager_regions",
         "trace.engine",
         "trace.fake",
         "trace.trace_errors",

@@ -40,7 +40,7 @@ Limits, said in the trace's notes:
   (``TORCHINDUCTOR_CACHE_DIR``, on disk) holds the wrapper source of every graph compiled
   before, here or in a real run: a later process finds it there and skips the lowering.
 - A region Inductor cannot compile here runs eagerly, and the notes say so with both figures of
-  its first call: the eager temporaries, and its outputs only (:func:`call_figures`).
+  its first call: the eager temporaries, and its outputs only (``eager_regions.py``).
 """
 
 from __future__ import annotations
@@ -58,14 +58,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves
 
-from ..event_totals import EventTotals
-from ..timeline import Timeline
-from ..units import format_bytes
+from .eager_regions import run_eagerly
 from .inductor_stub import Active, codegen_only
 from .patched_functions import patched_functions
-from .tracker import storages_of
 
 METHOD = (
     "Inductor's own generated wrapper (CPU C++ backend) run on the fake inputs with its kernels "
@@ -474,58 +470,3 @@ def _module_forward(module: Any, *args: Any, **kwargs: Any) -> Any:
     except RegionNotModelled as exc:
         reason = str(exc)
     return run_eagerly(name, reason, module._orig_mod, args, kwargs, start)
-
-
-def run_eagerly(
-    name: str,
-    reason: str,
-    fn: Callable[..., Any],
-    args: tuple[Any, ...],
-    kwargs: dict[str, Any],
-    start: tuple[int, int, int],
-) -> Any:
-    """Run a region that could not be modelled eagerly; its first call's figures go into the
-    notes (:func:`eager_figures`)."""
-    tracker, log = Active.context[-1]
-    out = fn(*args, **kwargs)
-    if name not in log.eager:
-        log.eager[name] = eager_figures(reason, tracker.timeline, start, (args, kwargs), out)
-    return out
-
-
-def eager_figures(
-    reason: str, timeline: Timeline, start: tuple[int, int, int], inputs: Any, out: Any
-) -> str:
-    """What the notes say of a region that ran eagerly (:func:`call_figures`)."""
-    eager, outputs = call_figures(timeline, start, inputs, out)
-    return (
-        f"{reason}; its first call allocated at most {format_bytes(eager)} at once eagerly, "
-        f"{format_bytes(outputs)} counting its outputs only"
-    )
-
-
-def call_figures(
-    timeline: Timeline, start: tuple[int, int, int], inputs: Any, out: Any
-) -> tuple[int, int]:
-    """The two figures of a region's call that ran eagerly, from ``start``
-    (``StorageTracker.position``), its ``inputs`` and what it returned (``out``):
-
-    - eager: the most bytes that storages made since ``start`` held at once (the eager
-      temporaries' peak, outputs and tensors saved for backward included);
-    - outputs only: the bytes of the storages behind the tensors it returned, those of its
-      inputs (a returned view of an argument) left out. Tensors that autograd saves for the
-      region's backward are not counted: compiled, the region would keep the ones its
-      partitioner picks, which only compiling tells. The two figures bound what the region
-      holds at its end."""
-    first_event, first_sid, _ = start
-    made_since = {e for e in timeline.events[first_event:] if e >= first_sid}
-    peak = EventTotals(timeline, first_event).peak(
-        [n if sid in made_since else 0 for sid, n in enumerate(timeline.nbytes)]
-    )
-    given = {st._cdata for t in _tensors(inputs) for st in storages_of(t)}
-    made = {st._cdata: st.nbytes() for t in _tensors(out) for st in storages_of(t)}
-    return peak, sum(n for key, n in made.items() if key not in given)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
