@@ -109,6 +109,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.recording",
         "trace.sdpa_cuda",
         "trace.step_memo",
+        "trace.storage_resize",
         "trace.target_policy",
         "trace.tracker",
         "trace.twin_folding",

@@ -53,6 +53,11 @@ class ModuleAttribution:
     def current_module(self) -> str | None:
         return self._module_stack[-1] if self._module_stack else None
 
+    def _note_failure(self, exc: BaseException) -> None:
+        """An operator raised ``exc``: remember the module running (forward or backward)."""
+        module = self.current_module or self._backward_modules.running()[1]
+        self.failure = (identity(exc), module or "")
+
     def module_of(self, exc: BaseException) -> str | None:
         """The module an escaping exception came from, if an operator or module raised it."""
         chain = {identity(e) for e in (exc, exc.__cause__, exc.__context__) if e is not None}

@@ -15,11 +15,11 @@ Each storage also names the module that allocated it (``Timeline.module``): the 
 whose forward runs (global module hooks), in backward the module whose forward made the autograd
 node running (``backward_modules.py``), in a recomputation the module recomputed.
 
-The tracker is one dispatch mode; four of its parts are written beside it, each mixed into
+The tracker is one dispatch mode; five of its parts are written beside it, each mixed into
 ``StorageTracker``: the module attribution (``module_attribution.py``), the block labels
-(``block_labels.py``), the recording of a call's events for replay (``recording.py``) and the
-folding of autograd's out-of-place buffers into a plain run's in-place writes
-(``twin_folding.py``).
+(``block_labels.py``), the recording of a call's events for replay (``recording.py``), the
+storages resized without an operator (``storage_resize.py``) and the folding of autograd's
+out-of-place buffers into a plain run's in-place writes (``twin_folding.py``).
 """
 
 from __future__ import annotations
@@ -42,16 +42,10 @@ from ..timeline import Timeline
 from ..training import optimizer_state_tensors
 from .backward_modules import BackwardModules
 from .block_labels import TIMED_PHASES, BlockLabels
-from .module_attribution import ModuleAttribution, identity
-from .plain_autograd import (
-    CONFIRMED_TWINS,
-    IN_PLACE_TWINS,
-    INPUT_BUFFER_SUM,
-    confirming_operator,
-    plain_writes_in_place,
-)
-from .plain_branches import Action, PlainBranches
+from .module_attribution import ModuleAttribution
+from .plain_branches import PlainBranches
 from .recording import Recordings
+from .storage_resize import StorageResizes
 from .twin_folding import TwinFolding
 from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
 from .wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
@@ -76,12 +70,13 @@ def storages_of(t: torch.Tensor) -> list[torch.UntypedStorage]:
     return [t.untyped_storage()]
 
 
-_TWIN_OPS = frozenset({INPUT_BUFFER_SUM}.union(*IN_PLACE_TWINS.values()))
 _PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
-class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, TorchDispatchMode):
+class StorageTracker(
+    BlockLabels, Recordings, ModuleAttribution, StorageResizes, TwinFolding, TorchDispatchMode
+):
     """Record every storage allocation and free into a ``Timeline``.
 
     Use as a context manager *inside* a ``FakeTensorMode`` (or with real tensors), then call
@@ -173,6 +168,7 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
             # and nothing is allocated (a real tensor never asks), so it neither ends a twin's
             # "dies at once" window nor stands between a twin and its confirming operator
             return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
         if self._confirm is not None:
             self._confirm_twin(func, args)
         if self._wrapped_out is not None:
@@ -187,16 +183,13 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
         run = func if substitute is None else partial(substitute, func)
         try:
             if self.values is None:
-                out = run(*args, **(kwargs or {}))
+                out = run(*args, **kwargs)
             else:
-                out = self.values.call(func, args, kwargs or {}, run)
+                out = self.values.call(func, args, kwargs, run)
         except Exception as exc:
             if self._answers(func, exc):
-                self.scalars_answered += 1
-                answer = self.scalar_answer
-                return float(answer) if args[0].dtype.is_floating_point else answer
-            module = self.current_module or self._backward_modules.running()[1]
-            self.failure = (identity(exc), module or "")
+                return self._scalar_answer(args)
+            self._note_failure(exc)
             raise
         correct = self._corrections.get(func)
         if correct is not None:
@@ -205,41 +198,10 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
         if self._blocks and self.phase not in TIMED_PHASES:
             self._inherit = self._inherited_blocks(args, out)
         if self._op_observer is not None:
-            self._op_observer(func, args, kwargs or {}, out, self)
+            self._op_observer(func, args, kwargs, out, self)
         if self.values is not None and self.values.pending_scratch:
-            self.add_transient(
-                self.values.pending_scratch,
-                f"{func} index tensors from boolean masks",
-                Category.TEMPORARIES,
-            )
-            self.values.pending_scratch = 0
-        plain = None
-        if self._plain_autograd and isinstance(out, torch.Tensor):
-            plain = self.plain_branches.action(func, args, out)
-        if plain is Action.HIDE and out.untyped_storage()._cdata not in self._live:
-            self.plain_branches.hide(out.untyped_storage())
-        elif plain is Action.ALIAS and self._alias(args[0], out):
-            pass
-        elif isinstance(out, torch.Tensor):
-            if plain is Action.PROD_OUTPUT:
-                self._prod_output(out)
-            else:
-                twin = (
-                    self._plain_autograd
-                    and func in _TWIN_OPS
-                    and plain_writes_in_place(func, args, out)
-                )
-                confirm = (
-                    confirming_operator(func, args, kwargs or {}, out)
-                    if self._plain_autograd and not twin and func in CONFIRMED_TWINS
-                    else None
-                )
-                first_event = len(self.timeline.events)
-                self._see(out)
-                if twin or confirm is not None:
-                    self._note_twin(args[0], out, first_event, confirm)
-        elif isinstance(out, (tuple, list)):
-            self._see_all(out)
+            self._add_mask_scratch(func)
+        self._see_output(func, args, kwargs, out)
         if (
             isinstance(out, torch.Tensor)
             and torch.is_grad_enabled()
@@ -257,6 +219,22 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
         if self.plain_branches.replay:
             self._replay_plain()
         return out
+
+    def _scalar_answer(self, args: tuple[Any, ...]) -> Any:
+        """What a scalar read the tracker answers (:meth:`_answers`) returns."""
+        self.scalars_answered += 1
+        answer = self.scalar_answer
+        return float(answer) if args[0].dtype.is_floating_point else answer
+
+    def _add_mask_scratch(self, func: Any) -> None:
+        """The index tensors the known values' kernel made from boolean masks
+        (``values.pending_scratch``), scratch of the current operator."""
+        self.add_transient(
+            self.values.pending_scratch,
+            f"{func} index tensors from boolean masks",
+            Category.TEMPORARIES,
+        )
+        self.values.pending_scratch = 0
 
     def _see_wrapped_numbers(self) -> None:
         """Register the Python numbers the last call's autograd node saved as tensors."""
@@ -343,31 +321,6 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
         if twin is not None:  # the fold waits for the next operator
             self._confirm = (*twin, sid, len(self.timeline.events) - 1)
 
-    def _resize(self, storage: torch.UntypedStorage, size: int) -> Any:
-        """``UntypedStorage.resize_`` frees or allocates memory without an operator (FSDP2)."""
-        self._twin = None
-        result = self._original_resize(storage, size)
-        if self._closed:
-            return result
-        key = storage._cdata
-        old = self._live.get(key)
-        if old is not None:
-            if self.timeline.nbytes[old] == storage.nbytes():
-                return result
-            self._free(old)
-            del self._live[key]
-        if storage.nbytes() > 0:
-            sid = self._new(storage.nbytes(), self._block if self._blocks else None)
-            if old is not None:
-                self.timeline.tags[sid] = self.timeline.tags[old]
-                self.timeline.on_host[sid] = self.timeline.on_host[old]
-            elif self._resize_category is not None:
-                self.timeline.tag(sid, self._resize_category)
-            self._live[key] = sid
-            if key not in self._refs:
-                self._refs[key] = weakref.ref(storage, partial(self._on_free, key))
-        return result
-
     def _free(self, sid: int) -> None:
         self._alive.discard(sid)
         if self._blocks and self.phase not in TIMED_PHASES:
@@ -451,14 +404,7 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
 
     # -- context management ----------------------------------------------------------------------
     def __enter__(self) -> StorageTracker:
-        if self._original_resize is None:
-            self._original_resize = torch.UntypedStorage.resize_
-            tracker = self
-
-            def resize_(storage: torch.UntypedStorage, size: int) -> Any:
-                return tracker._resize(storage, size)
-
-            torch.UntypedStorage.resize_ = resize_  # type: ignore[method-assign]
+        self._patch_resize()
         self._backward_modules.bind()
         self._hook_handles = [
             torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
@@ -471,9 +417,7 @@ class StorageTracker(BlockLabels, Recordings, ModuleAttribution, TwinFolding, To
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
-        if self._original_resize is not None:
-            torch.UntypedStorage.resize_ = self._original_resize  # type: ignore[method-assign]
-            self._original_resize = None
+        self._restore_resize()
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []

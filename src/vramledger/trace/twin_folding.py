@@ -1,10 +1,11 @@
 """The tracker's twin folds: where autograd, given tensor subclasses or a dispatch mode, takes an
 out-of-place branch whose plain twin writes in place (``plain_autograd.py``), the output's
 storage is folded into its operand's, so the timeline holds the plain run's buffers. A part of
-``StorageTracker`` (``tracker.py``), kept apart: it reads and sets the tracker's ``_twin``,
-``_confirm``, ``_live``, ``_refs``, ``_shared``, ``_alive``, ``_region``, ``twins_merged``,
-``plain_branches`` and ``timeline``, and calls its ``_see``, ``_free``, ``_on_free`` and
-``add_synthetic``.
+``StorageTracker`` (``tracker.py``), kept apart: it records each operator's output
+(:meth:`TwinFolding._see_output`); it reads and sets the tracker's ``_twin``, ``_confirm``,
+``_live``, ``_refs``, ``_shared``, ``_alive``, ``_region``, ``_plain_autograd``,
+``twins_merged``, ``plain_branches`` and ``timeline``, and calls its ``_see``, ``_see_all``,
+``_free``, ``_on_free`` and ``add_synthetic``.
 """
 
 from __future__ import annotations
@@ -17,11 +18,57 @@ import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from ..categories import Category
+from .plain_autograd import (
+    CONFIRMED_TWINS,
+    IN_PLACE_TWINS,
+    INPUT_BUFFER_SUM,
+    confirming_operator,
+    plain_writes_in_place,
+)
+from .plain_branches import Action
+
+_TWIN_OPS = frozenset({INPUT_BUFFER_SUM}.union(*IN_PLACE_TWINS.values()))
+"""The operators whose output may be written in place into an operand by the plain run."""
 
 
 class TwinFolding:
     """Folding out-of-place autograd buffers into the plain run's in-place writes, mixed into
     ``StorageTracker``."""
+
+    def _see_output(
+        self, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        """Register the storages of an operator's output (``StorageTracker.__torch_dispatch__``)
+        as the plain run holds them: a plain branch hidden or aliased to its operand's buffer
+        (``plain_branches.py``), a ``prod`` output, or a new storage whose fold into its
+        operand may follow (:meth:`_note_twin`)."""
+        plain = None
+        if self._plain_autograd and isinstance(out, torch.Tensor):
+            plain = self.plain_branches.action(func, args, out)
+        if plain is Action.HIDE and out.untyped_storage()._cdata not in self._live:
+            self.plain_branches.hide(out.untyped_storage())
+        elif plain is Action.ALIAS and self._alias(args[0], out):
+            pass
+        elif isinstance(out, torch.Tensor):
+            if plain is Action.PROD_OUTPUT:
+                self._prod_output(out)
+            else:
+                twin = (
+                    self._plain_autograd
+                    and func in _TWIN_OPS
+                    and plain_writes_in_place(func, args, out)
+                )
+                confirm = (
+                    confirming_operator(func, args, kwargs, out)
+                    if self._plain_autograd and not twin and func in CONFIRMED_TWINS
+                    else None
+                )
+                first_event = len(self.timeline.events)
+                self._see(out)
+                if twin or confirm is not None:
+                    self._note_twin(args[0], out, first_event, confirm)
+        elif isinstance(out, (tuple, list)):
+            self._see_all(out)
 
     def _note_twin(
         self, operand: torch.Tensor, out: torch.Tensor, event: int, confirm: Any = None
