@@ -47,7 +47,8 @@ from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_sa
 from ..timeline import Timeline
 from ..training import grad_category, param_category
 from .compiled import compiled_regions
-from .cuda_emulation import CudaEmulation, EmulatedGpu, MemoryCounter, cuda_default_foreach
+from .cuda_api import EmulatedGpu, MemoryCounter
+from .cuda_emulation import CudaEmulation, cuda_default_foreach
 from .device_mappings import FakeCuda
 from .dtensor_compat import untracked_sharding_propagation
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
