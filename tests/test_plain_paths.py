@@ -103,11 +103,11 @@ def test_estimate_matches_plain_run(name):
 def test_without_the_plain_paths_the_estimate_is_the_moded_run(monkeypatch):
     """The boolean-mask loss and the scan, traced as the tracker used to (out-of-place
     branches kept), come out higher than the plain run: what the model corrects."""
-    import vramledger.trace.tracker as tracker
+    import vramledger.trace.twin_folding as twin_folding
 
     for name in ("boolean-mask-loss", "scan"):
         plain = _plain_peak(name)
-        monkeypatch.setattr(tracker, "plain_writes_in_place", lambda *_: False)
+        monkeypatch.setattr(twin_folding, "plain_writes_in_place", lambda *_: False)
         before = _estimate(name).peak_bytes
         monkeypatch.undo()
         assert before > plain * (1 + BOUND), (name, before, plain)

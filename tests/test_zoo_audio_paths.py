@@ -102,7 +102,7 @@ def test_without_the_sdpa_rule_the_estimate_is_above(monkeypatch):
     from vramledger.trace.plain_autograd import CONFIRMED_TWINS
 
     plain = _plain_peak("sdpa-math-mask")
-    monkeypatch.setattr("vramledger.trace.tracker.CONFIRMED_TWINS", {})
+    monkeypatch.setattr("vramledger.trace.twin_folding.CONFIRMED_TWINS", {})
     monkeypatch.setattr("vramledger.trace.plain_autograd.CONFIRMED_TWINS", {})
     assert CONFIRMED_TWINS  # the rule exists; switched off only here
     assert _estimate("sdpa-math-mask").peak_bytes > plain * (1 + BOUND)
