@@ -50,7 +50,7 @@ from typing import Any, Literal
 import torch
 
 from .errors import InputError
-from .import_hooks import OnImport
+from .import_hooks import when_imported
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file opens with its header's length, an unsigned 64-bit little-endian int."""
@@ -316,12 +316,13 @@ def _from_pretrained(shapes: CheckpointShapes, original: Any) -> classmethod:
 
 
 def _lazy_loads_replaced(
-    shapes: CheckpointShapes, replacements: dict[int, tuple[Any, Any]]
-) -> list[OnImport]:
+    shapes: CheckpointShapes,
+    replacements: dict[int, tuple[Any, Any]],
+    imports: contextlib.ExitStack,
+) -> None:
     """Lightning's ``_lazy_load`` (``LIGHTNING_LAZY_LOAD``) entered in ``replacements`` where
     imported, else replaced when the program imports it (before ``litgpt.utils`` binds it):
-    the import hooks waiting, for removal on exit."""
-    finders = []
+    the import hooks waiting are entered on ``imports``, removed when it closes."""
 
     def replace(module: ModuleType) -> None:
         original = getattr(module, "_lazy_load", None)
@@ -336,9 +337,7 @@ def _lazy_loads_replaced(
             if original is not None:
                 replacements[id(original)] = (original, _lazy_load(shapes, original))
         else:
-            finders.append(OnImport(module_name, replace))
-            sys.meta_path.insert(0, finders[-1])
-    return finders
+            imports.enter_context(when_imported(module_name, replace))
 
 
 def replace_everywhere(replacements: dict[int, Any]) -> list[tuple[Any, str, Any]]:
@@ -365,7 +364,8 @@ def weights_without_data() -> Iterator[CheckpointShapes]:
     replacements: dict[int, tuple[Any, Any]] = {}
     torch_load = torch.load
     replacements[id(torch_load)] = (torch_load, _torch_load(shapes, torch_load))
-    finders = _lazy_loads_replaced(shapes, replacements)
+    imports = contextlib.ExitStack()
+    _lazy_loads_replaced(shapes, replacements, imports)
     with contextlib.suppress(ImportError):
         import safetensors
         import safetensors.torch
@@ -388,9 +388,7 @@ def weights_without_data() -> Iterator[CheckpointShapes]:
     try:
         yield shapes
     finally:
-        for finder in finders:
-            if finder in sys.meta_path:
-                sys.meta_path.remove(finder)
+        imports.close()
         if synchronous is None:
             os.environ.pop(SYNCHRONOUS_LOADING, None)
         else:

@@ -14,7 +14,7 @@ from types import ModuleType
 from typing import Any
 
 
-class OnImport(importlib.abc.MetaPathFinder):
+class _OnImport(importlib.abc.MetaPathFinder):
     """Calls ``then(module)`` once ``name`` has been executed, when the program imports it."""
 
     def __init__(self, name: str, then: Callable[[ModuleType], None]) -> None:
@@ -46,7 +46,7 @@ def when_imported(name: str, then: Callable[[ModuleType], None]) -> Iterator[Non
     if name in sys.modules:
         then(sys.modules[name])
     else:
-        finder = OnImport(name, then)
+        finder = _OnImport(name, then)
         sys.meta_path.insert(0, finder)
     try:
         yield

@@ -163,12 +163,13 @@ def measure(
     ledger, peaks, method = _runs(spec, device)
     estimate = predict(spec, target=device) if compare else None
     ledger = _with_seconds(ledger, time.perf_counter() - start)
+    steady = max(v for k, v in peaks.items() if k >= 2)
     rank_results: list[dict[str, Any]] = []
     if spec.world_size > 1:
         rank_results = gather_peaks(
             {
                 "rank": dist.get_rank(),
-                "measured_peak_bytes": max(v for k, v in peaks.items() if k >= 2),
+                "measured_peak_bytes": steady,
                 "tracked_peak_bytes": ledger.peak_bytes,
                 "at_peak": {c.value: b for c, b in ledger.at_peak.items()},
             }
@@ -176,7 +177,7 @@ def measure(
     return Measurement(
         ledger=ledger,
         device=device,
-        measured_peak_bytes=max(v for k, v in peaks.items() if k >= 2),
+        measured_peak_bytes=steady,
         measured_first_step_peak_bytes=peaks[1],
         measured_step_peaks=peaks,
         method=f"{method}, {PLAIN_RUN}",

@@ -288,7 +288,10 @@ class _Labels:
 
         def averaged() -> None:
             found = [
-                t for g in zero.averaged_gradients.values() if g is not None for t in _tensors(g)
+                t
+                for g in zero.averaged_gradients.values()
+                if g is not None
+                for t in tensor_leaves(g)
             ]
             self._tag(found, Category.SHARDED_GRADIENTS)
 
@@ -303,12 +306,6 @@ class _Labels:
         _after(zero, "copy_grads_in_partition", kept)
         _after(zero, "independent_gradient_partition_epilogue", averaged)
         _before(zero, "_optimizer_step", fp32_gradient)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    return (
-        [obj] if isinstance(obj, torch.Tensor) else [t for t in obj if isinstance(t, torch.Tensor)]
-    )
 
 
 def _after(owner: Any, name: str, then: Callable[[], None]) -> None:

@@ -21,9 +21,10 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
-from torch.utils._pytree import tree_leaves, tree_map_only
+from torch.utils._pytree import tree_map_only
 
 from ..allocator_events import memory_events, peak_of, recording
+from ..sources import tensor_leaves
 from .tracker import StorageTracker
 from .wrapped_numbers import held_wrapped_bytes
 
@@ -60,7 +61,7 @@ def probed(func: Any, args: tuple[Any, ...]) -> bool:
         return False
     if not out_variant and any(r.alias_info is not None for r in schema.returns):
         return False
-    return bool(_flat_tensors(args))
+    return bool(tensor_leaves(args))
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
@@ -98,10 +99,6 @@ def _known(values: Any, a: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: values.value(t).clone(), a)
 
 
-def _flat_tensors(args: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(args) if isinstance(t, torch.Tensor)]
-
-
 class CpuScratchProbe:
     """An op observer that adds the measured internal scratch of CPU kernels."""
 
@@ -123,7 +120,7 @@ class CpuScratchProbe:
         if (
             func in VALUE_DEPENDENT
             and values is not None
-            and all(values.known(t) for t in _flat_tensors([*args, *kwargs.values()]))
+            and all(values.known(t) for t in tensor_leaves([*args, *kwargs.values()]))
         ):
             scratch = self._probe(func, args, kwargs, out, partial(_known, values))
             if scratch > 0:
@@ -149,7 +146,7 @@ class CpuScratchProbe:
             for o in (out if isinstance(out, (tuple, list)) else (out,))
             if isinstance(o, torch.Tensor)
         ]
-        needed = sum(_tensor_bytes(a) for a in _flat_tensors([*args, *kwargs.values()]))
+        needed = sum(_tensor_bytes(a) for a in tensor_leaves([*args, *kwargs.values()]))
         needed += sum(_tensor_bytes(o) for o in outs)
         if needed > PROBE_LIMIT_BYTES:
             self.skipped.add(str(func))
@@ -163,7 +160,7 @@ class CpuScratchProbe:
             real_kwargs = {k: real(v) for k, v in kwargs.items()}
             inputs = {
                 t.untyped_storage()._cdata
-                for t in _flat_tensors([*real_args, *real_kwargs.values()])
+                for t in tensor_leaves([*real_args, *real_kwargs.values()])
             }
             try:
                 with recording() as prof:

@@ -8,10 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-import torch
-from torch.utils._pytree import tree_leaves
-
 from ..event_totals import EventTotals
+from ..sources import tensor_leaves
 from ..timeline import Timeline
 from ..units import format_bytes
 from .inductor_stub import Active
@@ -64,10 +62,6 @@ def call_figures(
     peak = EventTotals(timeline, first_event).peak(
         [n if sid in made_since else 0 for sid, n in enumerate(timeline.nbytes)]
     )
-    given = {st._cdata for t in _tensors(inputs) for st in storages_of(t)}
-    made = {st._cdata: st.nbytes() for t in _tensors(out) for st in storages_of(t)}
+    given = {st._cdata for t in tensor_leaves(inputs) for st in storages_of(t)}
+    made = {st._cdata: st.nbytes() for t in tensor_leaves(out) for st in storages_of(t)}
     return peak, sum(n for key, n in made.items() if key not in given)
-
-
-def _tensors(tree: Any) -> list[torch.Tensor]:
-    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
-from torch.utils._pytree import tree_leaves
 
 from ..categories import Category
 from ..errors import InputError
 from ..optimizers import OptimizerChoice
+from ..sources import tensor_leaves
 from ..training import optimizer_state_tensors
 
 BNB_PAGED_MIN_NUMEL = 100_000
@@ -193,7 +193,7 @@ def stand_in(choice: OptimizerChoice, target: str) -> OptimizerChoice:
 
 
 def _tensor_ids(obj: Any) -> set[int]:
-    return {id(t) for t in tree_leaves(obj) if isinstance(t, torch.Tensor)}
+    return {id(t) for t in tensor_leaves(obj)}
 
 
 TORCHAO_CACHED_TABLES = (
