@@ -30,6 +30,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
+from .version import __version__
+
 CACHE_DIR_VARIABLE = "VRAMLEDGER_CACHE_DIR"
 """Environment variable naming the cache's folder (default: the user's cache directory)."""
 NO_CACHE_VARIABLE = "VRAMLEDGER_NO_CACHE"
@@ -97,8 +99,6 @@ def fingerprint() -> str:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             versions[name] = None
-    from .version import __version__
-
     parts = {
         "format": FORMAT,
         "python": list(sys.version_info[:3]),
