@@ -30,7 +30,8 @@ TESTED_RANGES: dict[str, tuple[str, str]] = {
 }
 """Package -> (lowest version supported, first version not tested): ``>=low,<high``. Tested with
 deepspeed 0.19.8, torchao 0.18.0, accelerate 1.15.0, peft 0.21.2, bitsandbytes 0.50.2 (and
-transformers 5.24, whose own range, ``<6``, is the ``hf`` extra's)."""
+transformers 5.24, whose own range, ``<5.25``, is the ``hf`` extra's: 5.25 turns on Hub kernels in
+``from_pretrained`` by default)."""
 
 ALLOW_UNTESTED = "VRAMLEDGER_ALLOW_UNTESTED_LIBRARIES"
 """Set to 1 to use a version outside its tested range anyway (answers may be wrong or fail)."""
