@@ -89,3 +89,48 @@ def test_fit_shows_the_configuration_that_does_not_fit():
     console.print(fit_table(result))
     text = console.export_text()
     assert "none fits" in text and "smallest, 1×512, needs" in text
+
+
+EIGHT = str(FIXTURES / "hub" / "tiny-llama-8l-bf16")
+
+
+def test_fit_checks_the_block_extension_once_and_each_answer_is_the_full_estimate(monkeypatch):
+    """fit's first estimate verifies that the 8 identical blocks extend from 4 (tracing 4 and 5);
+    its other sizes trace 4 only (``blocks_verified``). The answer and the next size up are what
+    an estimate of that size alone gives, extension checked afresh."""
+    import vramledger.plan.fit_estimates as fit_estimates
+
+    told = []
+
+    def recording(spec, *, blocks_verified):
+        told.append((spec.batch_size, blocks_verified))
+        return estimate(spec, blocks_verified=blocks_verified)
+
+    monkeypatch.setattr(fit_estimates, "estimate", recording)
+    spec = TrainingSpec(model=EIGHT, seq_len=64, precision="bf16-master")
+    gpu = resolve_gpu(memory="100MiB")
+    result = fit(spec, gpu, checkpointing=(False,), margin=0, workers=1)
+    (answer,) = result.answers
+    assert told[0] == (2, False) and all(verified for _, verified in told[1:]), told
+    assert {b for b, _ in told} >= {2, 3, answer.batch_size, answer.batch_size + 1}
+    for size, peak in (
+        (answer.batch_size, answer.reserved_peak_bytes),
+        (answer.batch_size + 1, answer.next_size["reserved_peak_bytes"]),
+    ):
+        alone = estimate(spec, batch_size=size, gpu=result.gpu, margin=0)
+        assert alone.blocks_extended and alone.reserved_peak_bytes == peak
+    assert answer.reserved_peak_bytes <= gpu.memory_bytes < answer.next_size["reserved_peak_bytes"]
+
+
+@pytest.mark.slow
+def test_fit_with_a_worker_process_gives_the_same_answers():
+    """With a worker process estimating the second of each pair of sizes alongside (the traced
+    pair, then the answer and the next size up), every field but the timings is the same."""
+    spec = TrainingSpec(model=EIGHT, seq_len=64, precision="bf16-master")
+    gpu = resolve_gpu(memory="100MiB")
+    alone, pooled = (
+        fit(spec, gpu, checkpointing=(False,), margin=0, workers=w).to_dict() for w in (1, 2)
+    )
+    assert (alone.pop("workers"), pooled.pop("workers")) == (1, 2)
+    del alone["seconds"], pooled["seconds"]
+    assert pooled == alone

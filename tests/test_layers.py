@@ -165,6 +165,7 @@ LAYERS: dict[str, list[str]] = {
         "plan.derive",
         "plan.derived_peaks",
         "plan.fit",
+        "plan.fit_estimates",
         "plan.layouts",
         "plan.narrow",
         "plan.planner",
@@ -173,6 +174,7 @@ LAYERS: dict[str, list[str]] = {
         "plan.runner",
         "plan.search",
         "plan.worker_preload",
+        "plan.workers",
     ],
     "render": [
         "render",

@@ -49,9 +49,9 @@ def estimate(
     ``estimate(TrainingSpec(model="config.json", ...))`` or ``estimate(model=..., ...)``. With
     ``world_size`` > 1 the ledger is the worst rank's, and ``ledger.ranks`` holds every distinct
     rank's. ``blocks_verified``: the block extension was verified exact on this run at another
-    data-parallel or tensor-parallel degree or offload setting (``trace/fake.py``; the
-    planner's re-estimates): the values are the same, the check's smaller trace is not made
-    again.
+    data-parallel or tensor-parallel degree, offload setting, micro-batch or sequence length
+    (``trace/fake.py``; the planner's re-estimates, fit's sizes): the values are the same, the
+    check's smaller trace is not made again.
     """
     spec, notes = apply_deepspeed(as_spec(spec, fields))
     spec, read = apply_accelerate(spec)

@@ -228,8 +228,11 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 def cmd_fit(args: argparse.Namespace) -> int:
     from ..plan.fit import fit
+    from ..plan.workers import start_fork_server
     from ..render.planning import fit_table
 
+    if args.workers is None or args.workers > 1:
+        start_fork_server()
     spec = spec_from_args(args)
     gpu = spec.gpu_kind()
     if gpu is None:
@@ -244,6 +247,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         checkpointing=checkpointing,
         margin=spec.margin_bytes,
         seq_step=args.seq_step,
+        workers=args.workers,
     )
     return report(args, result, fit_table)
 

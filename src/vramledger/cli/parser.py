@@ -357,6 +357,14 @@ def _add_fit(sub: Any) -> None:
         default="both",
         help="answer with activation checkpointing on, off or both (default both)",
     )
+    p.add_argument(
+        "--workers",
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes making estimates, this one included (default: one per CPU for models "
+        "of 1B parameters or more; else 1)",
+    )
     _add_output_options(p)
 
 

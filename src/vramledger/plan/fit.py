@@ -27,11 +27,11 @@ from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
 from ..ledger import Ledger
-from ..predict import estimate
 from ..replay import steady_peaks, steady_tensor_peak
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..verdict import DEFAULT_MARGIN, check_margin, verdict
+from .fit_estimates import FitEstimates, workers_for
 
 Maximize = Literal["batch-size", "seq-len", "both"]
 MAXIMIZE: tuple[str, ...] = Maximize.__args__  # type: ignore[attr-defined]
@@ -95,6 +95,8 @@ class Fit:
     notes: list[str] = field(default_factory=list)
     no_fit: list[NoFit] = field(default_factory=list)
     """Each (optimizer, checkpointing) whose smallest size does not fit, with what it needs."""
+    workers: int = 1
+    """Processes that made estimates, this one included (``fit_estimates.py``)."""
 
     def rows(self) -> list[FitAnswer | NoFit]:
         """Every configuration asked, optimizer by optimizer, checkpointing off before on: its
@@ -114,6 +116,7 @@ class Fit:
             "no_fit": [n.to_dict() for n in self.no_fit],
             "seq_step": self.seq_step,
             "estimates": self.estimates,
+            "workers": self.workers,
             "seconds": round(self.seconds, 2),
             "notes": self.notes,
         }
@@ -157,6 +160,12 @@ def corresponds(timelines: dict[int, Timeline]) -> bool:
     return all(other.same_as(first, SIZE_FREE_COLUMNS) for other in others)
 
 
+def _line(points: Sequence[int], peaks: Sequence[int], x: int) -> float:
+    """The straight line through (``points[i]``, ``peaks[i]``), at ``x``."""
+    (x0, x1), (y0, y1) = points, peaks
+    return y1 + (y1 - y0) / (x1 - x0) * (x - x1)
+
+
 def _round_half_even(num: int, den: int) -> int:
     """``round(Fraction(num, den))`` for ``den > 0``, in integers."""
     q, r = divmod(num, den)
@@ -193,18 +202,27 @@ def _largest(fits: Callable[[int], bool], lo: int, hi: int) -> int | None:
 class _Sizer:
     """Fits one (optimizer, checkpointing) configuration along one size."""
 
-    def __init__(self, spec: TrainingSpec, gpu: Gpu, margin: int) -> None:
+    def __init__(self, spec: TrainingSpec, gpu: Gpu, margin: int, runs: FitEstimates) -> None:
         self.spec = spec
         self.gpu = gpu
         self.margin = margin
+        self.runs = runs
         self.ledgers: dict[tuple[int, int], Ledger] = {}
+        """The estimates this configuration used, by (micro-batch, sequence length)."""
         self.cuda = spec.target == "cuda"
+
+    def at(self, batch: int, seq: int) -> TrainingSpec:
+        return replace(self.spec, batch_size=batch, seq_len=seq)
 
     def ledger(self, batch: int, seq: int) -> Ledger:
         key = (batch, seq)
         if key not in self.ledgers:
-            self.ledgers[key] = estimate(replace(self.spec, batch_size=batch, seq_len=seq))
+            self.ledgers[key] = self.runs.ledger(self.at(batch, seq))
         return self.ledgers[key]
+
+    def ahead(self, *sizes: tuple[int, int]) -> None:
+        """Have these sizes estimated ahead, while this process makes the one needed now."""
+        self.runs.ahead(self.at(*size) for size in sizes)
 
     def fits(self, peak: int) -> bool:
         return verdict(self.gpu, peak, self.margin).fits
@@ -219,13 +237,21 @@ class _Sizer:
         def at(n: int) -> tuple[int, int]:
             return (n, fixed) if along == "batch" else (fixed, n)
 
+        self.ahead(*(at(p * step) for p in points[1:]))
         traced = {p: self.ledger(*at(p * step)).timeline for p in points}
         derived = None
         if corresponds(traced):  # type: ignore[arg-type]
-            derived = _largest(
-                lambda k: self.fits(_reserved(interpolate(traced, k))),  # type: ignore[arg-type]
-                1,
-                top // step,
+            # Each derived size replays the whole timeline (a fraction of a second on a 70B
+            # model): start from where the traced peaks' straight line crosses the budget.
+            peaks = [device_peak(self.ledger(*at(p * step))) for p in points[-2:]]
+            guess = _largest(lambda k: self.fits(_line(points[-2:], peaks, k)), 1, top // step)
+            derived = (
+                self._confirm(
+                    lambda k: self.fits(_reserved(interpolate(traced, k))),  # type: ignore[arg-type]
+                    guess or 1,
+                    top // step,
+                )
+                or None
             )
         if derived is None:
             derived = _largest(
@@ -233,6 +259,7 @@ class _Sizer:
             )
             if derived is None:
                 return None
+        self.ahead(at((derived + 1) * step))  # the next size up, confirmed with the answer
         return (
             self._confirm(
                 lambda k: self.fits(device_peak(self.ledger(*at(k * step)))),
@@ -290,10 +317,13 @@ def fit(
     checkpointing: Sequence[bool] = (False, True),
     margin: int = DEFAULT_MARGIN,
     seq_step: int = SEQ_STEP,
+    workers: int | None = None,
 ) -> Fit:
     """The largest micro-batch (``batch-size``), sequence length (``seq-len``, in multiples of
     ``seq_step``) or both (the longest sequence at each power-of-two micro-batch) that fits
-    ``gpu``, for each optimizer with activation checkpointing off and on."""
+    ``gpu``, for each optimizer with activation checkpointing off and on. ``workers``: processes
+    making estimates, this one included (``fit_estimates.py``); None: one per CPU for models of
+    a billion parameters or more, else 1."""
     if maximize not in MAXIMIZE:
         raise InputError(f"unknown --max {maximize!r}", hint=f"use {', '.join(MAXIMIZE)}")
     if seq_step < 1:
@@ -302,39 +332,25 @@ def fit(
     start = time.perf_counter()
     if spec.target == "cuda":  # every estimate emulates this GPU; on CPU, gpu is a budget
         spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
+    if workers is not None and workers < 1:
+        raise InputError(f"--workers must be 1 or more, not {workers}")
     answers: list[FitAnswer] = []
     no_fit: list[NoFit] = []
     notes: list[str] = []
     estimates = 0
-    for optimizer in optimizers or [spec.optimizer]:
-        for ckpt in checkpointing:
-            base = replace(spec, optimizer=optimizer, grad_checkpointing=ckpt)
-            sizer = _Sizer(base, gpu, margin)
-            sizes = _largest_sizes(sizer, maximize, seq_step)
-            if not sizes:
-                no_fit.append(_smallest(sizer, maximize, seq_step))
-            for batch, seq in sizes:
-                ledger = sizer.ledger(batch, seq)
-                notes += [n for n in ledger.notes if _states_a_kernel(n) and n not in notes]
-                nxt = (batch + 1, seq) if maximize == "batch-size" else (batch, seq + seq_step)
-                next_ledger = sizer.ledger(*nxt)
-                answers.append(
-                    FitAnswer(
-                        optimizer=optimizer,
-                        checkpointing=ckpt,
-                        batch_size=batch,
-                        seq_len=seq,
-                        reserved_peak_bytes=device_peak(ledger),
-                        headroom_bytes=verdict(gpu, device_peak(ledger), margin).headroom_bytes,
-                        fits_next=sizer.fits(device_peak(next_ledger)),
-                        next_size={
-                            "batch_size": nxt[0],
-                            "seq_len": nxt[1],
-                            "reserved_peak_bytes": device_peak(next_ledger),
-                        },
-                    )
-                )
-            estimates += len(sizer.ledgers)
+    extra, preload = workers_for(spec) if workers is None else (workers - 1, ())
+    with FitEstimates(extra, preload) as runs:
+        for optimizer in optimizers or [spec.optimizer]:
+            for ckpt in checkpointing:
+                base = replace(spec, optimizer=optimizer, grad_checkpointing=ckpt)
+                sizer = _Sizer(base, gpu, margin, runs)
+                sizes = _largest_sizes(sizer, maximize, seq_step)
+                if not sizes:
+                    no_fit.append(_smallest(sizer, maximize, seq_step))
+                for batch, seq in sizes:
+                    answers.append(_answer(sizer, batch, seq, maximize, seq_step, notes))
+                estimates += len(sizer.ledgers)
+        used = runs.workers + 1
     return Fit(
         seconds=time.perf_counter() - start,
         gpu=gpu,
@@ -345,6 +361,33 @@ def fit(
         no_fit=no_fit,
         estimates=estimates,
         notes=notes,
+        workers=used,
+    )
+
+
+def _answer(
+    sizer: _Sizer, batch: int, seq: int, maximize: str, seq_step: int, notes: list[str]
+) -> FitAnswer:
+    """The answer (``batch``, ``seq``) of ``sizer``'s configuration with its next size up;
+    the kernels its estimate assumed are added to ``notes``."""
+    ledger = sizer.ledger(batch, seq)
+    notes += [n for n in ledger.notes if _states_a_kernel(n) and n not in notes]
+    nxt = (batch + 1, seq) if maximize == "batch-size" else (batch, seq + seq_step)
+    next_ledger = sizer.ledger(*nxt)
+    peak = device_peak(ledger)
+    return FitAnswer(
+        optimizer=sizer.spec.optimizer,
+        checkpointing=sizer.spec.grad_checkpointing,
+        batch_size=batch,
+        seq_len=seq,
+        reserved_peak_bytes=peak,
+        headroom_bytes=verdict(sizer.gpu, peak, sizer.margin).headroom_bytes,
+        fits_next=sizer.fits(device_peak(next_ledger)),
+        next_size={
+            "batch_size": nxt[0],
+            "seq_len": nxt[1],
+            "reserved_peak_bytes": device_peak(next_ledger),
+        },
     )
 
 

@@ -22,22 +22,20 @@ whose first is still running waits for it.
 
 from __future__ import annotations
 
-import logging
-import multiprocessing
-import os
 import threading
 import time
-import warnings
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import fields
 from typing import Any
 
+from ..ledger import Ledger
 from ..predict import estimate
 from ..spec import TrainingSpec
 from ..timeline import Timeline
 from ..trace.fake import trace
 from ..trace.target_policy import policy_for
+from .workers import available_cpus, start_pool
 
 WORKER_MIN_TRACE_SECONDS = 1.0
 """Workers start only when the first trace took at least this long: starting them costs the
@@ -60,12 +58,15 @@ def _extensible_alike(spec: TrainingSpec) -> bool:
     return not spec.parallelism.partitions_optimizer and spec.pp == 1
 
 
-def extension_family(spec: TrainingSpec) -> str | None:
+def extension_family(spec: TrainingSpec, *, sizes_alike: bool = False) -> str | None:
     """What ``spec`` shares with the re-estimates that differ from it only in their
     data-parallel or tensor-parallel degree (degrees of two and more alike: one rank or sharded)
     or in their offload (the engines mark what it keeps in host memory on the finished
     timeline, ``trace.engine.Engine.finish``: the traced events are the same), or None when
-    the block extension must be checked on every such run."""
+    the block extension must be checked on every such run. ``sizes_alike``: the micro-batch and
+    sequence length may differ too (``fit``'s sizes): every block runs the same operators on
+    the same shapes at any size, so a size changes every block's events alike, as a degree
+    does."""
     if not _extensible_alike(spec):
         return None
     alike = {
@@ -74,6 +75,8 @@ def extension_family(spec: TrainingSpec) -> str | None:
         "tp": min(spec.tp, 2),
         "offload": None,
     }
+    if sizes_alike:
+        alike.update(batch_size=None, seq_len=None)
     return repr([(f.name, alike.get(f.name, getattr(spec, f.name))) for f in fields(spec)])
 
 
@@ -82,12 +85,18 @@ def reserved_peak(spec: TrainingSpec, blocks_verified: bool = False) -> tuple[in
     (what it offloads), and whether this run verified its block extension (every traced rank's
     blocks extended after the check; False when the check was skipped, ``blocks_verified``)."""
     ledger = estimate(spec, blocks_verified=blocks_verified)
+    return (
+        ledger.reserved_peak_bytes,
+        ledger.host_bytes,
+        verifies_extension(ledger, blocks_verified),
+    )
+
+
+def verifies_extension(ledger: Ledger, blocks_verified: bool) -> bool:
+    """Whether the estimate that made ``ledger`` verified its block extension: every traced
+    rank's blocks extended after the check (not skipped with ``blocks_verified``)."""
     extended = all(rank.blocks_extended for _, rank in ledger.ranks) if ledger.ranks else False
-    return ledger.reserved_peak_bytes, ledger.host_bytes, extended and not blocks_verified
-
-
-def available_cpus() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return extended and not blocks_verified
 
 
 class Runner:
@@ -237,16 +246,7 @@ class Runner:
     # -- workers -----------------------------------------------------------------------------
     def _start(self) -> None:
         if self._pool is None and (self.workers or 1) > 1:
-            self._pool = ProcessPoolExecutor(
-                self.workers,
-                mp_context=_worker_context(),
-                initializer=_quiet_like,
-                initargs=_quiet_settings(),
-            )
-            # The pool starts a process per task submitted: start them all now, so that their
-            # start-up (the fork server's imports) overlaps what this process does next.
-            for _ in range(self.workers or 1):
-                self._pool.submit(_started)
+            self._pool = start_pool(self.workers or 1)
 
     def _submit(self, fn: Any, *args: Any) -> Future[Any] | None:
         return self._pool.submit(fn, *args) if self._pool is not None else None
@@ -263,35 +263,3 @@ class Runner:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _worker_context() -> Any:
-    """Fresh worker processes: forked from a fork server that has imported what they need
-    (``worker_preload.py``: nothing but imports has run in it), or spawned where there is no
-    fork server (Windows)."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
-        return multiprocessing.get_context("spawn")
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload([f"{__package__}.worker_preload"])
-    return context
-
-
-def _started() -> None:
-    """A worker's first task: nothing (it makes the pool start the process)."""
-
-
-def _quiet_settings() -> tuple[dict[str, int], list[Any]]:
-    """This process's logger levels and warning filters, for the workers to copy (a CLI run
-    silences libraries' import-time chatter; so should its workers)."""
-    levels = {
-        name: logger.level
-        for name, logger in logging.root.manager.loggerDict.items()
-        if isinstance(logger, logging.Logger) and logger.level
-    }
-    return levels, list(warnings.filters)
-
-
-def _quiet_like(levels: dict[str, int], filters: list[Any]) -> None:
-    for name, level in levels.items():
-        logging.getLogger(name).setLevel(level)
-    warnings.filters[:] = filters

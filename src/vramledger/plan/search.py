@@ -64,13 +64,9 @@ from .layouts import (
 from .planner import Planner
 from .result import Plan
 from .runner import Runner
+from .workers import WORKERS_AT_ONCE_PARAMETERS
 
 Progress = Callable[[str, int, int], None]
-WORKERS_AT_ONCE_PARAMETERS = 1_000_000_000
-"""Models this large start the planner's workers before the first trace (whose time otherwise
-decides it, ``runner.py``): their traces take seconds each, so the workers always repay their
-start-up (``benchmarks/results/README-startup.md``).
-"""
 
 
 def _micro_batches(batch: int) -> list[tuple[int, int]]:

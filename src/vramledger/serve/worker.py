@@ -85,7 +85,11 @@ def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
         gpu = resolve_gpu(None, None)
     if kind == "fit":
         result = fit(
-            spec, gpu, maximize=options.get("maximize", "batch-size"), margin=spec.margin_bytes
+            spec,
+            gpu,
+            maximize=options.get("maximize", "batch-size"),
+            margin=spec.margin_bytes,
+            workers=1,
         )
         return {"fit": "".join(html.fit_body(result))}
     if kind == "plan":

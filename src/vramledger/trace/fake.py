@@ -138,8 +138,8 @@ def trace(
     ``worst``, which ``predict.py`` makes of several traces). ``engine``: what the step runs
     under (``trace/engine.py``; ``parallel/`` has the data-parallel ones), default one device.
     ``blocks_verified``: the extension was verified exact on this same run at another
-    data-parallel or tensor-parallel degree or offload setting (a plan's re-estimates,
-    ``plan/runner.py``): only ``SMALL`` blocks are traced and extended, without tracing
+    data-parallel or tensor-parallel degree, offload setting, micro-batch or sequence length (a
+    plan's re-estimates, ``plan/runner.py``; fit's sizes, ``plan/fit_estimates.py``): only ``SMALL`` blocks are traced and extended, without tracing
     ``SMALL + 1`` to check it again. A trace made before for the same key is read from the
     cache (``trace/cache.py``) instead.
     """
@@ -225,8 +225,8 @@ def _extended(
     """Trace SMALL and SMALL + 1 blocks; if extending the first reproduces the second exactly,
     extend it to the full depth. A Hugging Face config says its depth, so the full model is
     never built; Python models are built (on meta) to find their blocks. ``verified``: the check
-    was made on the same run at another data-parallel or tensor-parallel degree or offload
-    setting; only SMALL is traced."""
+    was made on the same run at another data-parallel or tensor-parallel degree, offload
+    setting, micro-batch or sequence length; only SMALL is traced."""
     depth = config_depth(recipe.source.config)
     if depth is not None:
         if depth < MIN_BLOCKS:
@@ -292,8 +292,8 @@ def _extension_note(stack: BlockStack, verified: bool) -> str:
         return (
             f"traced {SMALL} of the {stack.length} identical blocks in {stack.fqn} and extended "
             "the timeline to all of them (the extension was verified exact on this run at another "
-            "data-parallel or tensor-parallel degree or offload setting: extending its "
-            f"{SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
+            "data-parallel or tensor-parallel degree, offload setting, micro-batch or sequence "
+            f"length: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
         )
     return (
         f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in "
