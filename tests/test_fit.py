@@ -10,7 +10,7 @@ from vramledger.measure import measure
 from vramledger.plan.fit import fit, interpolate
 from vramledger.spec import TrainingSpec
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, MODELS_PY
 
 TINY = str(FIXTURES / "hub" / "tiny-llama-bf16")
 
@@ -122,6 +122,15 @@ def test_fit_checks_the_block_extension_once_and_each_answer_is_the_full_estimat
     assert answer.reserved_peak_bytes <= gpu.memory_bytes < answer.next_size["reserved_peak_bytes"]
 
 
+ALTERNATING = dict(
+    model=f"{MODELS_PY}:alternating_mlp",
+    inputs=f"{MODELS_PY}:mlp_inputs",
+    loss=f"{MODELS_PY}:mlp_loss",
+    target="cpu",
+)
+"""Eight blocks alike in class and parameters whose odd ones do more work: they do not extend."""
+
+
 @pytest.mark.slow
 def test_fit_with_a_worker_process_gives_the_same_answers():
     """With a worker process estimating the second of each pair of sizes alongside (the traced
@@ -134,3 +143,22 @@ def test_fit_with_a_worker_process_gives_the_same_answers():
     assert (alone.pop("workers"), pooled.pop("workers")) == (1, 2)
     del alone["seconds"], pooled["seconds"]
     assert pooled == alone
+    assert alone["answers"][0]["batch_size"] > 3
+
+
+@pytest.mark.slow
+def test_a_worker_estimate_made_before_the_check_is_made_again_when_it_fails():
+    """The worker's estimate of the second size traces the 4-block model only, before the first
+    size's estimate here has checked the extension. Blocks alike in class and parameters whose
+    odd ones do more work fail the check: the worker's answer is dropped and made again here,
+    every block traced."""
+    from vramledger.plan.fit_estimates import FitEstimates
+
+    spec = TrainingSpec(**ALTERNATING, batch_size=2)
+    second = TrainingSpec(**ALTERNATING, batch_size=3)
+    with FitEstimates(1) as runs:
+        runs.ahead([second])
+        first = runs.ledger(spec)
+        made = runs.ledger(second)
+    assert not first.blocks_extended and not made.blocks_extended
+    assert made.allocated_peak_bytes == estimate(second).allocated_peak_bytes

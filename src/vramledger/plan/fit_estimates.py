@@ -10,7 +10,10 @@ changes.
 The sizes of one configuration (optimizer, checkpointing) are the same run at other shapes:
 once one of them has verified that its identical blocks extend exactly (``trace/blocks.py``),
 the others trace only the smaller of the two shallow models (``runner.extension_family`` with
-``sizes_alike``), as the planner's re-estimates at other data-parallel degrees do.
+``sizes_alike``), as the planner's re-estimates at other data-parallel degrees do. The first
+pair's second estimate is handed to the worker before the first (made here) has checked it:
+the worker traces the smaller model only, and its answer is kept if the check holds (else it is
+made again here, with the check).
 """
 
 from __future__ import annotations
@@ -53,6 +56,8 @@ class FitEstimates:
         self._verified: set[str] = set()
         """Families (``extension_family`` with sizes alike) whose blocks were verified to
         extend."""
+        self._unverified: set[str] = set()
+        """Families an estimate checked, whose blocks did not extend."""
         self._threads: ThreadPoolExecutor | None = None
         """Starts the workers, then waits on each estimate handed to them (one thread each), so
         that this process goes on meanwhile: a worker's start waits for the fork server's
@@ -68,9 +73,8 @@ class FitEstimates:
         if key not in self._ledgers:
             self._queued.pop(key, None)
             running = self._running.pop(key, None)
-            if running is not None:
-                future, verified = running
-                self._keep(spec, future.result(), verified)
+            if running is not None and self._valid(spec, *running):
+                self._keep(spec, running[0].result(), running[1])
             else:
                 verified = self._is_verified(spec)
                 self._keep(spec, estimate(spec, blocks_verified=verified), verified)
@@ -91,13 +95,24 @@ class FitEstimates:
         while self._pool is not None and self._queued and len(self._running) < self.workers:
             key = next(iter(self._queued))
             spec = self._queued.pop(key)
-            verified = self._is_verified(spec)
+            # Told verified before the check is made (a guess that this process's estimate of
+            # the same configuration, made meanwhile, verifies it; kept only if it does).
+            family = extension_family(spec, sizes_alike=True)
+            verified = family is not None and family not in self._unverified
             assert self._threads is not None
             self._running[key] = (self._threads.submit(self._in_worker, spec, verified), verified)
 
     def _in_worker(self, spec: TrainingSpec, verified: bool) -> Ledger:
         assert self._pool is not None
         return self._pool.result().submit(estimate, spec, blocks_verified=verified).result()
+
+    def _valid(self, spec: TrainingSpec, future: Future[Ledger], verified: bool) -> bool:
+        """Whether a worker's estimate holds: made with the check (not ``verified``), or without
+        it once the check was made and held, or without it to no effect (no block extended)."""
+        if not verified or self._is_verified(spec):
+            return True
+        ledger = future.result()
+        return not any(rank.blocks_extended for _, rank in ledger.ranks)
 
     def _is_verified(self, spec: TrainingSpec) -> bool:
         family = extension_family(spec, sizes_alike=True)
@@ -106,8 +121,9 @@ class FitEstimates:
     def _keep(self, spec: TrainingSpec, ledger: Ledger, blocks_verified: bool) -> None:
         self._ledgers[repr(spec)] = ledger
         family = extension_family(spec, sizes_alike=True)
-        if family is not None and verifies_extension(ledger, blocks_verified):
-            self._verified.add(family)
+        if family is None or blocks_verified:
+            return
+        (self._verified if verifies_extension(ledger, False) else self._unverified).add(family)
 
     def close(self) -> None:
         if self._pool is not None and self._threads is not None:
