@@ -310,14 +310,7 @@ def _add_plan(sub: Any) -> None:
         action="store_true",
         help="skip re-estimating the answers with the real engines (faster, approximate)",
     )
-    p.add_argument(
-        "--workers",
-        type=int,
-        default=None,
-        metavar="N",
-        help="processes for traces and re-estimates (default: one per CPU for models of 1B "
-        "parameters or more, or when the first trace takes over a second; else 1)",
-    )
+    _add_workers(p, "for traces and re-estimates", ", or when the first trace takes over a second")
     _add_output_options(p)
 
 
@@ -357,15 +350,21 @@ def _add_fit(sub: Any) -> None:
         default="both",
         help="answer with activation checkpointing on, off or both (default both)",
     )
+    _add_workers(p, "making estimates, this one included")
+    _add_output_options(p)
+
+
+def _add_workers(p: Any, what: str, otherwise: str = "") -> None:
+    """``--workers N`` of ``plan`` and ``fit``: ``what`` the processes do, and when else they
+    start by default."""
     p.add_argument(
         "--workers",
         type=int,
         default=None,
         metavar="N",
-        help="processes making estimates, this one included (default: one per CPU for models "
-        "of 1B parameters or more; else 1)",
+        help=f"processes {what} (default: one per CPU for models of 1B parameters or "
+        f"more{otherwise}; else 1)",
     )
-    _add_output_options(p)
 
 
 def _add_rehearse(sub: Any) -> None:
