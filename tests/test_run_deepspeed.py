@@ -21,7 +21,7 @@ from vramledger.parallel.program_deepspeed import once_imported
 from vramledger.program import ProgramSpec
 
 from .gloo_noise import deepspeed_reduction_bytes
-from .test_run_ranks import PROGRAMS, _per_rank, assert_every_rank_equals_its_real_process
+from .test_run_ranks import PROGRAMS, assert_every_rank_equals_its_real_process
 
 BUCKET_ELEMENTS = 50_000
 """``zero_optimization.reduce_bucket_size`` and ``allgather_bucket_size`` of
@@ -44,15 +44,13 @@ step 1); zero1 and zero2 8,377,920 on both; zero2-fp32 9,630,784 / 10,671,480 (r
 zero3 8,477,941 on both."""
 FUSED_ADAM = ("--stage", "2", "--fused-adam")
 """ZeRO-2 with DeepSpeed's FusedAdam, its multi-tensor kernel standing in in the trace. Its real
-run compiles DeepSpeed's CPU Adam on first use (g++, about a minute of the suite's time in a
-clean clone), so it is not run here: measured 2026-12-03 on this VM, one run, `run --target cpu`
-7,190,580 / 7,192,792 (ranks 0 / 1) equal to `run --measure` to the byte, steady window and
-steps 2-4 (docs/test-bounds.md)."""
-
-
-FUSED_ADAM_REAL_PEAKS = {0: 7_190_580, 1: 7_192_792}
-"""``FUSED_ADAM``'s steady window on ranks 0 and 1 in its real gloo run (`run --measure`,
-2026-12-03, this VM): the trace's prediction equalled it to the byte."""
+run compiles DeepSpeed's CPU Adam on first use (g++, about a minute of a clean clone's suite).
+It was out of the suite, checked against figures one real run had measured (7,190,580 /
+7,192,792 on ranks 0 / 1, 2026-12-03 morning); on 2026-12-03 evening, in a fresh install, the
+real run and the trace both gave 7,190,580 on both ranks (`run --measure --nproc-per-node 2
+--json -- tests/programs/deepspeed_torchrun.py --stage 2 --fused-adam`), the cause of the
+2,212 B on rank 1 not found (DeepSpeed 0.19.7 and 0.19.8 trace alike). So the trace is checked
+against the real run made in the same environment, as the other cases are."""
 
 
 def _spec(args: tuple[str, ...]) -> ProgramSpec:
@@ -71,17 +69,18 @@ def test_every_rank_equals_its_real_gloo_process(case):
     )
 
 
+@pytest.mark.multiprocess
 def test_fused_adam_kernel_stands_in():
     """FusedAdam's kernel is not compiled in the trace: it updates in place, allocating nothing
-    (the figures of its real run: ``FUSED_ADAM``)."""
+    (checked against the real run: ``FUSED_ADAM``)."""
     pytest.importorskip("deepspeed")
     from vramledger.parallel.program_deepspeed import FUSED_ADAM_NOTE
     from vramledger.predict_program import run_program
 
-    report = run_program(_spec(FUSED_ADAM), target="cpu")
-    assert FUSED_ADAM_NOTE in report.notes
-    peaks = {rank: r.windows[0].peak_bytes for rank, r in _per_rank(report).items()}
-    assert peaks == FUSED_ADAM_REAL_PEAKS
+    assert FUSED_ADAM_NOTE in run_program(_spec(FUSED_ADAM), target="cpu").notes
+    assert_every_rank_equals_its_real_process(
+        _spec(FUSED_ADAM), lambda ledger: deepspeed_reduction_bytes(ledger, BUCKET_ELEMENTS, 2)
+    )
 
 
 def test_cuda_emulated_run_gives_zero2_ledgers_per_rank():
