@@ -57,7 +57,8 @@ def _worker_context(preload: tuple[str, ...]) -> Any:
     if "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     context = multiprocessing.get_context("forkserver")
-    # A process has one fork server: the first pool's preload is the one it gets.
+    # A process has one fork server: the preload it was started with (by start_fork_server or
+    # the first pool) is the one it keeps.
     context.set_forkserver_preload([f"{__package__}.worker_preload", *preload])
     return context
 
