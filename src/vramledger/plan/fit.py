@@ -238,12 +238,13 @@ class _Sizer:
             return (n, fixed) if along == "batch" else (fixed, n)
 
         self.ahead(*(at(p * step) for p in points[1:]))
-        traced = {p: self.ledger(*at(p * step)).timeline for p in points}
+        ledgers = {p: self.ledger(*at(p * step)) for p in points}
+        traced = {p: ledger.timeline for p, ledger in ledgers.items()}
         derived = None
         if corresponds(traced):  # type: ignore[arg-type]
             # Each derived size replays the whole timeline (a fraction of a second on a 70B
             # model): start from where the traced peaks' straight line crosses the budget.
-            peaks = [device_peak(self.ledger(*at(p * step))) for p in points[-2:]]
+            peaks = [device_peak(ledgers[p]) for p in points[-2:]]
             guess = _largest(lambda k: self.fits(_line(points[-2:], peaks, k)), 1, top // step)
             derived = (
                 self._confirm(
