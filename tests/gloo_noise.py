@@ -23,6 +23,10 @@ FSDP2 cases whose largest unit is 128,000 … 262,144 bytes, +2,104,328 with 1,0
 +264 / −784 on tensor parallelism (8,192-byte buffers) and +8,896 … +1,068,668 on DeepSpeed
 reductions of up to 200,000 … 2,134,336 bytes. Cases with no transient collective (DDP,
 ZeroRedundancyOptimizer, the pipeline's stages) were exact in every run and get no window.
+DeepSpeed's engine reduces on one process too (``buffered_allreduce_fallback`` through a gloo
+group of one): a clean-clone CI run on another machine counted +404,884 bytes on the one-process
+bf16 loop, its 536,980-byte flat gradient buffer freed late, just before the optimizer step
+(5,907,578 vs 5,502,694; every run here is exact).
 """
 
 from __future__ import annotations
@@ -65,8 +69,9 @@ def largest_transient_collective(ledger: Ledger) -> int:
 
 
 def deepspeed_reduction_bytes(ledger: Ledger, bucket_elements: int, itemsize: int = 2) -> int:
-    """The largest flattened reduction DeepSpeed's ZeRO-1/2 makes: a bucket's worth of gradients
-    (at most every trainable parameter) in the gradients' dtype (bf16 here)."""
+    """The largest flattened reduction DeepSpeed's engine makes (ZeRO-1/2's reduce bucket;
+    without ZeRO the engine's flat all-reduce buffer, on one process too): a bucket's worth of
+    gradients (at most every trainable parameter) in the gradients' dtype (``itemsize``)."""
     return min(bucket_elements, ledger.trainable_parameters) * itemsize
 
 

@@ -24,6 +24,7 @@ EXPECTED = {
     "zero3": (False, False, True, False, None, False, True, True, True),
     "fsdp": (False, False, True, False, None, False, True, True, True),
     "zero1-torch": (False, True, False, False, None, True, False, False, True),
+    "zero0": (False, False, False, True, 0, False, False, False, False),
 }
 
 
@@ -51,12 +52,18 @@ def test_properties(strategy):
     assert p.shards_optimizer_state is optimizer
     # ZeRO-1/2 and ZeroRedundancyOptimizer split the optimizer while parameters stay whole
     assert p.partitions_optimizer is (optimizer and not params)
-    assert p.models_split_model is not p.partitions_optimizer
+    assert p.is_deepspeed_zero is (deepspeed and p.partitions_optimizer)
+    # a split model is modelled under DDP and FSDP2 only, not under DeepSpeed's engine
+    assert p.models_split_model is not (p.partitions_optimizer or deepspeed)
+    # identical blocks extend where a rank's blocks are alike and no DeepSpeed engine runs
+    assert p.extends_blocks is not (p.partitions_optimizer or deepspeed)
     # only DeepSpeed's flat partition makes the derived events depend on the rank
-    assert p.rank_independent is not deepspeed
-    # the advice's ladder: ddp -> zero1 -> zero2, and ZeRO-3 after any of them
-    assert p.next_deepspeed_strategy == {"ddp": "zero1", "zero1": "zero2"}.get(strategy)
-    assert p.upgrades_to_zero3 is (strategy in ("ddp", "zero1", "zero2"))
+    assert p.rank_independent is not p.is_deepspeed_zero
+    # the advice's ladder: ddp (or DeepSpeed without ZeRO) -> zero1 -> zero2, and ZeRO-3 after
+    assert p.next_deepspeed_strategy == {"ddp": "zero1", "zero0": "zero1", "zero1": "zero2"}.get(
+        strategy
+    )
+    assert p.upgrades_to_zero3 is (strategy in ("ddp", "zero0", "zero1", "zero2"))
     # exactly one engine runs each data-parallel strategy
     assert single or [ddp, fsdp, deepspeed].count(True) == 1
 

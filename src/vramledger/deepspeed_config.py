@@ -1,11 +1,11 @@
 """Read a DeepSpeed JSON config into the TrainingSpec fields it decides.
 
-Read: ``zero_optimization.stage`` (0 -> ddp, or none on one process, where DeepSpeed's engine
-reduces nothing; 1 -> zero1, 2 -> zero2, 3 -> zero3),
+Read: ``zero_optimization.stage`` (0 -> zero0, DeepSpeed's engine without ZeRO; 1 -> zero1,
+2 -> zero2, 3 -> zero3),
 ``zero_optimization.offload_optimizer.device`` and ``offload_param.device`` ("cpu"; "none"),
 ``bf16.enabled`` (bf16-master), ``fp16.enabled`` (fp16-master), ``train_micro_batch_size_per_gpu``,
 ``gradient_accumulation_steps``, and ``train_batch_size`` (checked against the other two and the
-world size). Under stages 1 and 2, which run DeepSpeed's own engine
+world size). Under stages 0, 1 and 2, which run DeepSpeed's own engine
 (``parallel/deepspeed_engine.py``), the ``zero_optimization`` keys that shape its buffers and steps
 (bucket sizes, overlap, contiguous gradients, round robin, reduce-scatter) and gradient
 clipping are given to the engine as they are (``deepspeed_engine.PASSED_ZERO_KEYS``). Other
@@ -22,10 +22,9 @@ from typing import Any
 
 from .errors import InputError
 from .jsonfile import read_json_object
-from .parallelism import Parallelism
 from .spec import TrainingSpec
 
-STAGES = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}
+STAGES = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
 _IGNORED_TOP = {
     "steps_per_print",
     "wall_clock_breakdown",
@@ -182,19 +181,6 @@ def apply_deepspeed(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
     fields, notes = read_deepspeed_config(spec.deepspeed)
     config = read_json_object(spec.deepspeed, "DeepSpeed config", hint=DEEPSPEED_HINT)
     total = config.get("train_batch_size")
-    without_zero = Parallelism(strategy=fields["strategy"]).is_ddp  # stage 0
-    if without_zero and spec.world_size == 1:
-        # DeepSpeed without ZeRO wraps no DDP: on one process nothing reduces the gradients (its
-        # engine's allreduce runs only over several ranks; engine.py: allreduce_gradients)
-        fields["strategy"] = "none"
-        notes.append("zero_optimization.stage 0 on one process: no gradient reduction")
-    elif without_zero:
-        notes.append(
-            "zero_optimization.stage 0 over several ranks is modelled as PyTorch DDP, whose "
-            "gradient buckets persist; DeepSpeed's engine flattens each bucket only while it "
-            "reduces it (engine.py: buffered_allreduce_fallback): an upper bound, by up to one "
-            "copy of the gradients"
-        )
     updated = replace(spec, **fields)
     if isinstance(total, int):
         expected = updated.batch_size * updated.grad_accum * updated.world_size

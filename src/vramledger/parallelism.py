@@ -17,7 +17,12 @@ strategy       engine     parameters  gradients     optimizer    optimizer over
 ``fsdp``       FSDP2      sharded     sharded       sharded      parameter shards
 ``zero1-       DDP        whole       whole         partition    whole parameters
 torch``                                                          (ZeroRedundancyOptimizer)
+``zero0``      DeepSpeed  whole       whole         whole        -
 =============  =========  ==========  ============  ===========  ==================
+
+``zero0`` is DeepSpeed's engine without ZeRO (``zero_optimization.stage`` 0): no DDP, its own
+master-weight wrappers, and the gradients flattened into a transient buffer per reduction at the
+accumulation boundary, on one process too (``engine.py``: ``buffered_allreduce_fallback``).
 """
 
 from __future__ import annotations
@@ -25,14 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch"]
+Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch", "zero0"]
 STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
 """How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
 
 _FSDP = frozenset({"zero3", "fsdp"})
 _DDP = frozenset({"ddp", "zero1-torch"})
-_DEEPSPEED_STAGE = {"zero1": 1, "zero2": 2}
-_NEXT_DEEPSPEED = {"ddp": "zero1", "zero1": "zero2"}
+_DEEPSPEED_STAGE = {"zero0": 0, "zero1": 1, "zero2": 2}
+_NEXT_DEEPSPEED = {"ddp": "zero1", "zero0": "zero1", "zero1": "zero2"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,13 +94,18 @@ class Parallelism:
 
     @property
     def is_deepspeed(self) -> bool:
-        """Runs under DeepSpeed's ZeRO optimizer: zero1 and zero2."""
+        """Runs under DeepSpeed's engine: zero0, zero1 and zero2."""
         return self.name in _DEEPSPEED_STAGE
 
     @property
     def deepspeed_stage(self) -> int | None:
-        """DeepSpeed's ZeRO stage (1 or 2), else None."""
+        """DeepSpeed's ZeRO stage (0, 1 or 2), else None."""
         return _DEEPSPEED_STAGE.get(self.name)
+
+    @property
+    def is_deepspeed_zero(self) -> bool:
+        """Runs under DeepSpeed's ZeRO optimizer, which partitions over the ranks: zero1, zero2."""
+        return bool(self.deepspeed_stage)
 
     @property
     def is_zero_redundancy(self) -> bool:
@@ -117,13 +127,13 @@ class Parallelism:
     @property
     def shards_optimizer_state(self) -> bool:
         """Optimizer state is split over the data-parallel ranks (every ZeRO stage, FSDP)."""
-        return self.is_fsdp or self.is_deepspeed or self.is_zero_redundancy
+        return self.is_fsdp or self.is_deepspeed_zero or self.is_zero_redundancy
 
     @property
     def partitions_optimizer(self) -> bool:
         """A ZeRO optimizer splits the state while parameters stay whole (zero1, zero2,
         zero1-torch): a rank's optimizer step and its state depend on which rank it is."""
-        return self.is_deepspeed or self.is_zero_redundancy
+        return self.is_deepspeed_zero or self.is_zero_redundancy
 
     @property
     def next_deepspeed_strategy(self) -> str | None:
@@ -142,12 +152,21 @@ class Parallelism:
     def rank_independent(self) -> bool:
         """Every rank's events are the same up to the world size (DeepSpeed's flat partition
         makes them differ by rank)."""
-        return not self.is_deepspeed
+        return not self.is_deepspeed_zero
+
+    @property
+    def extends_blocks(self) -> bool:
+        """A trace of some identical blocks extends to all of them: not under ZeRO-1/2 or
+        zero1-torch (a rank owns different parameters in each block), nor under DeepSpeed's
+        engine without ZeRO (it flattens every gradient at once, and its wrappers' steps did not
+        extend: the 4/5-block pair differed)."""
+        return not self.partitions_optimizer and not self.is_deepspeed
 
     @property
     def models_split_model(self) -> bool:
-        """Modelled with tensor, pipeline or context parallelism: none, ddp, fsdp, zero3."""
-        return not self.partitions_optimizer
+        """Modelled with tensor, pipeline or context parallelism: none, ddp, fsdp, zero3 (not
+        DeepSpeed's engine, nor a ZeRO optimizer's partition)."""
+        return not self.partitions_optimizer and not self.is_deepspeed
 
     # --- axes ------------------------------------------------------------------------------
 

@@ -117,7 +117,7 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
 def _engine(spec: TrainingSpec, rank: int = 0) -> Any:
     """The pipeline engine (rank ``rank``'s stages) when the layers are split into stages; the
     N-D mesh's engine when the model is split (tensor, context, expert parallel);
-    DeepSpeed's engine for zero1/zero2; torch.distributed's for the others."""
+    DeepSpeed's engine for zero0/zero1/zero2; torch.distributed's for the others."""
     if spec.pp > 1:
         return PipelineParallel(spec, rank)
     if uses_mesh(spec):
@@ -155,12 +155,11 @@ def _trace_ledger(
     spec: TrainingSpec, rank: int, notes: list[str], routing: str, blocks_verified: bool = False
 ) -> tuple[Ledger, dict[str, str]]:
     policy = policy_for(spec)
-    # Under ZeRO-1/2 a rank owns different parameters in each block: not identical blocks.
     result = trace(
         spec,
         policy,
         rank=rank,
-        extend_blocks=not spec.parallelism.partitions_optimizer,
+        extend_blocks=spec.parallelism.extends_blocks,
         routing=routing,
         engine=_engine(spec, rank),
         blocks_verified=blocks_verified,

@@ -89,8 +89,9 @@ class TrainingSpec:
     world_size: int = field(default=1, metadata=cli("parallelism"))
     """Ranks (GPUs) the step is spread over: data-parallel x tp x pp x cp."""
     strategy: str | None = field(default=None, metadata=cli("parallelism", choices=STRATEGIES[1:]))
-    """ddp, zero1, zero2 (DeepSpeed's engine), zero3, fsdp, or zero1-torch (PyTorch's
-    ZeroRedundancyOptimizer) (default: none on one rank, ddp on several)."""
+    """ddp, zero1, zero2 (DeepSpeed's engine), zero3, fsdp, zero1-torch (PyTorch's
+    ZeroRedundancyOptimizer), or zero0 (DeepSpeed's engine without ZeRO: what a --deepspeed
+    config of stage 0 runs) (default: none on one rank, ddp on several)."""
     offload: str = field(default="none", metadata=cli("parallelism", choices=OFFLOADS))
     """Keep in host memory: optimizer (state, fp32 masters and their gradients), params
     (sharded parameters), both, or none."""

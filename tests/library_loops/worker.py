@@ -26,7 +26,10 @@ The loops and their sources:
 - ``deepspeed-*``: DeepSpeed's getting-started: ``deepspeed.initialize(model=...,
   model_parameters=..., config=...)``, ``loss = loss_fn(engine(x), y)``, ``engine.backward(loss)``,
   ``engine.step()``; on CPU ``DS_ACCELERATOR=cpu`` and ``deepspeed.init_distributed("gloo")``.
-  DeepSpeed's engine is its own master-weight loop (bf16/fp16 weights, fp32 masters).
+  DeepSpeed's engine is its own master-weight loop (bf16/fp16 weights, fp32 masters); in fp32
+  (no ``bf16``/``fp16`` section) it wraps the optimizer in nothing. Without ZeRO (stage 0,
+  ``deepspeed-bf16``, ``deepspeed-fp32``, ``deepspeed-stage0`` on 2 processes) it all-reduces
+  the gradients through one flattened buffer, on one process too.
 - ``ddp``: the DDP tutorial ("Getting Started with Distributed Data Parallel"):
   ``DDP(model)``, ``optimizer.zero_grad()``, ``loss_fn(ddp_model(x), y).backward()``,
   ``optimizer.step()``.
@@ -196,6 +199,10 @@ def deepspeed_bf16(base: int) -> int:
     return _deepspeed("ds_bf16.json", torch.bfloat16, base)
 
 
+def deepspeed_fp32(base: int) -> int:
+    return _deepspeed("ds_fp32.json", torch.float32, base)
+
+
 def deepspeed_fp16(base: int) -> int:
     return _deepspeed("ds_fp16.json", torch.float16, base)
 
@@ -214,7 +221,9 @@ LOOPS = {
     "16-mixed": fp16_mixed,
     "bf16-true": bf16_true,
     "deepspeed-bf16": deepspeed_bf16,
+    "deepspeed-fp32": deepspeed_fp32,
     "deepspeed-fp16": deepspeed_fp16,
+    "deepspeed-stage0": deepspeed_bf16,
     "ddp": ddp,
     "zero1-torch": zero1_torch,
     "fsdp": fsdp,

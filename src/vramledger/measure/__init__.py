@@ -45,6 +45,7 @@ from .. import cpu_allocator_count
 from ..accelerate_config import apply_accelerate
 from ..allocator_events import memory_events, ranges, recording
 from ..categories import CATEGORY_PRIORITY, Category, Phase
+from ..deepspeed_config import apply_deepspeed
 from ..errors import InputError
 from ..ledger import Ledger, build_ledger
 from ..parallel.engines import adapt_recipe
@@ -152,7 +153,9 @@ def measure(
     **fields: Any,
 ) -> Measurement:
     """Run ``spec`` for real on ``device`` ('cpu' or 'cuda') and measure it."""
-    spec, _ = apply_accelerate(as_spec(spec, fields))
+    # a --deepspeed config decides the strategy and precision, as in the estimate
+    spec, _ = apply_deepspeed(as_spec(spec, fields))
+    spec, _ = apply_accelerate(spec)
     _check(spec, device, compare)
     if spec.world_size > 1 and device == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())
@@ -213,9 +216,9 @@ def _check(spec: TrainingSpec, device: str, compare: bool) -> None:
 def _runs(spec: TrainingSpec, device: str) -> tuple[Ledger, dict[int, int], str]:
     """The plain run's allocator peaks per step and the tracked run's ledger, and how the
     peaks were counted."""
-    if spec.world_size > 1 and (spec.pp > 1 or spec.parallelism.is_deepspeed):
-        # the pipeline's schedule and DeepSpeed's engine own their step: run by their modules
-        # (a plain run counted, then a tracked run for the ledger)
+    if (spec.world_size > 1 and spec.pp > 1) or spec.parallelism.is_deepspeed:
+        # the pipeline's schedule and DeepSpeed's engine (on one process too) own their step:
+        # run by their modules (a plain run counted, then a tracked run for the ledger)
         run = measure_pipeline(spec, device) if spec.pp > 1 else measure_deepspeed(spec, device)
         method = COUNTED if device == "cpu" else "torch.cuda.max_memory_allocated() per step"
         return run.ledger, run.counted_step_peaks, method

@@ -1,12 +1,14 @@
-"""A real run of DeepSpeed's engine (``zero1``, ``zero2``) as one rank of a process group, built
+"""A real run of DeepSpeed's engine (``zero0``, ``zero1``, ``zero2``) as one rank of a process group, built
 by the same code as the estimate's (``parallel/deepspeed_engine.py``)."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
-from collections.abc import Callable
+import os
+from collections.abc import Callable, Iterator
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -15,7 +17,8 @@ from torch import nn
 from ..deepspeed_config import apply_deepspeed
 from ..errors import InputError
 from ..parallel.deepspeed_engine import build_run
-from ..parallel.deepspeed_runtime import real_deepspeed
+from ..parallel.deepspeed_runtime import deepspeed_modules, deepspeed_state, real_deepspeed
+from ..parallel.real import shut_down_group
 from ..recipe import count_parameters, module_names, resolve
 from ..spec import TrainingSpec
 from ..trace.tracker import StorageTracker, TrackerObserver
@@ -23,18 +26,45 @@ from .counting import PlainCountingObserver, RankMeasurement, allocator_counter,
 
 
 def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:
-    """Run ``spec`` (``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
-    process group, twice: a plain run (no dispatch mode, no tensor subclass active: the
-    tracker changes what autograd allocates, ``trace/plain_autograd.py``) counted by the
-    allocator, then a tracked run of the same step for the ledger's categories.
+    """Run ``spec`` (``zero0``/``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
+        process group, twice: a plain run (no dispatch mode, no tensor subclass active: the
+        tracker changes what autograd allocates, ``trace/plain_autograd.py``) counted by the
+        allocator, then a tracked run of the same step for the ledger's categories.
 
-    On CPU the allocator count is ``cpu_allocator_count`` (installed here, so it counts from
-    before the model is built); DeepSpeed's shared-memory collectives, which serve only its
-    ``inference_all_reduce``, are not compiled. ``LOCAL_RANK`` must be set (torchrun sets it).
+        On CPU the allocator count is ``cpu_allocator_count`` (installed here, so it counts from
+        before the model is built); DeepSpeed's shared-memory collectives, which serve only its
+        ``inference_all_reduce``, are not compiled. Under torchrun, its process group; on one process
+    without one, a gloo group of one (:func:`_process_group`).
     """
     spec, _ = apply_deepspeed(spec)
     if not spec.parallelism.is_deepspeed:
-        raise InputError(f"measure_deepspeed runs zero1 or zero2, not {spec.strategy}")
+        raise InputError(f"measure_deepspeed runs zero0, zero1 or zero2, not {spec.strategy}")
+    with _process_group(spec.world_size):
+        return _measure(spec, device)
+
+
+@contextlib.contextmanager
+def _process_group(world_size: int) -> Iterator[None]:
+    """The process group DeepSpeed's engine reduces over: torchrun's, or on one process not
+    launched by torchrun a gloo group of one made here (DeepSpeed's engine all-reduces on one
+    process too), with ``LOCAL_RANK`` 0 and DeepSpeed's global state fresh for it (its
+    communication backend and cached groups belong to the group, destroyed afterwards)."""
+    if dist.is_initialized() or world_size > 1:
+        yield
+        return
+    accelerator = deepspeed_modules().accelerators.get_accelerator()
+    with (
+        mock.patch.dict(os.environ, {"LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")}),
+        deepspeed_state(accelerator),
+    ):
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        try:
+            yield
+        finally:
+            shut_down_group()
+
+
+def _measure(spec: TrainingSpec, device: str) -> RankMeasurement:
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:
         raise InputError(f"measure_deepspeed needs a process group of {spec.world_size} ranks")
     cuda = device == "cuda"

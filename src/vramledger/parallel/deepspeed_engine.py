@@ -1,4 +1,4 @@
-"""DeepSpeed ZeRO stage 1 and 2, run as DeepSpeed runs them.
+"""DeepSpeed's engine (without ZeRO, and ZeRO stages 1 and 2), run as DeepSpeed runs it.
 
 ``zero1`` and ``zero2`` build DeepSpeed's own ``DeepSpeedEngine`` around the model; its
 ``DeepSpeedZeroOptimizer`` flattens the parameters into one buffer, partitions it evenly over the
@@ -50,6 +50,7 @@ from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..sources import LossFn, tensor_leaves
 from ..spec import TrainingSpec
+from ..trace.program_trace import STANDS_FOR
 from ..training import MASTER_GRADIENT, StepObserver, cast_floating
 from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world, quiet, version
 from .engines import DataParallel, fake_world
@@ -80,6 +81,9 @@ PASSED_TOP_KEYS = (
     "communication_data_type",
 )
 """Top-level keys of a ``--deepspeed`` config given to the engine as they are."""
+ALLREDUCE_BUCKET_ELEMENTS = 500_000_000
+"""Elements per flat buffer DeepSpeed's engine reduces gradients through without ZeRO
+(``MEMORY_OPT_ALLREDUCE_SIZE``, deepspeed/runtime/engine.py: ``allreduce_gradients``' bucket)."""
 FUSED_ADAM = (torch.optim.Adam, torch.optim.AdamW)
 """Optimizers DeepSpeed runs as its FusedAdam on a GPU (``"optimizer": {"type": "Adam(W)"}``);
 modelled on a CUDA target as torch's fused implementation: multi-tensor and in place, no step
@@ -147,6 +151,12 @@ class DeepSpeedRun:
     def zero(self) -> Any:
         return self.engine.optimizer
 
+    @property
+    def stepped(self) -> torch.optim.Optimizer:
+        """The torch optimizer that steps: inside DeepSpeed's wrapper, or the engine's own
+        (stage 0 in fp32 wraps nothing)."""
+        return getattr(self.zero, "optimizer", self.zero)
+
     def run(self, steps: int, observer: StepObserver) -> None:
         for step in range(1, steps + 1):
             self.step(step, observer)
@@ -166,7 +176,7 @@ class DeepSpeedRun:
             self.engine.step()  # a step at the accumulation boundary, else only counts
         if self.record_losses:
             self.losses.append(total)
-        observer.optimizer_stepped(self.zero.optimizer)
+        observer.optimizer_stepped(self.stepped)
 
 
 def build_run(
@@ -211,23 +221,66 @@ def build_run(
             dont_change_device=fake,
         )
     zero = engine.optimizer
-    if not isinstance(zero, modules.zero_optimizer):
+    on_group = f" on a fake process group of {spec.world_size} ranks" if fake else ""
+    if not spec.parallelism.is_deepspeed_zero:
+        labels.watch_engine(engine)
+        notes.append(
+            f"{spec.strategy}: DeepSpeed {version()}'s own engine without ZeRO (DeepSpeedEngine, "
+            f"{type(zero).__name__}){on_group}: at the accumulation boundary it flattens the "
+            f"gradients into one buffer per reduction of up to {ALLREDUCE_BUCKET_ELEMENTS:,} "
+            "elements, on one process too (engine.py: buffered_allreduce_fallback)"
+        )
+    elif not isinstance(zero, modules.zero_optimizer):
         raise InputError(
             f"DeepSpeed built {type(zero).__name__}, not its ZeRO-1/2 optimizer",
             hint="check the --deepspeed config",
         )
-    labels.watch(zero)
-    notes.append(
-        f"{spec.strategy}: DeepSpeed {version()}'s own engine (DeepSpeedEngine, "
-        f"DeepSpeedZeroOptimizer stage {spec.parallelism.deepspeed_stage})"
-        + (f" on a fake process group of {spec.world_size} ranks" if fake else "")
-        + f": flat partition of {zero.partition_size[0]:,} elements per rank, reduce bucket of "
-        f"{zero.reduce_bucket_size:,} elements"
-    )
+    else:
+        labels.watch(zero)
+        notes.append(
+            f"{spec.strategy}: DeepSpeed {version()}'s own engine (DeepSpeedEngine, "
+            f"DeepSpeedZeroOptimizer stage {spec.parallelism.deepspeed_stage}){on_group}: flat "
+            f"partition of {zero.partition_size[0]:,} elements per rank, reduce bucket of "
+            f"{zero.reduce_bucket_size:,} elements"
+        )
     run = DeepSpeedRun(
         engine=engine, batch=batch, loss_fn=loss_fn, grad_accum=spec.grad_accum, labels=labels
     )
     return run, notes
+
+
+def tag_optimizer_buffers(
+    zero: Any, register: Callable[[list[torch.Tensor], Category], None]
+) -> None:
+    """The buffers of DeepSpeed's optimizer wrappers (its ZeRO-1/2 optimizer's are tagged by
+    ``_Labels.watch``): the fp32 partitions each steps are master weights, standing for the
+    trainable parameters of their group (``STANDS_FOR``), as are ``FP16_Optimizer``'s and
+    ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer``
+    keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3 keeps
+    the rank's flat shard of the bf16 parameters and of the gradients."""
+    name = type(zero).__name__
+    if name == "DeepSpeedZeroOptimizer":
+        masters, groups = zero.single_partition_of_fp32_groups, zero.bit16_groups
+    elif name == "BF16_Optimizer":
+        register(list(zero.bf16_groups_flat), Category.PARAMETERS)
+        register(list(zero.fp32_groups_gradients_flat), Category.GRADIENTS)
+        masters, groups = zero.fp32_groups_flat_partition, zero.bf16_groups
+    elif name == "DeepSpeedZeroOptimizer_Stage3":
+        register(list(zero.fp16_partitioned_groups_flat), Category.SHARDED_PARAMETERS)
+        register([zero.grad_partitions_flat_buffer], Category.SHARDED_GRADIENTS)
+        masters, groups = zero.fp32_partitioned_groups_flat, zero.fp16_groups
+    elif name == "FP16_Optimizer":
+        masters, groups = zero.fp32_groups_flat, zero.fp16_groups
+    elif name == "FP16_UnfusedOptimizer":  # an fp32 copy of each parameter
+        masters = [m for group in zero.fp32_groups for m in group]
+        groups = [[p] for group in zero.fp16_groups for p in group]
+    else:  # the program's (or the spec's) own optimizer, stepped as it is
+        return
+    register(list(masters), Category.MASTER_WEIGHTS)
+    for master, group in zip(masters, groups, strict=True):
+        # a ZeRO-3 parameter's own elements are gone once partitioned: ds_numel has them
+        numel = sum(getattr(p, "ds_numel", p.numel()) for p in group if p.requires_grad)
+        setattr(master, STANDS_FOR, numel)
 
 
 FRESH_GRADIENT = "autograd's gradient, until DeepSpeed copies it into its reduce bucket"
@@ -271,6 +324,21 @@ class _Labels:
             if p.grad is not None and p.grad.untyped_storage()._cdata == storage:
                 self.observer.tensors([p.grad], Category.GRADIENTS)
         self.fresh.clear()
+
+    def watch_engine(self, engine: Any) -> None:
+        """DeepSpeed's engine without ZeRO (stage 0): its optimizer wrapper's buffers
+        (:func:`tag_optimizer_buffers`), and each flat buffer it reduces the gradients through
+        (``allreduce_bucket``), made and dropped at the accumulation boundary."""
+        tag_optimizer_buffers(engine.optimizer, self._tag)
+        reduce = engine.allreduce_bucket
+
+        def reduced(*args: Any, **kwargs: Any) -> torch.Tensor:
+            flat = reduce(*args, **kwargs)
+            self.observer.tensors([flat], Category.GRADIENT_BUCKETS)
+            return flat
+
+        engine.allreduce_bucket = reduced
+        _before(engine, "buffered_allreduce_fallback", lambda *_, **__: self.kept_gradients())
 
     def watch(self, zero: Any) -> None:
         self._tag(list(zero.bit16_groups_flat), Category.PARAMETERS)

@@ -47,7 +47,7 @@ import torch
 
 from ..categories import Category
 from ..import_hooks import when_imported
-from ..trace.program_trace import STANDS_FOR
+from .deepspeed_engine import tag_optimizer_buffers
 from .deepspeed_runtime import (
     FAKE_RUN_WARNINGS,
     cpu_accelerator,
@@ -143,7 +143,7 @@ def _engines_told(
         zero = engine.optimizer
         if isinstance(zero, modules.zero_optimizer):
             labels.watch(zero)
-        _tag_buffers(zero, register)
+        tag_optimizer_buffers(zero, register)
         inner = getattr(zero, "optimizer", zero)
         notes[
             f"DeepSpeed: the program's deepspeed.initialize built DeepSpeed {version()}'s own "
@@ -160,7 +160,7 @@ def _engines_told(
     def initialize_optimizer_states(wrapper: Any) -> Any:
         # it steps the optimizer once with zero gradients to make its state: its fp32 copies
         # are master weights from that first step on
-        _tag_buffers(wrapper, register)
+        tag_optimizer_buffers(wrapper, register)
         notes[UNFUSED_FIRST_STEP] = None
         return initial(wrapper)
 
@@ -178,38 +178,6 @@ UNFUSED_FIRST_STEP = (
     "with zero gradients when it is built, to make the optimizer's state: that is the "
     "program's step 1, in the trace as in a real run"
 )
-
-
-def _tag_buffers(zero: Any, register: Register) -> None:
-    """The buffers of DeepSpeed's optimizer wrappers (its ZeRO-1/2 optimizer's are tagged by
-    ``_Labels.watch``): the fp32 partitions each steps are master weights, standing for the
-    trainable parameters of their group (``STANDS_FOR``), as are ``FP16_Optimizer``'s and
-    ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer``
-    keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3 keeps
-    the rank's flat shard of the bf16 parameters and of the gradients."""
-    name = type(zero).__name__
-    if name == "DeepSpeedZeroOptimizer":
-        masters, groups = zero.single_partition_of_fp32_groups, zero.bit16_groups
-    elif name == "BF16_Optimizer":
-        register(list(zero.bf16_groups_flat), Category.PARAMETERS)
-        register(list(zero.fp32_groups_gradients_flat), Category.GRADIENTS)
-        masters, groups = zero.fp32_groups_flat_partition, zero.bf16_groups
-    elif name == "DeepSpeedZeroOptimizer_Stage3":
-        register(list(zero.fp16_partitioned_groups_flat), Category.SHARDED_PARAMETERS)
-        register([zero.grad_partitions_flat_buffer], Category.SHARDED_GRADIENTS)
-        masters, groups = zero.fp32_partitioned_groups_flat, zero.fp16_groups
-    elif name == "FP16_Optimizer":
-        masters, groups = zero.fp32_groups_flat, zero.fp16_groups
-    elif name == "FP16_UnfusedOptimizer":  # an fp32 copy of each parameter
-        masters = [m for group in zero.fp32_groups for m in group]
-        groups = [[p] for group in zero.fp16_groups for p in group]
-    else:  # the program's own optimizer, stepped as it is
-        return
-    register(list(masters), Category.MASTER_WEIGHTS)
-    for master, group in zip(masters, groups, strict=True):
-        # a ZeRO-3 parameter's own elements are gone once partitioned: ds_numel has them
-        numel = sum(getattr(p, "ds_numel", p.numel()) for p in group if p.requires_grad)
-        setattr(master, STANDS_FOR, numel)
 
 
 HOOK_REGISTRATIONS = ("register_hook", "register_post_accumulate_grad_hook")

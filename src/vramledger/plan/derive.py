@@ -135,7 +135,7 @@ def derive_layout(
     if parallelism.is_zero_redundancy:
         shard({Category.MASTER_WEIGHTS, Category.OPTIMIZER_STATE}, {})
     stage = parallelism.deepspeed_stage
-    if stage is not None and n is not None and n > 1:
+    if stage and n is not None and n > 1:  # ZeRO's partition (zero0 keeps everything whole)
         extra += _deepspeed_layout(out, facts, stage, n)
     if parallelism.shards_params:
         if Category.MASTER_WEIGHTS in out.tags:

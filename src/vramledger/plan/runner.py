@@ -52,10 +52,10 @@ def _extensible_alike(spec: TrainingSpec) -> bool:
     """Whether the traced step has the same events at every data-parallel and tensor-parallel
     degree, only other shard sizes (none, DDP, FSDP2 on a 1-D mesh or the data-parallel axis of
     the N-D one; ``parallelize_module``'s plan on the tensor-parallel axis): whether its identical
-    blocks extend exactly does not depend on the degree. Not ZeRO-1/2 (DeepSpeed's partitions cut
-    its flat buffers at other parameters on other degrees; never extended anyway), nor
-    zero1-torch, nor pipelines (stages change)."""
-    return not spec.parallelism.partitions_optimizer and spec.pp == 1
+    blocks extend exactly does not depend on the degree. Not where blocks never extend
+    (``Parallelism.extends_blocks``: ZeRO-1/2, zero1-torch, DeepSpeed's engine), nor pipelines
+    (stages change)."""
+    return spec.parallelism.extends_blocks and spec.pp == 1
 
 
 def extension_family(spec: TrainingSpec, *, sizes_alike: bool = False) -> str | None:
