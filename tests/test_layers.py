@@ -54,6 +54,7 @@ LAYERS: dict[str, list[str]] = {
         "gpus",
         "import_hooks",
         "jsonfile",
+        "launch_configs",
         "offline_hub",
         "optimizers",
         "parallelism",

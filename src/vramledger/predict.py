@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .accelerate_config import apply_accelerate
 from .checks import request_warnings
-from .deepspeed_config import apply_deepspeed
 from .gpus import precision_warnings
+from .launch_configs import apply_configs
 from .ledger import Ledger, build_ledger
 from .parallel.deepspeed_engine import DeepSpeedZero, deepspeed_config
 from .parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
@@ -53,9 +52,7 @@ def estimate(
     (``trace/fake.py``; the planner's re-estimates, fit's sizes): the values are the same, the
     check's smaller trace is not made again.
     """
-    spec, notes = apply_deepspeed(as_spec(spec, fields))
-    spec, read = apply_accelerate(spec)
-    notes = [*notes, *read]
+    spec, notes = apply_configs(as_spec(spec, fields))
     warnings = request_warnings(resolve(spec))
     gpu = spec.gpu_kind()
     if gpu is not None:

@@ -128,6 +128,11 @@ class TrainingSpec:
     type, FSDP2 wrap policy, offload, reshard_after_forward, activation checkpointing, mixed
     precision and process count are read from it, and the model is wrapped as accelerate does
     (accelerate_config.py)."""
+    configs_applied: bool = False
+    """Set once the ``deepspeed`` and ``accelerate_config`` files are read into the other fields
+    (``launch_configs.apply_configs``): what is made from this spec afterwards (fit's sizes,
+    plan's strategies and GPU counts, advise's changes) keeps its own values, not the files'.
+    Not a command-line option."""
     dp_shard: int | None = field(default=None, metadata=cli("parallelism", metavar="N"))
     """Ranks the data-parallel axis shards over (FSDP2 / ZeRO-3) when the model is also split
     along other axes; default: the world size divided by tp x pp x cp."""

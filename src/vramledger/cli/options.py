@@ -17,9 +17,12 @@ from typing import Any
 from ..spec import TrainingSpec
 from ..spec_fields import SECTIONS, Cli, Section, cli_of, field_docs
 
-PYTHON_ONLY: dict[str, str] = {}
-"""TrainingSpec fields the command line does not take, each with the reason (none: every field
-is an option). A field without ``cli(...)`` metadata must be named here."""
+PYTHON_ONLY: dict[str, str] = {
+    "configs_applied": "set by the entry points once --deepspeed / --accelerate-config are read "
+    "(launch_configs.py), never by a user",
+}
+"""TrainingSpec fields the command line does not take, each with the reason. A field without
+``cli(...)`` metadata must be named here."""
 
 
 @functools.cache

@@ -42,11 +42,10 @@ import torch.distributed as dist
 from torch.profiler import profile, record_function
 
 from .. import cpu_allocator_count
-from ..accelerate_config import apply_accelerate
 from ..allocator_events import memory_events, ranges, recording
 from ..categories import CATEGORY_PRIORITY, Category, Phase
-from ..deepspeed_config import apply_deepspeed
 from ..errors import InputError
+from ..launch_configs import apply_configs
 from ..ledger import Ledger, build_ledger
 from ..parallel.engines import adapt_recipe
 from ..parallel.real import in_step_context, real_optimizer, wrap_real
@@ -154,8 +153,7 @@ def measure(
 ) -> Measurement:
     """Run ``spec`` for real on ``device`` ('cpu' or 'cuda') and measure it."""
     # a --deepspeed config decides the strategy and precision, as in the estimate
-    spec, _ = apply_deepspeed(as_spec(spec, fields))
-    spec, _ = apply_accelerate(spec)
+    spec, _ = apply_configs(as_spec(spec, fields))
     _check(spec, device, compare)
     if spec.world_size > 1 and device == "cuda":
         torch.cuda.set_device(dist.get_rank() % torch.cuda.device_count())

@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..deepspeed_config import apply_deepspeed
 from ..errors import InputError
+from ..launch_configs import apply_configs
 from ..parallel.deepspeed_engine import build_run
 from ..parallel.deepspeed_runtime import deepspeed_modules, deepspeed_state, real_deepspeed
 from ..parallel.real import shut_down_group
@@ -36,7 +36,7 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasuremen
         ``inference_all_reduce``, are not compiled. Under torchrun, its process group; on one process
     without one, a gloo group of one (:func:`_process_group`).
     """
-    spec, _ = apply_deepspeed(spec)
+    spec, _ = apply_configs(spec)
     if not spec.parallelism.is_deepspeed:
         raise InputError(f"measure_deepspeed runs zero0, zero1 or zero2, not {spec.strategy}")
     with _process_group(spec.world_size):

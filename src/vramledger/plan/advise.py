@@ -25,6 +25,7 @@ from typing import Any
 from ..categories import MODEL_STATE_CATEGORIES, Category, Phase
 from ..event_totals import live_at
 from ..gpus import Gpu
+from ..launch_configs import apply_configs
 from ..ledger import Ledger
 from ..optimizers import resolve_optimizer
 from ..predict import estimate
@@ -292,6 +293,7 @@ def advise(
     ``host_memory``, in each node's host memory)."""
     check_margin(gpu, margin)
     spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)  # every estimate on this GPU
+    spec, _ = apply_configs(spec)  # the launch's config files, once: variants keep their values
     budget = _Budget(gpu=gpu, margin=margin, host=host_memory, gpus_per_node=gpus_per_node)
     base = estimate(spec)
     peak = device_peak(base)

@@ -26,6 +26,7 @@ from typing import Any, Literal
 from ..allocator import CUDA_CACHING_ALLOCATOR
 from ..errors import InputError
 from ..gpus import Gpu
+from ..launch_configs import apply_configs
 from ..ledger import Ledger
 from ..replay import steady_peaks, steady_tensor_peak
 from ..spec import TrainingSpec
@@ -331,6 +332,7 @@ def fit(
         raise InputError(f"--seq-step must be positive, not {seq_step}")
     check_margin(gpu, margin)
     start = time.perf_counter()
+    spec, _ = apply_configs(spec)  # the launch's config files, once: variants keep their values
     if spec.target == "cuda":  # every estimate emulates this GPU; on CPU, gpu is a budget
         spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
     if workers is not None and workers < 1:

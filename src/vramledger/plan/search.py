@@ -37,6 +37,7 @@ from dataclasses import replace
 from ..config_depth import config_depth
 from ..errors import InputError
 from ..gpus import Gpu
+from ..launch_configs import apply_configs
 from ..optimizers import resolve_optimizer
 from ..recipe import resolve
 from ..spec import TrainingSpec
@@ -120,6 +121,7 @@ def plan(
     more than one node of ``gpus_per_node`` GPUs, else none; pipeline layouts only when
     asked."""
     _check(spec, gpu, optimizers, max_gpus, margin, workers, gpus_per_node)
+    spec, _ = apply_configs(spec)  # the launch's config files, once: variants keep their values
     # every trace and re-estimate emulates this GPU (its compute capability's CUDA decisions)
     spec = replace(spec, gpu=gpu, gpu_memory=None, margin=margin)
     start = time.perf_counter()
