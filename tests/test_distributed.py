@@ -222,6 +222,11 @@ def test_deepspeed_config(tmp_path):
     )
     with pytest.raises(InputError, match="nvme"):
         read_deepspeed_config(bad)
+    # DeepSpeed offloads the optimizer under ZeRO 1-3 only, the parameters under ZeRO-3 only
+    for stage, key in ((0, "offload_optimizer"), (2, "offload_param")):
+        bad.write_text(json.dumps({"zero_optimization": {"stage": stage, key: {"device": "cpu"}}}))
+        with pytest.raises(InputError, match=f"{key} is valid only with ZeRO stage"):
+            read_deepspeed_config(bad)
     bad.write_text(json.dumps({"train_batch_size": 7, "train_micro_batch_size_per_gpu": 2}))
     with pytest.raises(InputError, match="train_batch_size"):
         estimate(TrainingSpec(model=fixture("tiny-llama.json"), world_size=2, deepspeed=str(bad)))

@@ -148,6 +148,18 @@ def read_deepspeed_config(path: str | Path) -> tuple[dict[str, Any], list[str]]:
         _offload_device(zero, "offload_optimizer"),
         _offload_device(zero, "offload_param"),
     )
+    # deepspeed/runtime/zero/config.py: offload_optimizer "Valid for ZeRO stage 1, 2, 3",
+    # offload_param "Valid only with stage 3"
+    for offloaded, key, lowest in (
+        (optimizer, "offload_optimizer", 1),
+        (params, "offload_param", 3),
+    ):
+        if offloaded and stage < lowest:
+            raise InputError(
+                f"DeepSpeed config zero_optimization.{key} is valid only with ZeRO stage "
+                f"{lowest} or above, not stage {stage}",
+                hint=f"set zero_optimization.stage to {lowest} or more, or remove {key}",
+            )
     fields["offload"] = {
         (False, False): "none",
         (True, False): "optimizer",
