@@ -158,8 +158,11 @@ def read_rehearsal_residual(path: str) -> int:
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from ..plan.search import plan
+    from ..plan.workers import start_fork_server
     from ..render.planning import plan_table
 
+    if args.workers is None or args.workers > 1:
+        start_fork_server()  # its imports overlap this process's own (as fit's)
     gpu = _gpu(args)
     margin, source = _margin(args)
     spec = spec_from_args(args)

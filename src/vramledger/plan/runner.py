@@ -25,7 +25,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
@@ -117,6 +117,9 @@ class Runner:
         """Families whose first re-estimate did not verify an extension (blocks that differ, a
         model too shallow to extend, an error): the others need not wait for one."""
         self._pool: ProcessPoolExecutor | None = None
+        self._starting: Future[ProcessPoolExecutor] | None = None
+        """The pool ``start_workers`` is starting in a thread: its start waits for the fork
+        server's imports (seconds), which overlap the first trace."""
         self._lock = threading.Condition(threading.RLock())
         """Guards the queue, the running re-estimates and their answers: workers' answers are
         taken in the pool's thread, as they come back, and the next one handed out there."""
@@ -142,16 +145,19 @@ class Runner:
 
     def start_workers(self) -> None:
         """Start the workers now (one per CPU unless told), before any trace has timed the
-        model."""
+        model, in a thread: this returns at once, and the pool is taken when first needed."""
         if self.workers is None:
             self.workers = available_cpus()
-        self._start()
+        if self._pool is None and self._starting is None and self.workers > 1:
+            starter = ThreadPoolExecutor(1, thread_name_prefix="plan-workers")
+            self._starting = starter.submit(start_pool, self.workers)
+            starter.shutdown(wait=False)
 
     # -- re-estimates ------------------------------------------------------------------------
     def ahead(self, items: Iterable[tuple[Hashable, TrainingSpec]]) -> None:
         """Queue these re-estimates (a key and its spec) for the workers, in this order (nothing
         without workers)."""
-        if self._pool is None:
+        if self._started_pool() is None:
             return
         with self._lock:
             for key, spec in items:
@@ -163,7 +169,7 @@ class Runner:
         """Reserved peak bytes of ``spec`` on its worst GPU and that rank's host bytes,
         estimated once per ``key``."""
         self._asked.add(key)
-        if self._pool is None:
+        if self._started_pool() is None:
             if not self._known(key):
                 self._record(key, spec, lambda: reserved_peak(spec, self._is_verified(spec)))
         else:
@@ -244,15 +250,21 @@ class Runner:
         return len(self._asked)
 
     # -- workers -----------------------------------------------------------------------------
+    def _started_pool(self) -> ProcessPoolExecutor | None:
+        """The workers' pool once started (waiting for ``start_workers``' thread), or None."""
+        if self._starting is not None:
+            self._pool, self._starting = self._starting.result(), None
+        return self._pool
+
     def _start(self) -> None:
-        if self._pool is None and (self.workers or 1) > 1:
+        if self._started_pool() is None and (self.workers or 1) > 1:
             self._pool = start_pool(self.workers or 1)
 
     def _submit(self, fn: Any, *args: Any) -> Future[Any] | None:
         return self._pool.submit(fn, *args) if self._pool is not None else None
 
     def close(self) -> None:
-        if self._pool is not None:
+        if self._started_pool() is not None:
             with self._lock:
                 self._queued.clear()
             self._pool.shutdown(wait=True, cancel_futures=True)
