@@ -7,6 +7,12 @@ rank's partition, and reduces gradients through its bucket. Each step is DeepSpe
 ``engine(batch)`` / ``engine.backward(loss)`` / ``engine.step()``, with its own precision
 handling (loss scaling, master weights, norms), so nothing of ``training.py``'s step runs.
 
+``zero0`` (a ``--deepspeed`` config of stage 0) builds the same engine with ZeRO off: its own
+optimizer wrapper (``FP16_UnfusedOptimizer``'s fp32 copies in bf16/fp16, none in fp32), and at
+the accumulation boundary the gradients flattened into one buffer per reduction
+(``buffered_allreduce_fallback``), all-reduced, copied back and dropped, on one process too
+(``gradient_buckets`` while it lives).
+
 The same code builds the step of an estimate (fake tensors, a fake process group: one rank of
 ``world_size`` in this process) and of a real run (``measure/deepspeed.py``). A fake run needs
 what DeepSpeed cannot do by itself, each the least that lets its code run:
