@@ -46,6 +46,8 @@ OTHER_FIELDS = {
     "pp_schedule", "microbatches", "cp", "ep", "tp_plan",
     # the GPU the answer is for
     "gpu", "gpu_memory", "margin",
+    # bookkeeping: --deepspeed / --accelerate-config were read into the fields (launch_configs.py)
+    "configs_applied",
 }  # fmt: skip
 """Spec fields that do not change the model that is built."""
 
