@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 from vramledger import TrainingSpec, estimate
+from vramledger.cli import main
+from vramledger.errors import InputError
 from vramledger.gpus import resolve_gpu
 from vramledger.launch_configs import apply_configs
 from vramledger.plan.fit import fit
@@ -51,3 +53,25 @@ def test_fit_varies_the_micro_batch_of_a_deepspeed_launch():
 
     assert reserved(answer.batch_size) == answer.reserved_peak_bytes <= gpu.memory_bytes
     assert reserved(answer.batch_size + 1) > gpu.memory_bytes
+
+
+def test_a_flag_the_config_sets_otherwise_is_refused(capsys):
+    """``--batch-size 3`` with a config whose micro-batch is 8 was answered for 8, silently (the
+    note named the config's value, not the flag it replaced); the same value both ways, or the
+    flag left at its default, is the config's."""
+    spec = TrainingSpec(model=fixture("tiny-llama.json"), seq_len=16, deepspeed=DS_STAGE0_BF16)
+    for conflict, option in (
+        (dict(batch_size=3), "--batch-size 3"),
+        (dict(precision="bf16-mixed"), "--precision bf16-mixed"),
+        (dict(strategy="zero2"), "--strategy zero2"),
+    ):
+        with pytest.raises(InputError, match=f"{option} but the DeepSpeed config ds_bf16.json"):
+            apply_configs(replace(spec, **conflict))
+    agreed = apply_configs(replace(spec, batch_size=8, precision="bf16-master"))[0]
+    assert (agreed.batch_size, agreed.precision, agreed.strategy) == (8, "bf16-master", "zero0")
+    # on the command line: one line, exit 2, no traceback
+    code = main(["estimate", fixture("tiny-llama.json"), "--seq-len", "16", "--batch-size", "3",
+                 "--deepspeed", DS_STAGE0_BF16])  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert "--batch-size 3 but the DeepSpeed config ds_bf16.json sets batch_size 8" in err
