@@ -75,3 +75,16 @@ def test_a_flag_the_config_sets_otherwise_is_refused(capsys):
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err
     assert "--batch-size 3 but the DeepSpeed config ds_bf16.json sets batch_size 8" in err
+
+
+def test_a_flag_the_accelerate_config_sets_otherwise_is_refused():
+    """The same for ``--accelerate-config``: its ``mixed_precision: bf16`` under FSDP is
+    bf16-master, and ``--precision 16-mixed`` beside it was dropped silently."""
+    accelerate = fixture("accelerate/fsdp2-llama-bf16.yaml")
+    spec = TrainingSpec(model=fixture("tiny-llama.json"), seq_len=16, accelerate_config=accelerate)
+    with pytest.raises(InputError, match="--precision 16-mixed but the accelerate config"):
+        apply_configs(replace(spec, precision="16-mixed"))
+    with pytest.raises(InputError, match="--offload optimizer but the accelerate config"):
+        apply_configs(replace(spec, offload="optimizer"))
+    read = apply_configs(replace(spec, precision="bf16-master"))[0]
+    assert (read.precision, read.strategy, read.world_size) == ("bf16-master", "fsdp", 2)

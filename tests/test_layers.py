@@ -48,6 +48,7 @@ LAYERS: dict[str, list[str]] = {
         "checks",
         "compat",
         "config_depth",
+        "config_flags",
         "deepspeed_config",
         "errors",
         "gc_pause",

@@ -33,6 +33,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .config_flags import check_agrees
 from .errors import InputError
 from .recipe import resolve
 from .spec import TrainingSpec
@@ -320,6 +321,12 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
         raise InputError(
             f"--world-size {spec.world_size} but the accelerate config's num_processes is {world}"
         )
+    check_agrees(
+        spec,
+        {k: v for k, v in fields.items() if k not in ("shard_min_params", "world_size")},
+        "accelerate config",
+        spec.accelerate_config,
+    )
     if wrap["policy"] == "TRANSFORMER_BASED_WRAP":
         classes = wrap["classes"]
         if classes is None:  # accelerate's default: the model's own _no_split_modules

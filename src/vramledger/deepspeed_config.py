@@ -16,11 +16,11 @@ memory is never silently dropped.
 
 from __future__ import annotations
 
-from dataclasses import fields as dataclass_fields
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from .config_flags import check_agrees
 from .errors import InputError
 from .jsonfile import read_json_object
 from .spec import TrainingSpec
@@ -188,31 +188,11 @@ def read_deepspeed_config(path: str | Path) -> tuple[dict[str, Any], list[str]]:
     return fields, notes
 
 
-def _check_agrees(spec: TrainingSpec, fields: dict[str, Any]) -> None:
-    """Refuse a field given both ways that the config sets otherwise (``--batch-size 8`` with a
-    ``train_micro_batch_size_per_gpu`` of 4): DeepSpeed's engine runs the config's value, and the
-    answer would silently be for another run than the one asked about. A field left at its
-    default takes the config's value (so ``--strategy ddp`` on several ranks, the default there,
-    cannot be told from no ``--strategy``)."""
-    defaults = {f.name: f.default for f in dataclass_fields(TrainingSpec)}
-    # the strategy left unset is derived (none on one rank, ddp on several): that is its default
-    defaults["strategy"] = replace(spec, strategy=None, deepspeed=None).strategy
-    for name, value in fields.items():
-        given = getattr(spec, name)
-        if given != defaults[name] and given != value:
-            raise InputError(
-                f"--{name.replace('_', '-')} {given} but the DeepSpeed config "
-                f"{Path(spec.deepspeed or '').name} sets {name} {value}",
-                hint=f"drop --{name.replace('_', '-')} (DeepSpeed runs the config's value), or "
-                "change the config",
-            )
-
-
 def apply_deepspeed(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
     if spec.deepspeed is None:
         return spec, []
     fields, notes = read_deepspeed_config(spec.deepspeed)
-    _check_agrees(spec, fields)
+    check_agrees(spec, fields, "DeepSpeed config", spec.deepspeed)
     config = read_json_object(spec.deepspeed, "DeepSpeed config", hint=DEEPSPEED_HINT)
     total = config.get("train_batch_size")
     updated = replace(spec, **fields)
