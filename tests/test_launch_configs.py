@@ -86,5 +86,7 @@ def test_a_flag_the_accelerate_config_sets_otherwise_is_refused():
         apply_configs(replace(spec, precision="16-mixed"))
     with pytest.raises(InputError, match="--offload optimizer but the accelerate config"):
         apply_configs(replace(spec, offload="optimizer"))
+    with pytest.raises(InputError, match="--world-size 4 but the accelerate config"):
+        apply_configs(replace(spec, world_size=4, strategy="ddp"))  # its num_processes is 2
     read = apply_configs(replace(spec, precision="bf16-master"))[0]
     assert (read.precision, read.strategy, read.world_size) == ("bf16-master", "fsdp", 2)

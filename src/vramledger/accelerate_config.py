@@ -316,17 +316,9 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
     if spec.deepspeed is not None:
         raise InputError("give --accelerate-config or --deepspeed, not both")
     fields, wrap = read_accelerate_config(spec.accelerate_config)
-    world = fields.get("world_size")
-    if world is not None and spec.world_size not in (1, world):
-        raise InputError(
-            f"--world-size {spec.world_size} but the accelerate config's num_processes is {world}"
-        )
-    check_agrees(
-        spec,
-        {k: v for k, v in fields.items() if k not in ("shard_min_params", "world_size")},
-        "accelerate config",
-        spec.accelerate_config,
-    )
+    # FSDP units are checked together below (by class or by size, one place or the other)
+    given = {k: v for k, v in fields.items() if k != "shard_min_params"}
+    check_agrees(spec, given, "accelerate config", spec.accelerate_config)
     if wrap["policy"] == "TRANSFORMER_BASED_WRAP":
         classes = wrap["classes"]
         if classes is None:  # accelerate's default: the model's own _no_split_modules

@@ -18,6 +18,7 @@ from typing import Any
 
 from .errors import InputError
 from .spec import TrainingSpec
+from .spec_fields import option_flag
 
 
 def check_agrees(spec: TrainingSpec, fields: dict[str, Any], config: str, path: str) -> None:
@@ -28,7 +29,7 @@ def check_agrees(spec: TrainingSpec, fields: dict[str, Any], config: str, path: 
     for name, value in fields.items():
         given = getattr(spec, name)
         if given != defaults[name] and given != value:
-            option = "--" + name.replace("_", "-")
+            option = option_flag(name)
             raise InputError(
                 f"{option} {given} but the {config} {Path(path).name} sets {name} {value}",
                 hint=f"drop {option} (the launch runs the config's value), or change the config",
@@ -40,13 +41,7 @@ def _derived_strategy(spec: TrainingSpec) -> str | None:
     sharding strategy, and a spec holding them has one)."""
     try:
         return replace(
-            spec,
-            strategy=None,
-            shard_modules=(),
-            shard_min_params=None,
-            reshard_after_forward=None,
-            deepspeed=None,
-            accelerate_config=None,
+            spec, strategy=None, shard_modules=(), shard_min_params=None, reshard_after_forward=None
         ).strategy
     except InputError:  # no strategy is valid for it: every strategy given is explicit
         return None

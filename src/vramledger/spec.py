@@ -16,7 +16,7 @@ from .errors import InputError
 from .gpus import Gpu, modelled_compute_capability, resolve_gpu
 from .parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
 from .precision import PRECISIONS, Precision, canonical_precision
-from .spec_fields import bool_or_int, cli, comma_names, json_object
+from .spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
 from .tasks import TASKS
 from .units import parse_bytes
 from .verdict import DEFAULT_MARGIN, check_margin
@@ -354,7 +354,7 @@ class TrainingSpec:
 
     def _check_shard_units(self) -> None:
         given = [
-            "--" + name.replace("_", "-")
+            option_flag(name)
             for name in ("shard_modules", "shard_min_params", "reshard_after_forward")
             if getattr(self, name) not in ((), None)
         ]

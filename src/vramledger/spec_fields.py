@@ -65,6 +65,11 @@ def cli(section: Section, **options: Any) -> dict[str, Cli]:
     return {METADATA_KEY: Cli(section=section, **options)}
 
 
+def option_flag(name: str) -> str:
+    """The command-line option of a field: ``--batch-size`` for ``batch_size``."""
+    return "--" + name.replace("_", "-")
+
+
 def cli_of(f: Field) -> Cli | None:
     """The command-line form of a dataclass field, None for a field the CLI does not take."""
     return f.metadata.get(METADATA_KEY)

@@ -15,7 +15,7 @@ from dataclasses import MISSING, Field, fields
 from typing import Any
 
 from ..spec import TrainingSpec
-from ..spec_fields import SECTIONS, Cli, Section, cli_of, field_docs
+from ..spec_fields import SECTIONS, Cli, Section, cli_of, field_docs, option_flag
 
 PYTHON_ONLY: dict[str, str] = {
     "configs_applied": "set by the entry points once --deepspeed / --accelerate-config are read "
@@ -58,7 +58,7 @@ GPU_OPTIONS = section_fields("gpu")
 
 def flag(f: Field) -> str:
     """The option that sets the field: ``--batch-size`` for ``batch_size``."""
-    return "--" + f.name.replace("_", "-")
+    return option_flag(f.name)
 
 
 def is_positional(f: Field) -> bool:

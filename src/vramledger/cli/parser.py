@@ -12,7 +12,7 @@ from ..plan.fit import MAXIMIZE, SEQ_STEP
 from ..precision import PRECISIONS
 from ..program import ProgramSpec
 from ..spec import TARGETS
-from ..spec_fields import field_docs
+from ..spec_fields import field_docs, option_flag
 from ..version import __version__
 from .commands import (
     cmd_advise,
@@ -246,7 +246,7 @@ def _add_launch_options(parser: argparse.ArgumentParser) -> None:
     for name in ("nproc_per_node", "nnodes"):
         text = " ".join(docs[name].replace("``", "").split())
         parser.add_argument(
-            "--" + name.replace("_", "-"),
+            option_flag(name),
             dest=name,
             type=int,
             default=defaults[name],
