@@ -131,6 +131,7 @@ LAYERS: dict[str, list[str]] = {
         "parallel.engines",
         "parallel.experts",
         "parallel.fake_group",
+        "parallel.fsdp_chunks",
         "parallel.fsdp_units",
         "parallel.mesh",
         "parallel.pipeline",

@@ -41,6 +41,7 @@ from torch import nn
 from ..errors import InputError
 from ..spec import TrainingSpec
 from ..trace.blocks import NotExtensible, find_block_stack
+from .fsdp_chunks import lazy_chunks
 
 
 @dataclass(frozen=True)
@@ -249,7 +250,7 @@ def apply_fully_shard(
     if spec.shard_modules or spec.shard_min_params is not None or spec.accelerate_config:
         check_units_are_blocks(units, blocks)
     mp = mixed_precision_policy(spec, precision_name)
-    with _post_forward_mesh_outside_fake_mode():
+    with _post_forward_mesh_outside_fake_mode(), lazy_chunks():
         for unit in units:
             modules = [m for m in unit.modules if not isinstance(m, FSDPModule)]
             if not modules:
