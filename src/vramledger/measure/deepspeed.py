@@ -18,6 +18,7 @@ from ..errors import InputError
 from ..launch_configs import apply_configs
 from ..parallel.deepspeed_engine import build_run
 from ..parallel.deepspeed_runtime import deepspeed_modules, deepspeed_state, real_deepspeed
+from ..parallel.fake_group import forget_sharding_propagation
 from ..parallel.real import shut_down_group
 from ..recipe import count_parameters, module_names, resolve
 from ..spec import TrainingSpec
@@ -57,6 +58,7 @@ def _process_group(world_size: int) -> Iterator[None]:
         mock.patch.dict(os.environ, {"LOCAL_RANK": os.environ.get("LOCAL_RANK", "0")}),
         deepspeed_state(accelerator),
     ):
+        forget_sharding_propagation()  # DTensor's caches an earlier fake trace kept
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
         try:
             yield

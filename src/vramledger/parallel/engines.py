@@ -21,7 +21,7 @@ from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from .fake_group import fake_process_group
+from .fake_group import fake_process_group, keep_caches_of
 from .fsdp_units import apply_fully_shard
 from .strategy import (
     OFFLOADED,
@@ -45,11 +45,16 @@ FSDP_OP_CATEGORIES: dict[str, Category] = {
 
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[Any]:
-    """A fake process group for ``world_size`` ranks in this process (and its device mesh)."""
+    """A fake process group for ``world_size`` ranks in this process (and its device mesh).
+    Traces of the same rank of the same world keep DTensor's sharding-propagation caches
+    (``fake_group.keep_caches_of``: the mesh's one group is the default group, named alike in
+    every such world)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with fake_process_group(rank, world_size):
-        yield init_device_mesh("cpu", (world_size,))
+    with fake_process_group(rank, world_size, keep_caches=True):
+        mesh = init_device_mesh("cpu", (world_size,))
+        keep_caches_of(("data-parallel", rank, world_size, tuple(mesh._dim_group_names)))
+        yield mesh
 
 
 def adapt_recipe(recipe: Recipe) -> Recipe:

@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from ..errors import InputError
 from ..optimizers import OptimizerChoice
 from ..spec import TrainingSpec
+from .fake_group import forget_sharding_propagation
 from .fsdp_units import apply_fully_shard
 from .mesh import applied, apply_inner_parallelism, build_mesh, uses_mesh
 from .mesh import in_step_context as mesh_step_context
@@ -82,7 +83,9 @@ def launched_by_torchrun() -> bool:
 @contextlib.contextmanager
 def torchrun_group(device: str) -> Iterator[int | None]:
     """The process group of a torchrun launch (gloo on CPU, NCCL on CUDA), made here if the
-    launcher did not make it; yields the world size, or None outside torchrun."""
+    launcher did not make it; yields the world size, or None outside torchrun. DTensor's caches
+    kept by an earlier fake trace in this process are emptied first (``fake_group.py``)."""
+    forget_sharding_propagation()
     if not launched_by_torchrun() or dist.is_initialized():
         yield dist.get_world_size() if dist.is_initialized() else None
         return
