@@ -1,6 +1,6 @@
 """DTensor's sharding-propagation caches across traces (``parallel/fake_group.py``): kept between
-traces of the same rank of the same data-parallel world, where they change nothing but time, and
-emptied for any other world."""
+data-parallel traces of the same rank, where they change nothing but time, and emptied for
+another rank and by traces that do not keep them."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from torch.distributed.tensor import _dispatch
 from vramledger import TrainingSpec, estimate
 from vramledger.cache import disabled
 from vramledger.parallel import fake_group
+from vramledger.parallel.engines import fake_world
 
 from .conftest import fixture
 
@@ -39,33 +40,34 @@ def _propagations(monkeypatch) -> list[object]:
     return seen
 
 
-def test_traces_of_one_world_keep_the_caches_and_answer_the_same(monkeypatch):
+def test_kept_caches_answer_as_emptied_ones(monkeypatch):
     seen = _propagations(monkeypatch)
     with disabled():
         fake_group.forget_sharding_propagation()
         first = estimate(SPEC)
         propagated = len(seen)
+        estimate(replace(SPEC, world_size=2))  # another world between: its own cache entries
         again = estimate(replace(SPEC, batch_size=3))
-        kept = len(seen) - propagated
+        other = estimate(replace(SPEC, world_size=2, batch_size=3))
+        kept = len(seen)
         fake_group.forget_sharding_propagation()
         cleared = estimate(replace(SPEC, batch_size=3))
+        fake_group.forget_sharding_propagation()
+        other_cleared = estimate(replace(SPEC, world_size=2, batch_size=3))
     assert propagated > 0
-    assert kept == 0  # every operator's sharding was in the caches
-    assert again.timeline.nbytes == cleared.timeline.nbytes
-    assert again.allocated_peak_bytes == cleared.allocated_peak_bytes
+    assert kept == 2 * propagated  # the 2-rank world propagated once, then nothing again
+    for got, want in ((again, cleared), (other, other_cleared)):
+        assert got.timeline.nbytes == want.timeline.nbytes
+        assert got.allocated_peak_bytes == want.allocated_peak_bytes
     assert first.allocated_peak_bytes < again.allocated_peak_bytes  # another size: traced
 
 
-def test_another_world_or_a_world_that_does_not_keep_empties_them(monkeypatch):
-    seen = _propagations(monkeypatch)
+def test_another_rank_or_a_trace_that_does_not_keep_empties_them():
     with disabled():
         estimate(SPEC)
-        world = fake_group._kept
-        assert world is not None
-        before = len(seen)
-        estimate(replace(SPEC, world_size=2))  # another world: propagated again
-        assert len(seen) > before
-        assert fake_group._kept != world
-        with fake_group.fake_process_group(0, 2):  # does not keep: empties them
-            pass
+    rank0 = fake_group._kept
+    assert rank0 is not None
+    with fake_world(1, 4):
+        assert fake_group._kept not in (None, rank0)
+    with fake_group.fake_process_group(0, 2):  # does not keep: empties them
         assert fake_group._kept is None

@@ -46,14 +46,16 @@ FSDP_OP_CATEGORIES: dict[str, Category] = {
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[Any]:
     """A fake process group for ``world_size`` ranks in this process (and its device mesh).
-    Traces of the same rank of the same world keep DTensor's sharding-propagation caches
-    (``fake_group.keep_caches_of``: the mesh's one group is the default group, named alike in
-    every such world)."""
+    Traces of the same rank keep DTensor's sharding-propagation caches
+    (``fake_group.keep_caches_of``): the mesh's one group is the default group, named alike in
+    every world, and a mesh of another world size is another key in the caches (``DeviceMesh``
+    compares its ranks and layout), so what is cached for one world is read only by traces of
+    that world, here rank ``rank`` of it."""
     from torch.distributed.device_mesh import init_device_mesh
 
     with fake_process_group(rank, world_size, keep_caches=True):
         mesh = init_device_mesh("cpu", (world_size,))
-        keep_caches_of(("data-parallel", rank, world_size, tuple(mesh._dim_group_names)))
+        keep_caches_of(("data-parallel", rank, tuple(mesh._dim_group_names)))
         yield mesh
 
 

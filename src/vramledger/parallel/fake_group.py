@@ -54,12 +54,13 @@ def fake_process_group(
 
 
 def keep_caches_of(world: object) -> None:
-    """Keep DTensor's sharding-propagation caches for the traces of ``world`` (a value equal for
-    worlds whose meshes have the same ranks, layout and process-group names: then a cached
-    output spec's mesh, from an earlier trace, names the groups of this one): emptied when the
-    caches were made for another world, or by a trace that does not keep them. A 70B FSDP2
-    trace's first step propagated 13 operators' shardings again at each trace, 0.3 s, when the
-    caches were emptied between traces of the same world (``fit``'s sizes)."""
+    """Keep DTensor's sharding-propagation caches for the traces of ``world`` (a value equal
+    for worlds in which this process is the same rank and every mesh that compares equal names
+    the same process groups: then a cached output spec's mesh, from an earlier trace, has this
+    trace's rank and groups): emptied when the caches were made for another, or by a trace
+    that does not keep them. A 70B FSDP2 trace's first step propagated 13 operators' shardings
+    again at each trace, 0.3 s, when the caches were emptied between traces of the same world
+    (``fit``'s sizes)."""
     global _kept
     if world != _kept:
         forget_sharding_propagation()
