@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import torch.distributed as dist
 from torch.distributed.tensor import _dispatch
 
 from vramledger import TrainingSpec, estimate
@@ -71,3 +72,9 @@ def test_another_rank_or_a_trace_that_does_not_keep_empties_them():
         assert fake_group._kept not in (None, rank0)
     with fake_group.fake_process_group(0, 2):  # does not keep: empties them
         assert fake_group._kept is None
+    with fake_world(0, 4):
+        assert fake_group._kept == rank0
+    assert fake_group._kept == rank0  # only the default group: kept
+    with fake_world(0, 4):
+        dist.new_group([0, 1])  # named by a counter: another trace may name another group so
+    assert fake_group._kept is None

@@ -67,6 +67,14 @@ def keep_caches_of(world: object) -> None:
         _kept = world
 
 
+def forget_unless_default_group_only() -> None:
+    """Empty the sharding-propagation caches if this process group made groups beyond the
+    default one: named by a counter, a name in a cached mesh could name another group in the
+    next trace (call before the group is destroyed)."""
+    if len(dist.distributed_c10d._world.pg_names) > 1:
+        forget_sharding_propagation()
+
+
 def forget_sharding_propagation() -> None:
     """Empty DTensor's sharding-propagation caches (Python's and the C++ fast path's:
     ``torch.distributed.tensor.debug._clear_sharding_prop_cache``). They are keyed by the
