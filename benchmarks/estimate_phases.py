@@ -1,7 +1,8 @@
 """Where one 70B estimate's seconds go: the same FSDP2 estimate at several micro-batches in one
 process, each phase timed with a wall clock around the function that makes it.
 
-    python benchmarks/estimate_phases.py           # ~20 s on the 2-CPU development VM
+    python benchmarks/estimate_phases.py                   # ~20 s on the 2-CPU development VM
+    python benchmarks/estimate_phases.py --sizes 2-11      # and the median of the nine after the first
 
 Llama-3-70B, FSDP2 over 64 GPUs, bf16-master, sequence 4096, activation checkpointing (the
 estimate a cold ``fit`` makes four times, ``benchmarks/cache_speed.py``). The first estimate
@@ -16,26 +17,34 @@ written.
 
 from __future__ import annotations
 
+import argparse
 import collections
 import os
+import statistics
 import time
 from dataclasses import replace
-from pathlib import Path
 
 from rich.console import Console
 from rich.table import Table
 
 os.environ["VRAMLEDGER_NO_CACHE"] = "1"  # every estimate traced
 
-ROOT = Path(__file__).resolve().parent.parent
-MODEL = ROOT / "examples" / "configs" / "llama-3-70b.json"
-SIZES = (2, 3, 4, 5)
+from fit import MODELS
+
+SIZES = "2-5"
 """The micro-batches a cold 70B ``fit`` estimates (two to derive from, the answer, the next)."""
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--sizes", default=SIZES, help=f"micro-batches FIRST-LAST (default {SIZES})"
+    )
+    first, last = (int(n) for n in parser.parse_args().sizes.split("-"))
+
     from vramledger import TrainingSpec, predict, training
     from vramledger.parallel import engines
+    from vramledger.trace.blocks import SMALL
 
     spent: collections.Counter[str] = collections.Counter()
 
@@ -61,11 +70,12 @@ def main() -> None:
         spent[f"step {min(n, 2)}"] += time.perf_counter() - start
 
     training.TrainingRun.step = timed_step  # type: ignore[method-assign]
+    model, gpus = MODELS["70b"]
     spec = TrainingSpec(
-        model=str(MODEL),
+        model=str(model),
         seq_len=4096,
         precision="bf16-master",
-        world_size=64,
+        world_size=gpus,
         strategy="fsdp",
         grad_checkpointing=True,
         gpu="h100-80gb",
@@ -74,19 +84,19 @@ def main() -> None:
     phases = ("fully_shard", "step 1", "step 2", "ledger")
     for column in ("batch", "blocks traced", "total", *phases, "rest"):
         table.add_column(column, justify="right")
-    for i, size in enumerate(SIZES):
+    rows = []
+    for size in range(first, last + 1):
         spent.clear()
         start = time.perf_counter()
-        predict.estimate(replace(spec, batch_size=size), blocks_verified=i > 0)
+        predict.estimate(replace(spec, batch_size=size), blocks_verified=size > first)
         total = time.perf_counter() - start
-        rest = total - sum(spent[p] for p in phases)
-        table.add_row(
-            str(size),
-            "4 and 5" if i == 0 else "4",
-            f"{total:.2f}",
-            *(f"{spent[p]:.2f}" for p in phases),
-            f"{rest:.2f}",
-        )
+        row = [total, *(spent[p] for p in phases), total - sum(spent[p] for p in phases)]
+        rows.append(row)
+        blocks = f"{SMALL}" if size > first else f"{SMALL} and {SMALL + 1}"
+        table.add_row(str(size), blocks, *(f"{x:.2f}" for x in row))
+    if len(rows) > 2:
+        medians = [statistics.median(column) for column in zip(*rows[1:], strict=True)]
+        table.add_row("median", f"{SMALL}", *(f"{x:.2f}" for x in medians))
     Console().print(table)
 
 

@@ -21,7 +21,7 @@ from ..precision import PrecisionPolicy
 from ..recipe import Recipe
 from ..spec import TrainingSpec
 from ..timeline import Timeline
-from .fake_group import fake_process_group, forget_unless_default_group_only, keep_caches_of
+from .fake_group import fake_process_group
 from .fsdp_units import apply_fully_shard
 from .strategy import (
     OFFLOADED,
@@ -45,23 +45,11 @@ FSDP_OP_CATEGORIES: dict[str, Category] = {
 
 @contextlib.contextmanager
 def fake_world(rank: int, world_size: int) -> Iterator[Any]:
-    """A fake process group for ``world_size`` ranks in this process (and its device mesh).
-    Traces of the same rank keep DTensor's sharding-propagation caches
-    (``fake_group.keep_caches_of``): the mesh's one group is the default group, named alike in
-    every world, and a mesh of another world size is another key in the caches (``DeviceMesh``
-    compares its ranks and layout), so what is cached for one world is read only by traces of
-    that world, here rank ``rank`` of it. A trace that made other groups (DeepSpeed's, FSDP2's
-    post-forward mesh) empties them as it ends: their names come from a counter, and another
-    trace may give the same name to another group."""
+    """A fake process group for ``world_size`` ranks in this process (and its device mesh)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    with fake_process_group(rank, world_size, keep_caches=True):
-        mesh = init_device_mesh("cpu", (world_size,))
-        keep_caches_of(("data-parallel", rank, tuple(mesh._dim_group_names)))
-        try:
-            yield mesh
-        finally:
-            forget_unless_default_group_only()
+    with fake_process_group(rank, world_size):
+        yield init_device_mesh("cpu", (world_size,))
 
 
 def adapt_recipe(recipe: Recipe) -> Recipe:

@@ -16,63 +16,50 @@ import torch.distributed as dist
 
 from ..errors import InputError
 
-_kept: object = None
-"""The world whose sharding-propagation caches are kept between traces (``keep_caches_of``);
-None: the caches hold nothing kept."""
+_kept: int | None = None
+"""The rank of the last fake process group that made no other group: its DTensor
+sharding-propagation caches are kept for the next one of the same rank."""
 
 
 @contextlib.contextmanager
-def fake_process_group(
-    rank: int, world_size: int, *, keep_caches: bool = False, **kwargs: Any
-) -> Iterator[None]:
+def fake_process_group(rank: int, world_size: int, **kwargs: Any) -> Iterator[None]:
     """The default process group: a fake one of ``world_size`` ranks, as ``rank``; destroyed on
     exit unless it was already (a program that destroys its own). ``kwargs`` are
     ``init_process_group``'s others (``timeout``, ``group_name``, ``pg_options``).
-    ``keep_caches``: DTensor's sharding-propagation caches are neither emptied on entry nor on
-    exit; the caller names its world with ``keep_caches_of`` once its mesh is made, before any
-    DTensor operator runs, and they are emptied there unless the last world kept was the
-    same."""
+
+    DTensor's sharding-propagation caches (``forget_sharding_propagation``) are kept from one
+    fake process group to the next when the first made no group beyond the default one and the
+    next is the same rank: every mesh a cached output spec holds then names only the default
+    group, named ``'0'`` in every process group (torch 2.13 ignores ``group_name`` for it;
+    ``tests/test_fake_group.py``), and is this rank's (a mesh of another world size is another
+    key in the caches: ``DeviceMesh`` compares its ranks and layout). Otherwise they
+    are emptied before the new group's first DTensor operator (other groups are named by a
+    counter, which another trace may give to another group). A 70B FSDP2 trace's first step
+    propagated 13 operators' shardings again at each trace, 0.3 s, when they were emptied
+    between ``fit``'s sizes (``benchmarks/estimate_phases.py``)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    global _kept
     if dist.is_initialized():
         raise InputError(
             "a distributed estimate cannot run inside an initialised process group",
             hint="run vramledger estimate outside torchrun",
         )
     hook = sys.excepthook  # init_process_group wraps it to prefix "[rankN]:" to tracebacks
-    if not keep_caches:
-        forget_sharding_propagation()
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size, **kwargs)
+    if rank != _kept:
+        forget_sharding_propagation()
     try:
         yield
     finally:
+        alone = dist.is_initialized() and len(dist.distributed_c10d._world.pg_names) == 1
         if dist.is_initialized():
             dist.destroy_process_group()
-        if not keep_caches:
+        if alone:
+            _kept = rank
+        else:
             forget_sharding_propagation()
         sys.excepthook = hook
-
-
-def keep_caches_of(world: object) -> None:
-    """Keep DTensor's sharding-propagation caches for the traces of ``world`` (a value equal
-    for worlds in which this process is the same rank and every mesh that compares equal names
-    the same process groups: then a cached output spec's mesh, from an earlier trace, has this
-    trace's rank and groups): emptied when the caches were made for another, or by a trace
-    that does not keep them. A 70B FSDP2 trace's first step propagated 13 operators' shardings
-    again at each trace, 0.3 s, when the caches were emptied between traces of the same world
-    (``fit``'s sizes)."""
-    global _kept
-    if world != _kept:
-        forget_sharding_propagation()
-        _kept = world
-
-
-def forget_unless_default_group_only() -> None:
-    """Empty the sharding-propagation caches if this process group made groups beyond the
-    default one: named by a counter, a name in a cached mesh could name another group in the
-    next trace (call before the group is destroyed)."""
-    if len(dist.distributed_c10d._world.pg_names) > 1:
-        forget_sharding_propagation()
 
 
 def forget_sharding_propagation() -> None:
