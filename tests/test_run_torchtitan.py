@@ -1,12 +1,12 @@
 """`vramledger run --nproc-per-node 2 -- -m torchtitan.train` with torchtitan's debug model
-(issue 20). Skipped where torchtitan is not installed, or where its test tokenizer (and, for 0.2,
-its debug model's config) is not at hand: the wheel does not ship them; a torchtitan source
-checkout gives them, ``TORCHTITAN_SOURCE`` naming the checkout or its bare git directory
-(tests/programs/torchtitan_tiny.py).
+(issue 20). Skipped where torchtitan is not installed. A tokenizer and data for it are made in
+the test's folder (tests/programs/torchtitan_tiny.py): nothing is read from torchtitan's
+repository, nothing downloaded.
 
 torchtitan 0.2 (0.2.2 on torch 2.13, with triton installed, which its MoE kernels import as a
 CUDA build of PyTorch brings it): the llama3 debug model of its own
-``train_configs/debug_model.toml`` attends with SDPA (``attn_type="sdpa"``, its default), as
+``train_configs/debug_model.toml`` (its settings given as flags,
+``torchtitan_tiny.DEBUG_MODEL_02``) attends with SDPA (``attn_type="sdpa"``, its default), as
 two FSDP2 ranks (dp_shard 2) with bf16 parameters and selective activation checkpointing. Every
 rank of the trace is held to its real gloo process within 0.5 %.
 
@@ -43,7 +43,7 @@ import torchtitan_tiny
 
 FLEX_ON_CPU = "FlexAttention does not support backward on CPU"
 SMALL = ("--training.steps", "3", "--training.seq_len", "256", "--training.local_batch_size", "2")
-ARGS_02 = ("--job.config_file", "debug_model.toml", *SMALL)
+ARGS_02 = (*torchtitan_tiny.DEBUG_MODEL_02, *SMALL)
 """torchtitan 0.2: its llama3 debug model config, at a short sequence and a small batch."""
 ARGS_03 = (
     *("--module", "llama3", "--config", "llama3_debugmodel", *SMALL),
@@ -55,10 +55,8 @@ SDPA = torchtitan_tiny.version() < (0, 3)
 
 @pytest.fixture
 def titan_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """A working directory with the debug model's tokenizer, config and a small ``c4_test``."""
-    missing = torchtitan_tiny.make(tmp_path)
-    if missing:
-        pytest.skip(missing)
+    """A working directory with a tokenizer for the debug model and a small ``c4_test``."""
+    torchtitan_tiny.make(tmp_path)
     monkeypatch.chdir(tmp_path)
     return tmp_path
 

@@ -90,6 +90,15 @@ class CountedCpu:
     def stepped_within(self, optimizer: Any) -> None:
         pass
 
+    def closure(self, optimizer: Any, closure: Any) -> Any:
+        return closure
+
+    def before_step_in_backward(self, optimizer: Any, step: int) -> None:
+        pass
+
+    def after_step_in_backward(self, optimizer: Any, step: int) -> None:
+        pass
+
 
 @dataclass(frozen=True, kw_only=True)
 class ProgramMeasurement:

@@ -23,6 +23,7 @@ from .predict import policy_for
 from .program import ProgramSpec
 from .torchrun_env import TorchrunRank
 from .trace.cuda_api import EmulatedGpu
+from .trace.host_tensors import HostTensor
 from .trace.program_blocks import trace_program_blocks
 from .trace.program_trace import trace_program
 from .verdict import DEFAULT_MARGIN, verdict
@@ -77,6 +78,9 @@ class ProgramReport:
     """Each step's peak, as the allocator counts it."""
     ledger: Ledger | None
     notes: list[str] = field(default_factory=list)
+    host_tensors: list[HostTensor] = field(default_factory=list)
+    """Host tensors the program kept after its last step (``trace/host_tensors.py``): memory a
+    real CPU run's allocator counts and this prediction does not."""
     exit_code: int = 0
     seconds: float = 0.0
     world_size: int = 1
@@ -105,6 +109,8 @@ class ProgramReport:
             program_at_peak={c.value: b for c, b in self.at_peak.items() if b},
             step_peaks={str(k): v for k, v in self.step_peaks.items()},
             notes=self.notes,
+            host_tensors=[h.to_dict() for h in self.host_tensors],
+            host_bytes=sum(h.nbytes for h in self.host_tensors),
             exit_code=self.exit_code,
             seconds=round(self.seconds, 3),
         )
@@ -192,6 +198,7 @@ def _run_rank(
         step_peaks=step_peaks,
         ledger=ledger,
         notes=notes,
+        host_tensors=traced.host_tensors,
         exit_code=run.exit_code,
         seconds=traced.seconds,
     )

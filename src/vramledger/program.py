@@ -121,6 +121,18 @@ class StepHooks(Protocol):
     def stepped_within(self, optimizer: Any) -> None:
         """``optimizer`` stepped inside another's step (which is the program's one step)."""
 
+    def closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """What runs as ``optimizer.step(closure)``'s closure (the program's forward and
+        backward, run by the step)."""
+
+    def before_step_in_backward(self, optimizer: Any, step: int) -> None:
+        """``optimizer`` steps inside training step ``step``'s backward (one optimizer per
+        parameter, stepped from its gradient hook: torchtune's ``optimizer_in_bwd``)."""
+
+    def after_step_in_backward(self, optimizer: Any, step: int) -> None:
+        """That step returned; the backward goes on (``after_step(None, step)`` follows when
+        the backward ends)."""
+
 
 @dataclass(kw_only=True)
 class ProgramRun:
@@ -329,12 +341,23 @@ class _StepCounter:
         # an optimizer whose step steps others (torchtitan's OptimizersContainer, an Optimizer
         # over each model part's AdamW) takes one step: the outermost, the one the program calls
         self.depth = 0
+        # optimizers stepped inside a backward (one per parameter, from gradient hooks) make one
+        # training step, which ends when that backward ends
+        self.backward_task: int | None = None
+        self.backward_group: int | None = None
+        self.in_backward = False
 
-    def pre(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    def pre(self, optimizer: Any, _args: Any, _kwargs: Any) -> tuple[tuple, dict[str, Any]] | None:
         run, counts = self.run, self.counts
         self.depth += 1
         if self.depth > 1:
-            return
+            return None
+        import torch
+
+        task = torch._C._current_graph_task_id()
+        if task != -1:  # inside autograd's engine: a step made by a gradient hook
+            self._in_backward(optimizer, task)
+            return None
         if optimizer not in self.optimizers:
             self.optimizers[optimizer] = len(run.optimizer_names)
             name = type(optimizer).__name__
@@ -349,6 +372,49 @@ class _StepCounter:
             )
         if self.hooks is not None:
             self.hooks.before_step(optimizer, run.steps + 1)
+            return self._closure_wrapped(optimizer, _args, _kwargs)
+        return None
+
+    def _closure_wrapped(
+        self, optimizer: Any, args: tuple, kwargs: dict[str, Any]
+    ) -> tuple[tuple, dict[str, Any]] | None:
+        """The step's arguments with its closure given to the hooks to wrap (a global step
+        pre-hook may return new arguments), or None where it has none."""
+        assert self.hooks is not None
+        if args and callable(args[0]):
+            return (self.hooks.closure(optimizer, args[0]), *args[1:]), kwargs
+        if callable(kwargs.get("closure")):
+            return args, {**kwargs, "closure": self.hooks.closure(optimizer, kwargs["closure"])}
+        return None
+
+    def _in_backward(self, optimizer: Any, task: int) -> None:
+        """A step inside the backward of graph task ``task``: the first of that backward
+        begins a training step, which ends when the backward does (``_backward_ended``)."""
+        import torch
+
+        run = self.run
+        if self.backward_task != task:
+            self.backward_task = task
+            if self.backward_group is None:
+                self.backward_group = len(run.optimizer_names)
+                run.optimizer_names.append(
+                    f"{type(optimizer).__name__} (one per parameter, stepped in backward)"
+                )
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_ended)
+        self.in_backward = True
+        if self.hooks is not None:
+            self.hooks.before_step_in_backward(optimizer, run.steps + 1)
+
+    def _backward_ended(self) -> None:
+        run = self.run
+        self.backward_task = None
+        run.steps += 1
+        assert self.backward_group is not None
+        run.optimizer_of_step[run.steps] = self.backward_group
+        if self.hooks is not None:
+            self.hooks.after_step(None, run.steps)
+        if run.steps >= self.max_steps:
+            raise StopProgram("max-steps")
 
     def post(self, optimizer: Any, _args: Any, _kwargs: Any) -> None:
         run, hooks = self.run, self.hooks
@@ -356,6 +422,11 @@ class _StepCounter:
         if self.depth > 0:
             if hooks is not None:
                 hooks.stepped_within(optimizer)
+            return
+        if self.in_backward:
+            self.in_backward = False
+            if hooks is not None:
+                hooks.after_step_in_backward(optimizer, run.steps + 1)
             return
         run.steps += 1
         run.optimizer_of_step[run.steps] = self.optimizers[optimizer]

@@ -3,33 +3,50 @@
 
     python tests/programs/torchtitan_tiny.py DIR
 
-makes ``DIR/tests/assets/tokenizer`` (torchtitan's own test tokenizer, where its debug model's
-config looks for it), ``DIR/tests/assets/c4_test/data.json`` (64 rows of text, where torchtitan's
-``c4_test`` dataset is read from) and, for torchtitan 0.2, ``DIR/debug_model.toml`` (its
-``torchtitan/models/llama3/train_configs/debug_model.toml``). The tokenizer and the config are
-not in torchtitan's wheel: they are read from a source install's checkout, else from
-``TORCHTITAN_SOURCE`` (a checkout, or its bare git directory read at the installed version's
-tag, ``v0.2.2``, or at HEAD where the tag is absent). Nothing is downloaded. Run it there with
+makes ``DIR/tests/assets/tokenizer`` (a byte-level BPE tokenizer trained here, with the
+``tokenizers`` library, on the words of the data below: ``tokenizer.json`` and a
+``tokenizer_config.json`` naming ``<|begin_of_text|>`` and ``<|end_of_text|>`` as its bos and
+eos tokens; where torchtitan's debug model looks for its tokenizer, ``--model.hf_assets_path``'s
+default) and ``DIR/tests/assets/c4_test/data.json`` (64 rows of text, where torchtitan's
+``c4_test`` dataset is read from). Nothing is read from torchtitan's repository (its wheel lacks
+its test tokenizer and, for 0.2, its ``debug_model.toml``: ``DEBUG_MODEL_02`` gives that config's
+settings as flags instead) and nothing is downloaded. Run it there with
 
-    torchrun --nproc-per-node 2 -m torchtitan.train --job.config_file debug_model.toml   # 0.2
+    torchrun --nproc-per-node 2 -m torchtitan.train <DEBUG_MODEL_02>   # 0.2
 """
 
 from __future__ import annotations
 
 import importlib.metadata
-import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 TOKENIZER_DIR = "tests/assets/tokenizer"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+BOS = "<|begin_of_text|>"
+EOS = "<|end_of_text|>"
+VOCAB_SIZE = 512
+"""The tokenizer's most tokens (its 256 bytes, bos, eos and merges; these words need fewer):
+within the 2048 of torchtitan 0.2's llama3 ``debugmodel`` flavor, whose embedding its token ids
+index."""
 DATA_DIR = "tests/assets/c4_test"
 DATA_ROWS = 64
-CONFIG = "torchtitan/models/llama3/train_configs/debug_model.toml"
-"""torchtitan 0.2's debug model config (0.3 names its configs in Python: ``--config``)."""
+DEBUG_MODEL_02 = (
+    *("--job.description", "Llama 3 debug training"),
+    *("--profiling.save_traces_folder", "profile_trace"),
+    *("--metrics.log_freq", "1"),
+    *("--lr_scheduler.warmup_steps", "2", "--lr_scheduler.decay_ratio", "0.8"),
+    *("--parallelism.pipeline_parallel_schedule", "Interleaved1F1B"),
+    *("--checkpoint.interval", "10", "--checkpoint.no-last-save-model-only"),
+    *("--quantize.linear.float8.filter_fqns", "output"),
+    *("--validation.freq", "5", "--validation.steps", "10"),
+)
+"""torchtitan 0.2's llama3 debug model config (v0.2.2's
+``torchtitan/models/llama3/train_configs/debug_model.toml``) as flags: those of its settings
+that differ from 0.2.2's defaults (torchtitan/config/job_config.py), which already name the
+llama3 ``debugmodel``, ``./tests/assets/tokenizer``, ``c4_test``, AdamW at lr 8e-4, FSDP over
+every rank and selective activation checkpointing; its ``[training]`` steps (10), seq_len and
+local_batch_size are left to the caller (0.3 names its configs in Python: ``--config``)."""
 WORDS = [
     "the",
     "of",
@@ -61,51 +78,42 @@ def version() -> tuple[int, ...]:
     return tuple(int(part) for part in importlib.metadata.version("torchtitan").split(".")[:3])
 
 
-def source_file(name: str) -> bytes | None:
-    """``name`` (a path in torchtitan's repository) from a source install's checkout, else from
-    ``TORCHTITAN_SOURCE``; None where neither has it."""
-    found = importlib.util.find_spec("torchtitan")
-    if found is None or found.origin is None:
-        return None
-    roots = [Path(found.origin).resolve().parents[1]]
-    if os.environ.get("TORCHTITAN_SOURCE"):
-        roots.append(Path(os.environ["TORCHTITAN_SOURCE"]))
-    for root in roots:
-        if (root / name).is_file():
-            return (root / name).read_bytes()
-        if (root / "HEAD").is_file():  # a bare git directory
-            for ref in (f"v{importlib.metadata.version('torchtitan')}", "HEAD"):
-                shown = subprocess.run(
-                    ["git", "--git-dir", str(root), "show", f"{ref}:{name}"],
-                    capture_output=True,
-                    check=False,
-                )
-                if shown.returncode == 0:
-                    return shown.stdout
-    return None
+def texts() -> list[str]:
+    """The rows of ``c4_test``: 400 of ``WORDS`` each."""
+    return [
+        " ".join(WORDS[(row * 7 + i) % len(WORDS)] for i in range(400)) for row in range(DATA_ROWS)
+    ]
 
 
-def make(folder: Path) -> str | None:
-    """The tokenizer, data and (0.2) config in ``folder``; what is missing, else None."""
-    names = [f"{TOKENIZER_DIR}/{n}" for n in TOKENIZER_FILES]
-    if version() < (0, 3):
-        names.append(CONFIG)
-    for name in names:
-        data = source_file(name)
-        if data is None:
-            return f"torchtitan's {name} is not at hand (set TORCHTITAN_SOURCE)"
-        target = folder / (Path(name).name if name == CONFIG else name)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_bytes(data)
+def make_tokenizer(folder: Path) -> None:
+    """A byte-level BPE (GPT-2's pre-tokenizer and decoder, as torchtitan's test tokenizer has)
+    trained on ``texts()``, bos and eos its first two tokens, in ``folder``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=[BOS, EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(texts(), trainer)
+    folder.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    config = {"bos_token": BOS, "eos_token": EOS, "tokenizer_class": "PreTrainedTokenizerFast"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def make(folder: Path) -> None:
+    """The tokenizer and data in ``folder``."""
+    make_tokenizer(folder / TOKENIZER_DIR)
     (folder / DATA_DIR).mkdir(parents=True, exist_ok=True)
     with open(folder / DATA_DIR / "data.json", "w") as f:
-        for row in range(DATA_ROWS):
-            text = " ".join(WORDS[(row * 7 + i) % len(WORDS)] for i in range(400))
+        for text in texts():
             f.write(json.dumps({"text": text}) + "\n")
-    return None
 
 
 if __name__ == "__main__":
-    missing = make(Path(sys.argv[1]))
-    if missing:
-        sys.exit(missing)
+    make(Path(sys.argv[1]))

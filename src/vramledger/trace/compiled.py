@@ -57,6 +57,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch.utils._python_dispatch import _disable_current_modes
 
 from .eager_regions import run_eagerly
@@ -193,6 +194,8 @@ class CompiledRegions:
                     torch._dynamo.config.patch(fail_on_recompile_limit_hit=True),
                 ):
                     out = compiled(*args, **kwargs)
+            except STOPS_RECOMPUTATION:
+                raise  # the region ran: checkpointing's early stop, not a refusal
             except Exception as exc:  # Dynamo, AOTAutograd or Inductor refused the region
                 text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
                 _release_frames(exc)
@@ -230,6 +233,13 @@ def _release_frames(exc: BaseException) -> None:
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__cause__ or exc.__context__  # type: ignore[assignment]
 
+
+STOPS_RECOMPUTATION = torch.utils.checkpoint._StopRecomputationError
+"""Raised by non-reentrant activation checkpointing's pack hook inside a region it recomputes,
+once every tensor the forward saved is back (``early_stop``, the default): the region ran, and
+checkpointing catches it. Taken for a compile failure, the region ran again eagerly and saved
+more tensors than the forward had ("target_frame.early_stop is set": torchtune's compile with
+activation checkpointing, each compiled layer inside its checkpoint wrapper)."""
 
 REGIONS = CompiledRegions()
 """The process's compiled regions (Dynamo's cache is per process too)."""

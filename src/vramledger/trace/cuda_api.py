@@ -9,6 +9,7 @@ streams, seeds).
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -47,20 +48,50 @@ class MemoryCounter(Protocol):
 
 _IMPORTING = "<frozen importlib._bootstrap>"
 
+NATIVE_CUDA_AT_IMPORT = frozenset({"bitsandbytes"})
+"""Packages that load native CUDA code when ``torch.cuda.is_available()`` is True while they
+are imported, which a CPU-only PyTorch cannot: bitsandbytes picks its CUDA library then
+(``bitsandbytes/cextension.py``). They are told the truth, no GPU, during their import; every
+other package sees the GPU at import as at run time (torchtune decides at import whether
+FlexAttention is supported, ``_SUPPORTS_FLEX_ATTENTION`` in
+``torchtune/modules/attention_utils.py``)."""
 
-def _library_import() -> bool:
-    """An installed package asks while it is being imported: it chooses its backend then
-    (bitsandbytes loads its CUDA kernels, which a CPU-only PyTorch lacks), so it is told the
-    truth, no GPU. The program's own code, and libraries at run time, see the GPU."""
+TORCH_COMPILER_FILES = tuple(
+    os.path.join(os.path.dirname(torch.__file__), *part)
+    for part in (("_inductor", ""), ("_dynamo", ""), ("utils", "_triton.py"))
+)
+"""PyTorch's compiler asks which devices it can generate code for (``has_triton``: Triton, for
+an available CUDA device): it compiles for the tensors' real device, the CPU, and is told the
+truth. Told of a GPU it reaches for Triton's CUDA driver (``libcuda.so cannot found``) wherever
+Triton is installed, as with every CUDA build of PyTorch."""
+
+
+def _told_no_gpu() -> bool:
+    """Whether the caller of ``torch.cuda.is_available()`` is told the truth, no GPU: PyTorch's
+    compiler (:data:`TORCH_COMPILER_FILES`), and a package of :data:`NATIVE_CUDA_AT_IMPORT`
+    while it is imported. The program's own code and every other library see the GPU."""
     frame = sys._getframe(2)  # the caller of torch.cuda.is_available()
     caller = frame.f_code.co_filename if frame is not None else ""
-    if "site-packages" not in caller and "dist-packages" not in caller:
+    if caller.startswith(TORCH_COMPILER_FILES):
+        return True
+    package = _site_package(caller)
+    if package not in NATIVE_CUDA_AT_IMPORT:
         return False
     while frame is not None:
         if frame.f_code.co_filename == _IMPORTING:
             return True
         frame = frame.f_back
     return False
+
+
+def _site_package(filename: str) -> str | None:
+    """The top-level package an installed file belongs to (``.../site-packages/bitsandbytes/
+    cextension.py`` -> ``bitsandbytes``), or None."""
+    for root in ("site-packages", "dist-packages"):
+        _, found, rest = filename.partition(f"{os.sep}{root}{os.sep}")
+        if found:
+            return rest.split(os.sep, 1)[0].removesuffix(".py")
+    return None
 
 
 def _device_index(device: Any) -> int:
@@ -188,9 +219,9 @@ def cuda_functions(gpu: EmulatedGpu, counter: MemoryCounter) -> dict[str, Callab
     )
 
     return {
-        "is_available": lambda: not _library_import(),
+        "is_available": lambda: not _told_no_gpu(),
         "is_initialized": lambda: True,
-        "device_count": lambda: 0 if _library_import() else gpu.device_count,
+        "device_count": lambda: 0 if _told_no_gpu() else gpu.device_count,
         "current_device": lambda: current[0],
         "set_device": lambda device: current.__setitem__(0, _device_index(device)),
         "get_device_properties": lambda *_a, **_k: properties,

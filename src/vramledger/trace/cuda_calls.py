@@ -77,6 +77,10 @@ class DeviceMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if kwargs.get("pin_memory"):
+            # pinned host memory is the host's, and a CPU-only PyTorch cannot pin (torchtune's
+            # activation offloading: ``empty_like(x, pin_memory=True, device="cpu")``)
+            kwargs = {**kwargs, "pin_memory": False}
         if func in _BACKWARD or func is torch.autograd.backward or func is torch.autograd.grad:
             with self:  # the engine's hooks run under this mode, as the forward does
                 return torch.overrides.redispatch_function(func, types, args, kwargs)
@@ -128,12 +132,30 @@ def backward_under(mode: TorchFunctionMode, apply: Callable[..., Any]) -> Callab
     ``TorchFunctionMode`` on the stack (measured on torch 2.13: the forward sees the program's
     modes, the backward an empty stack), so without this ``torch.empty(n, device="cuda")`` or
     ``device=x.device`` in a backward would miss the emulation."""
+    return _under(mode, apply)
 
-    def under(ctx: Any, *args: Any) -> Any:
+
+def saved_tensors_hooks_under(
+    mode: TorchFunctionMode, init: Callable[..., None]
+) -> Callable[..., None]:
+    """``saved_tensors_hooks.__init__`` whose pack and unpack hooks run with ``mode`` active:
+    autograd calls them from inside the operator that saves (or the backward that reads) a
+    tensor, where a ``TorchFunctionMode``'s own ``__torch_function__`` has popped it, so
+    torchtune's activation offloading (``empty_like(x, pin_memory=True, device="cpu")`` in
+    pack, ``.to("cuda")`` in unpack) would see no emulation."""
+
+    def hooked(hooks: Any, pack: Callable[..., Any], unpack: Callable[..., Any]) -> None:
+        init(hooks, _under(mode, pack), _under(mode, unpack))
+
+    return hooked
+
+
+def _under(mode: TorchFunctionMode, hook: Callable[..., Any]) -> Callable[..., Any]:
+    def under(*args: Any) -> Any:
         if any(m is mode for m in _get_current_function_mode_stack()):
-            return apply(ctx, *args)
+            return hook(*args)
         with mode:
-            return apply(ctx, *args)
+            return hook(*args)
 
     return under
 

@@ -4,8 +4,8 @@ puts on "cuda" goes where a :class:`DeviceMapping` says.
 While :class:`CudaEmulation` is active:
 
 - ``torch.cuda.is_available()`` is True, ``device_count()`` the node's GPUs (1, or torchrun's
-  ``--nproc-per-node``; 0 to an installed package
-  asking while it is imported, which would load CUDA kernels: ``cuda_api._library_import``),
+  ``--nproc-per-node``); False and 0 to PyTorch's compiler and to a package that would load
+  native CUDA code while it is imported (``cuda_api._told_no_gpu``),
   ``get_device_properties(0)``,
   ``get_device_name()`` and ``get_device_capability()`` describe the GPU (``gpus.py``);
   ``current_device()`` (what ``set_device()`` set), ``synchronize()``, ``empty_cache()`` and
@@ -60,6 +60,7 @@ from .cuda_calls import (
     module_cuda,
     module_to,
     reporting,
+    saved_tensors_hooks_under,
 )
 from .device_mappings import DeviceMapping
 
@@ -166,6 +167,8 @@ class CudaEmulation:
         self._patch(
             BackwardCFunction, "apply", backward_under(device_mode, BackwardCFunction.apply)
         )
+        hooks = torch.autograd.graph.saved_tensors_hooks
+        self._patch(hooks, "__init__", saved_tensors_hooks_under(device_mode, hooks.__init__))
         self._stack.enter_context(device_mode)
         return self
 

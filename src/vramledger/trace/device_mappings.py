@@ -11,11 +11,13 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ..categories import Category
 from .host_stand_ins import HostStandIns, meta_of
 from .premul_sum import REDUCTIONS, reduce_then_scale
+from .value_stand_ins import FROM_DATA
 from .values import KNOWN_VALUE_CAP_BYTES
 
 
@@ -87,6 +89,21 @@ class FakeCuda:
         return self.mode, self.device
 
     def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        if func in FROM_DATA and args and self.values is not None:
+            found = self.values.data_of(func, args[0])
+            if found is not None and not found[1]:
+                # values computed from parameters: the tensor, of its shape, with none
+                with unset_fake_temporarily(), _disable_current_modes():
+                    like = func(found[0], dtype=kwargs.get("dtype"))
+                with self.mode:
+                    return torch.empty(
+                        like.shape,
+                        dtype=like.dtype,
+                        device="cpu",
+                        requires_grad=bool(kwargs.get("requires_grad")),
+                    )
+            if found is not None:
+                args = (found[0], *args[1:])
         with self.mode:
             return func(*args, **{**kwargs, "device": "cpu"})
 

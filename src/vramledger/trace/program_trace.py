@@ -47,6 +47,7 @@ from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_sa
 from ..timeline import Timeline
 from ..training import grad_category, param_category
 from .compiled import compiled_regions
+from .cpu_kernels import CpuKernels
 from .cuda_api import EmulatedGpu, MemoryCounter
 from .cuda_emulation import CudaEmulation, cuda_default_foreach
 from .device_mappings import FakeCuda
@@ -54,6 +55,7 @@ from .dtensor_compat import untracked_sharding_propagation
 from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values_once_imported
 from .host_stand_ins import HostStandIns
+from .host_tensors import HostTensor, HostTensors
 from .policy import DevicePolicy
 from .program_tracker import ProgramTracker, TimelineCounter, emulated
 from .trace_errors import FAKE_LIMITS
@@ -72,6 +74,8 @@ class ProgramTrace:
     trainable_parameters: int
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    host_tensors: list[HostTensor] = field(default_factory=list)
+    """The host tensors the program kept after its last step (``host_tensors.py``)."""
     extended: bool = False
     """The timeline was extended from a few of the model's identical blocks
     (``program_blocks.py``), not traced in full."""
@@ -96,8 +100,10 @@ class _Phases:
         mode: FakeTensorMode,
         max_steps: int,
         names: dict[int, str],
+        host_tensors: HostTensors,
     ) -> None:
         self.emulated = lambda t: emulated(t, mode)
+        self.host_tensors = host_tensors
         self.tracker = tracker
         self.observer = observer
         self.mode = mode
@@ -155,6 +161,32 @@ class _Phases:
             self.tracker.set_phase(self.completed + 1, Phase.BACKWARD)
 
     def before_step(self, optimizer: Any, step: int) -> None:
+        self._tag_stepped(optimizer)
+        self.tracker.set_phase(step, Phase.OPTIMIZER)
+        self.mode.__enter__()
+        self.in_step = True
+
+    def closure(self, optimizer: Any, closure: Callable[[], Any]) -> Callable[[], Any]:
+        """``optimizer.step(closure)``'s closure (Lightning's automatic optimization runs the
+        training step's forward and backward in it) run as the program's own code: outside
+        the step's fake mode (a ``torch.tensor`` it makes is a host tensor, as in a real run:
+        Lightning's ``self.log`` deep-copies one), with its forward and backward phases; the
+        gradients it made are tagged when it returns."""
+
+        def run() -> Any:
+            step = self.completed + 1
+            self.leave_step()
+            try:
+                return closure()
+            finally:
+                self._tag_stepped(optimizer)
+                self.tracker.set_phase(step, Phase.OPTIMIZER)
+                self.mode.__enter__()
+                self.in_step = True
+
+        return run
+
+    def _tag_stepped(self, optimizer: Any) -> None:
         stepped = [p for g in optimizer.param_groups for p in g["params"]]
         # torchtune's recipes give the optimizer every parameter, the frozen ones too
         self.trainable.update(
@@ -165,13 +197,25 @@ class _Phases:
         params = [p for p in stepped if not hasattr(p, STANDS_FOR)]
         self.register([p for p in params if self.emulated(p)], Category.PARAMETERS)
         self.register([p.grad for p in params if self.emulated(p.grad)], Category.GRADIENTS)
+
+    def before_step_in_backward(self, optimizer: Any, step: int) -> None:
+        self._tag_stepped(optimizer)
         self.tracker.set_phase(step, Phase.OPTIMIZER)
         self.mode.__enter__()
         self.in_step = True
 
-    def after_step(self, optimizer: Any, step: int) -> None:
+    def after_step_in_backward(self, optimizer: Any, step: int) -> None:
         self.leave_step()
         self.observer.optimizer_stepped(optimizer)
+        self.tracker.set_phase(step, Phase.BACKWARD)
+
+    def after_step(self, optimizer: Any, step: int) -> None:
+        """Step ``step`` ended: its ``optimizer.step()`` returned, or (``optimizer`` None) the
+        backward whose gradient hooks stepped one optimizer per parameter ended."""
+        self.leave_step()
+        self.host_tensors.after_step(step)
+        if optimizer is not None:
+            self.observer.optimizer_stepped(optimizer)
         self.completed = step
         if step < self.max_steps:
             self.tracker.set_phase(step + 1, Phase.OPTIMIZER)
@@ -252,8 +296,13 @@ def trace_program(
     values = KnownValues(mode)
     host = HostStandIns()
     tracker = _tracker(mode, host, values, policy, world)
+    cpu_kernels = None
+    if policy.name == "cpu":  # custom operators as a CPU run runs them
+        cpu_kernels = CpuKernels(tracker._substitutes, tracker)
+        tracker._substitutes = cpu_kernels
     observer = TrackerObserver(tracker, policy.host_resident)
-    phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names)
+    host_tensors = HostTensors(host.mode, values.storages, spec.max_steps)
+    phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names, host_tensors)
     stand_ins = ValueStandIns(values)
     quantization = EmulatedQuantization(phases.register, cuda_target=policy.name == "cuda")
     fake_cuda = FakeCuda(
@@ -299,7 +348,12 @@ def trace_program(
         policy=policy,
         decided=bool(decided),
     )
+    if (kept := host_tensors.note()) is not None:
+        notes.append(kept)
+    if cpu_kernels is not None and (ran := cpu_kernels.note()) is not None:
+        notes.append(ran)
     return ProgramTrace(
+        host_tensors=host_tensors.found,
         timeline=timeline,
         run=run,
         parameters=sum(phases.parameters.values()),

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ..program_frames import program_location
 from .values import KnownValues
@@ -39,6 +40,11 @@ READS = {
 }
 """Tensor methods that read values, and how the notes name them."""
 
+FROM_DATA = {torch.tensor: "torch.tensor(data)", torch.as_tensor: "torch.as_tensor(data)"}
+"""Factories that read the values of the tensors in their data (``torch.tensor([f0, f1])``
+of 0-d tensors: torchtune's Llama-3.1 scaled RoPE builds its frequency table this way, on the
+device, from tensors computed from ``arange``)."""
+
 
 class ValueStandIns:
     """Answers value reads of fake tensors (module docstring); ``used`` counts the stand-ins
@@ -49,20 +55,52 @@ class ValueStandIns:
         self.used: dict[tuple[str, str], int] = {}
 
     def handles(self, func: Any, args: tuple) -> bool:
+        if func in FROM_DATA:
+            return bool(args) and any(_fake_of(t) is not None for t in _data_tensors(args[0]))
         return func in READS and bool(args) and _fake_of(args[0]) is not None
 
+    def data_of(self, func: Any, data: Any) -> tuple[Any, bool] | None:
+        """``data`` of a ``torch.tensor``-like factory with each fake tensor in it replaced by
+        its real value where known, else by the stand-in (the read recorded for the notes), and
+        whether every value was known; None where ``data`` holds no fake tensor."""
+        leaves, spec = tree_flatten(data)
+        if not any(_fake_of(t) is not None for t in leaves if isinstance(t, torch.Tensor)):
+            return None
+        real: list[Any] = []
+        known = True
+        for leaf in leaves:
+            fake = _fake_of(leaf) if isinstance(leaf, torch.Tensor) else None
+            if fake is None:
+                real.append(leaf)
+            elif (
+                isinstance(leaf, FakeTensor) and self.values is not None and self.values.known(fake)
+            ):
+                real.append(self.values.value(fake))
+            else:
+                known = False
+                real.append(self._stand_in(FROM_DATA[func], fake, leaf.shape))
+        return tree_unflatten(real, spec), known
+
+    def _stand_in(self, read: str, t: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        where = program_location() or "(no line of the program)"
+        key = (read, where)
+        self.used[key] = self.used.get(key, 0) + 1
+        with _disable_current_modes(), unset_fake_temporarily():
+            return torch.zeros((), dtype=t.dtype).expand(shape)
+
     def answer(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        if func in FROM_DATA:  # a host tensor of the values (the device case: FakeCuda.factory)
+            found = self.data_of(func, args[0])
+            assert found is not None  # handles() said so
+            with _disable_current_modes(), unset_fake_temporarily():
+                return func(found[0], *args[1:], **kwargs)
         t = _fake_of(args[0])
         assert t is not None  # handles() said so
         whole = isinstance(args[0], FakeTensor) or _replicated(args[0])
         if whole and self.values is not None and self.values.known(t):
             real = self.values.value(t)
         else:
-            where = program_location() or "(no line of the program)"
-            key = (READS[func], where)
-            self.used[key] = self.used.get(key, 0) + 1
-            with _disable_current_modes(), unset_fake_temporarily():
-                real = torch.zeros((), dtype=t.dtype).expand(args[0].shape)
+            real = self._stand_in(READS[func], t, args[0].shape)
         with _disable_current_modes(), unset_fake_temporarily(), torch._C.DisableTorchFunction():
             return func(real, *args[1:], **kwargs)
 
@@ -74,6 +112,13 @@ class ValueStandIns:
             + " (code that branches on it took zero's branch)"
             for (read, where), count in self.used.items()
         ]
+
+
+def _data_tensors(data: Any) -> list[torch.Tensor]:
+    """The tensors in a factory's ``data`` (nested lists and tuples)."""
+    if not isinstance(data, (list, tuple)):
+        return []
+    return [t for t in tree_flatten(data)[0] if isinstance(t, torch.Tensor)]
 
 
 def _fake_of(t: Any) -> FakeTensor | None:

@@ -198,6 +198,11 @@ class KnownValues:
         self._refs.pop(key, None)
         self._routed.discard(key)
 
+    def storages(self) -> set[int]:
+        """The ``_cdata`` of the real storages holding known values (vramledger's own, not the
+        program's)."""
+        return {real._cdata for real in self._real.values()}
+
     def _key(self, t: torch.Tensor) -> int | None:
         if not isinstance(t, FakeTensor):
             return None
