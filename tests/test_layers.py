@@ -102,6 +102,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.host_stand_ins",
         "trace.host_tensors",
         "trace.optimizer_stand_ins",
+        "trace.paged_states",
         "trace.patched_functions",
         "trace.plain_autograd",
         "trace.plain_branches",

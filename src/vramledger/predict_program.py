@@ -81,6 +81,9 @@ class ProgramReport:
     host_tensors: list[HostTensor] = field(default_factory=list)
     """Host tensors the program kept after its last step (``trace/host_tensors.py``): memory a
     real CPU run's allocator counts and this prediction does not."""
+    unified_memory_bytes: int = 0
+    """Paged optimizer states in CUDA unified memory (``trace/paged_states.py``): on the GPU
+    while it has room, outside the allocator's count and this peak."""
     exit_code: int = 0
     seconds: float = 0.0
     world_size: int = 1
@@ -111,6 +114,7 @@ class ProgramReport:
             notes=self.notes,
             host_tensors=[h.to_dict() for h in self.host_tensors],
             host_bytes=sum(h.nbytes for h in self.host_tensors),
+            unified_memory_bytes=self.unified_memory_bytes,
             exit_code=self.exit_code,
             seconds=round(self.seconds, 3),
         )
@@ -199,6 +203,7 @@ def _run_rank(
         ledger=ledger,
         notes=notes,
         host_tensors=traced.host_tensors,
+        unified_memory_bytes=traced.unified_memory_bytes,
         exit_code=run.exit_code,
         seconds=traced.seconds,
     )

@@ -59,6 +59,8 @@ def is_cuda(device: Any) -> bool:
 
 _TENSOR_TO = {torch.Tensor.to}
 _TENSOR_CUDA = {torch.Tensor.cuda}
+_TENSOR_CPU = {torch.Tensor.cpu}
+_COPY = {torch.Tensor.copy_}
 _PINNING = {torch.Tensor.pin_memory, torch.Tensor.is_pinned}
 _BACKWARD = {torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad}
 """Calls that run autograd's engine: it runs the backward under the mode stack it is called
@@ -74,6 +76,9 @@ class DeviceMode(TorchFunctionMode):
     def __init__(self, mapping: DeviceMapping) -> None:
         super().__init__()
         self.mapping = mapping
+        # an attribute, not a property: Dynamo traces this mode's __torch_function__ inside a
+        # compiled region and cannot follow a property of it ("cls_source must not be None")
+        self.reports_cuda = bool(getattr(mapping, "reports_cuda", False))
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -84,6 +89,8 @@ class DeviceMode(TorchFunctionMode):
         if func in _BACKWARD or func is torch.autograd.backward or func is torch.autograd.grad:
             with self:  # the engine's hooks run under this mode, as the forward does
                 return torch.overrides.redispatch_function(func, types, args, kwargs)
+        if self.reports_cuda and (host := self._to_host(func, args, kwargs)) is not None:
+            return host
         if func in _TENSOR_TO:
             to_args, to_kwargs = index_as_cuda(
                 args[1:], {k: v for k, v in kwargs.items() if k != "copy"}
@@ -116,6 +123,35 @@ class DeviceMode(TorchFunctionMode):
         ):
             return made
         return func(*args, **kwargs)
+
+    def _to_host(self, func: Any, args: tuple, kwargs: dict[str, Any]) -> Any:
+        """Where emulated tensors report CUDA, what moves one to the host or makes a host
+        tensor from one is host memory (``FakeCuda.to_host`` / ``host_like``), and a copy
+        between a host stand-in and an emulated tensor allocates nothing; None for every other
+        call."""
+        mapping: Any = self.mapping
+        if func in _COPY:
+            dst, src = args[0], args[1]
+            if isinstance(dst, FakeTensor) and isinstance(src, FakeTensor):
+                if dst.fake_mode is not src.fake_mode:
+                    return dst  # a copy between host and device: nothing allocated
+            return None
+        if not args or not mapping.emulated(args[0]):
+            return None
+        if func in _TENSOR_CPU:
+            return mapping.to_host(args[0], None)
+        if func in _TENSOR_TO:
+            to_args, to_kwargs = index_as_cuda(
+                args[1:], {k: v for k, v in kwargs.items() if k != "copy"}
+            )
+            device, dtype, _, _ = torch._C._nn._parse_to(*to_args, **to_kwargs)
+            if device is not None and torch.device(device).type == "cpu":
+                return mapping.to_host(args[0], dtype)
+            return None
+        device = kwargs.get("device")
+        if device is not None and not is_cuda(device) and torch.device(device).type == "cpu":
+            return mapping.host_like(func, args, kwargs)
+        return None
 
     def _emulated(self, *devices: Any) -> bool:
         """A device argument is the very object an emulated tensor reported
@@ -208,18 +244,105 @@ def mapped_load_file(load_file: Callable[..., Any], mapping: DeviceMapping) -> C
 _FAKE_DEVICE = FakeTensor.__dict__["device"]
 
 
+_TORCH_ROOT = os.path.dirname(torch.__file__)
+_VRAMLEDGER_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TRUE_DEVICE_READERS = (
+    *(
+        os.path.join(_TORCH_ROOT, *part)
+        for part in (
+            ("_subclasses", ""),
+            ("_prims_common", ""),
+            ("_prims", ""),
+            ("_refs", ""),
+            ("_decomp", ""),
+            ("_meta_registrations.py",),
+            ("_dynamo", ""),
+            ("_inductor", ""),
+            ("_functorch", ""),
+            ("_higher_order_ops", ""),
+            ("_library", ""),
+            ("fx", ""),
+            ("_ops.py",),
+            ("_tensor.py",),
+            ("utils", "_python_dispatch.py"),
+            ("utils", "_pytree.py"),
+        )
+    ),
+    os.path.join(_VRAMLEDGER_ROOT, ""),
+)
+"""Code that is told an emulated tensor's real device (the CPU: a fake CPU tensor) where the
+program is told CUDA (:func:`reporting`): PyTorch's fake-tensor machinery, reference
+implementations and decompositions, which derive their outputs' devices from their inputs' (a
+CUDA device there makes a fake CUDA tensor, and autograd on it aborts a CPU-only PyTorch), its
+compiler (it compiles for the CPU here), and vramledger itself."""
+
+
+def _reader_told_truth(depth: int = 2) -> bool:
+    """The code asking (``depth`` frames up: past the property) is one of
+    :data:`TRUE_DEVICE_READERS`."""
+    return sys._getframe(depth).f_code.co_filename.startswith(TRUE_DEVICE_READERS)
+
+
 def reporting(mode: FakeTensorMode, device: torch.device) -> property:
     """``FakeTensor.device`` answering ``device`` (the same object each time) for ``mode``'s
     CPU tensors, and as before for every other fake tensor (a ``torch.compile`` inside the
-    program has its own mode) and inside a fake kernel (``meta``)."""
+    program has its own mode) and inside a fake kernel (``meta``). A CUDA ``device`` is
+    answered to the program and the libraries it calls, the real one to
+    :data:`TRUE_DEVICE_READERS`."""
+    cuda = device.type == "cuda"
 
     def reported(t: FakeTensor) -> torch.device:
         own = _FAKE_DEVICE.fget(t)
-        if own.type == "cpu" and t.fake_mode is mode:
+        if own.type == "cpu" and t.fake_mode is mode and not (cuda and _reader_told_truth()):
             return device
         return own
 
     return property(reported, _FAKE_DEVICE.fset)
+
+
+def reporting_cuda(mode: FakeTensorMode, device: torch.device) -> dict[str, Any]:
+    """``is_cuda``, ``is_cpu`` and ``get_device()`` of ``mode``'s CPU tensors as a CUDA tensor
+    on ``device`` answers them (the CUDA target: they are the emulated GPU's, and library code
+    that branches on them takes its GPU path), to all but :data:`TRUE_DEVICE_READERS`; every
+    other tensor answers as before."""
+    base = torch._C.TensorBase
+
+    def ours(t: Any) -> bool:
+        return (
+            t.fake_mode is mode
+            and _FAKE_DEVICE.fget(t).type == "cpu"
+            and not _reader_told_truth(3)  # past ours() and the property
+        )
+
+    def flag(name: str, cuda_value: bool) -> property:
+        original = base.__dict__[name]
+        return property(lambda t: cuda_value if ours(t) else original.__get__(t))
+
+    get_device = base.get_device
+
+    def get_device_of(t: Any) -> int:
+        return (device.index or 0) if ours(t) else get_device(t)
+
+    return {
+        "is_cuda": flag("is_cuda", True),
+        "is_cpu": flag("is_cpu", False),
+        "get_device": get_device_of,
+    }
+
+
+def wrapper_subclasses_on_host(make: Callable[..., Any]) -> staticmethod:
+    """``Tensor._make_wrapper_subclass`` whose ``device`` is the CPU where it names CUDA: a
+    library's tensor subclass wraps emulated tensors and takes its device from them (torchao's
+    ``NF4Tensor``: ``device=quantized_data.device``), which the program is told is CUDA, and a
+    wrapper made on a CUDA device makes a CPU-only PyTorch refuse every operator on it. The
+    wrapper's own device is then the CPU, as its inner tensors' really is."""
+
+    def made(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        if is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": torch.device("cpu")}
+        return make(cls, *args, **kwargs)
+
+    return staticmethod(made)
 
 
 _TORCH_DIR = os.path.join(os.path.dirname(torch.__file__), "")

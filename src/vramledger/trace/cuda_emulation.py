@@ -60,7 +60,9 @@ from .cuda_calls import (
     module_cuda,
     module_to,
     reporting,
+    reporting_cuda,
     saved_tensors_hooks_under,
+    wrapper_subclasses_on_host,
 )
 from .device_mappings import DeviceMapping
 
@@ -158,6 +160,14 @@ class CudaEmulation:
         )
         if reported is not None:
             self._patch(FakeTensor, "device", reporting(*reported))
+            if reported[1].type == "cuda":
+                for name, value in reporting_cuda(*reported).items():
+                    self._patch(FakeTensor, name, value)
+                # on torch.Tensor, ahead of TensorBase's (an immutable type) in every subclass
+                make = torch._C.TensorBase._make_wrapper_subclass
+                self._patch(
+                    torch.Tensor, "_make_wrapper_subclass", wrapper_subclasses_on_host(make)
+                )
             self._patch(
                 torch.utils._device.DeviceContext,
                 "__init__",

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._pytree import tree_map_only
 
 from ..categories import Category
 from .host_stand_ins import HostStandIns, meta_of
@@ -63,8 +64,14 @@ class FakeCuda:
         host: HostStandIns | None = None,
         moves: Any = None,
         parameter_move: Callable[[torch.Tensor], torch.Tensor | None] | None = None,
+        reports_cuda: bool = False,
     ) -> None:
         self.mode = mode
+        self.reports_cuda = reports_cuda
+        """Emulated tensors report a CUDA device to the program (``device.type == "cuda"``,
+        ``is_cuda``), so that library code that branches on them takes its GPU path: the
+        prediction of a GPU run. Else they report the CPU (by identity the GPU: below), the
+        path a real CPU run (``--target cpu``, ``--measure``) takes."""
         self.register = register
         self.values = values
         self.host = host
@@ -73,7 +80,7 @@ class FakeCuda:
         """A parameter class's own move to the GPU, for ``Module.cuda()``/``.to("cuda")``
         (bitsandbytes' quantizing parameters: ``bnb_weights.EmulatedQuantization.move``);
         None where the parameter is moved as any other."""
-        self.device = torch.device("cpu")
+        self.device = torch.device("cuda", 0) if reports_cuda else torch.device("cpu")
         """The device object ``mode``'s CPU tensors report while the emulation runs
         (``FakeTensor.device``, patched by :class:`CudaEmulation`): equal to the CPU, which they
         are, and by its identity the GPU they stand for. ``torch.empty(n, device=x.device)``
@@ -87,6 +94,30 @@ class FakeCuda:
 
     def reported_device(self) -> tuple[FakeTensorMode, torch.device]:
         return self.mode, self.device
+
+    def to_host(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+        """``t.to("cpu")`` / ``t.cpu()`` of an emulated tensor where it reports CUDA: a host
+        copy, which the device's allocator never sees. Its values where known (a real tensor),
+        else a host stand-in of its shape (``host_stand_ins.py``: its values read as the
+        stand-in)."""
+        known = getattr(self.values, "values", None)
+        if known is not None and known.known(t):
+            with unset_fake_temporarily(), _disable_current_modes():
+                return known.value(t).to(dtype=dtype, copy=True)
+        return self.host_like(torch.empty_like, (t,), {"dtype": dtype or t.dtype})
+
+    def host_like(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
+        """``func(*args, **kwargs)`` made on the host (``device="cpu"``) from emulated tensors
+        (``torch.empty_like(x, device="cpu")``: torchtune's activation offloading): a host
+        stand-in of the shape it would have."""
+        args, kwargs = tree_map_only(FakeTensor, meta_of, (args, kwargs))
+        kwargs = {k: v for k, v in kwargs.items() if k != "pin_memory"}
+        with unset_fake_temporarily(), _disable_current_modes():
+            shaped = func(*args, **{**kwargs, "device": "meta"})
+            if self.host is None:
+                return torch.empty_strided(shaped.shape, shaped.stride(), dtype=shaped.dtype)
+        with self.host.mode:
+            return torch.empty_strided(shaped.shape, shaped.stride(), dtype=shaped.dtype)
 
     def factory(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         if func in FROM_DATA and args and self.values is not None:
@@ -213,6 +244,8 @@ class CpuForCuda:
     """ "cuda" is the CPU: real tensors, nothing copied (``Tensor.to("cuda")`` of a CPU tensor
     is that tensor). ``parameter_move``: as :class:`FakeCuda`'s (a parameter class that moves
     itself: bitsandbytes quantizes its weights on the way)."""
+
+    reports_cuda = False
 
     def __init__(
         self, parameter_move: Callable[[torch.Tensor], torch.Tensor | None] | None = None

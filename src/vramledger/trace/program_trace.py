@@ -56,6 +56,7 @@ from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from .hf_compat import hf_known_values_once_imported
 from .host_stand_ins import HostStandIns
 from .host_tensors import HostTensor, HostTensors
+from .paged_states import PagedStates
 from .policy import DevicePolicy
 from .program_tracker import ProgramTracker, TimelineCounter, emulated
 from .trace_errors import FAKE_LIMITS
@@ -76,6 +77,9 @@ class ProgramTrace:
     seconds: float = 0.0
     host_tensors: list[HostTensor] = field(default_factory=list)
     """The host tensors the program kept after its last step (``host_tensors.py``)."""
+    unified_memory_bytes: int = 0
+    """Paged optimizer states in CUDA unified memory, outside the allocator's count
+    (``paged_states.py``)."""
     extended: bool = False
     """The timeline was extended from a few of the model's identical blocks
     (``program_blocks.py``), not traced in full."""
@@ -228,7 +232,10 @@ class _Phases:
     def leave_step(self) -> None:
         if self.in_step:
             self.in_step = False
-            self.mode.__exit__(None, None, None)
+            # a step raised inside a backward's hook: autograd's engine restored the dispatch
+            # mode stack as it was around the hook, the mode is gone already
+            if torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is self.mode:
+                self.mode.__exit__(None, None, None)
 
     @contextlib.contextmanager
     def hooks(self) -> Iterator[None]:
@@ -306,9 +313,18 @@ def trace_program(
     stand_ins = ValueStandIns(values)
     quantization = EmulatedQuantization(phases.register, cuda_target=policy.name == "cuda")
     fake_cuda = FakeCuda(
-        mode, phases.register, stand_ins, host, moves, parameter_move=quantization.move
+        mode,
+        phases.register,
+        stand_ins,
+        host,
+        moves,
+        parameter_move=quantization.move,
+        # the GPU's code paths where a GPU run is predicted; a CPU run's where a CPU run is,
+        # and on several ranks, whose engines run on the fake process group as on gloo
+        reports_cuda=policy.name == "cuda" and world is None,
     )
     emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
+    paged = PagedStates(mode)
     if moves is not None:
         moves.tracker = tracker
     notes: list[str] = []
@@ -326,6 +342,7 @@ def trace_program(
             offline_hub() as hub,
             hf_known_values_once_imported(values) as phases.on_forward,
             quantization,
+            paged.installed() if fake_cuda.reports_cuda else contextlib.nullcontext(),
             world.entered(fake_cuda.device, phases.register, phases.replaced)
             if world is not None
             else contextlib.nullcontext(),
@@ -352,8 +369,11 @@ def trace_program(
         notes.append(kept)
     if cpu_kernels is not None and (ran := cpu_kernels.note()) is not None:
         notes.append(ran)
+    if (unified := paged.note()) is not None:
+        notes.append(unified)
     return ProgramTrace(
         host_tensors=host_tensors.found,
+        unified_memory_bytes=paged.nbytes,
         timeline=timeline,
         run=run,
         parameters=sum(phases.parameters.values()),

@@ -74,6 +74,42 @@ _PLAIN_TYPES = frozenset({FakeTensor, torch.Tensor, torch.nn.Parameter})
 _DEVICE_QUERY = torch.ops.prim.device.default
 
 
+def _recorded_higher_order() -> list[Any]:
+    from torch._higher_order_ops.flex_attention import flex_attention, flex_attention_backward
+
+    return [flex_attention, flex_attention_backward]
+
+
+RECORDED_HIGHER_ORDER = _recorded_higher_order()
+"""Higher-order operators a tracker records whole: FlexAttention's forward and backward
+(torchtune attends with it where the GPU supports it). They run under the fake mode's rule,
+which makes their outputs as the fused kernel does (it allocates nothing else); every other
+higher-order operator is refused as PyTorch refuses it for a mode with no rule."""
+
+
+def _through_higher_order_operators(cls: type) -> None:
+    """Register :meth:`StorageTracker.run_higher_order` as ``cls``'s rule (by exact type, as
+    ``HigherOrderOperator`` looks a mode's rule up) for every :data:`RECORDED_HIGHER_ORDER`."""
+    for hop in RECORDED_HIGHER_ORDER:
+        hop.py_impl(cls)(partial(_run_higher_order, hop))
+
+
+def _run_higher_order(hop: Any, mode: Any, *args: Any, **kwargs: Any) -> Any:
+    return mode.run_higher_order(hop, *args, **kwargs)
+
+
+_OUTSIDE_ALLOCATOR: dict[int, Any] = {}
+"""Storage ``_cdata`` -> a weak reference to it, for storages the device's caching allocator
+never hands out (CUDA unified memory: ``paged_states.py``): no tracker records them."""
+
+
+def mark_outside_allocator(t: torch.Tensor) -> None:
+    """No tracker records ``t``'s storage (nor any view of it), for as long as it lives."""
+    st = t.untyped_storage()
+    key = st._cdata
+    _OUTSIDE_ALLOCATOR[key] = weakref.ref(st, lambda _ref: _OUTSIDE_ALLOCATOR.pop(key, None))
+
+
 class StorageTracker(
     BlockLabels, Recordings, ModuleAttribution, StorageResizes, TwinFolding, TorchDispatchMode
 ):
@@ -160,6 +196,18 @@ class StorageTracker(
         self.failure: tuple[BaseException, str] | None = None
         self._module_failure: tuple[BaseException, str] | None = None
         """The last exception an operator raised and the innermost module running then."""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        _through_higher_order_operators(cls)
+
+    def run_higher_order(self, hop: Any, *args: Any, **kwargs: Any) -> Any:
+        """A higher-order operator of :data:`RECORDED_HIGHER_ORDER` (with this mode popped):
+        it runs under the modes below, and its outputs are recorded."""
+        out = hop(*args, **kwargs)
+        self._twin = None
+        self._see_output(hop, args, kwargs, out)
+        return out
 
     # -- the dispatch hook -----------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -268,6 +316,8 @@ class StorageTracker(
         sids = []
         for st in storages_of(t):
             key = st._cdata
+            if key in _OUTSIDE_ALLOCATOR:
+                continue
             sid = self._live.get(key)
             if sid is None:
                 nbytes = st.nbytes()
@@ -466,3 +516,6 @@ class TrackerObserver:
         host = list(self.host_resident(optimizer)) if self.host_resident is not None else []
         host += getattr(optimizer, "host_tensors", list)()
         self.tracker.mark_host(host)
+
+
+_through_higher_order_operators(StorageTracker)
