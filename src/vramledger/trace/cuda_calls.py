@@ -132,9 +132,12 @@ class DeviceMode(TorchFunctionMode):
         mapping: Any = self.mapping
         if func in _COPY:
             dst, src = args[0], args[1]
-            if isinstance(dst, FakeTensor) and isinstance(src, FakeTensor):
-                if dst.fake_mode is not src.fake_mode:
-                    return dst  # a copy between host and device: nothing allocated
+            if (
+                isinstance(dst, FakeTensor)
+                and isinstance(src, FakeTensor)
+                and dst.fake_mode is not src.fake_mode
+            ):
+                return dst  # a copy between host and device: nothing allocated
             return None
         if not args or not mapping.emulated(args[0]):
             return None
