@@ -117,6 +117,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.storage_resize",
         "trace.target_policy",
         "trace.tracker",
+        "trace.triton_launches",
         "trace.twin_folding",
         "trace.value_operators",
         "trace.value_stand_ins",
@@ -152,6 +153,7 @@ LAYERS: dict[str, list[str]] = {
     ],
     "run": [
         "",  # the package itself: estimate and the public names
+        "attribution",
         "compare",
         "cpu_allocator_count",
         "measure",

@@ -164,8 +164,13 @@ def _measure_one(spec: ProgramSpec, gpu: str | None) -> ProgramMeasurement:
     counter = CountedCpu()
     emulated = emulated_gpu(resolve_gpu(gpu or DEFAULT_GPU), spec.nproc_per_node)
     emulation = CudaEmulation(emulated, counter, CpuForCuda(quantizing_move))
-    with emulation, real_quantization():
-        run: ProgramRun = launch(spec, counter)
+    try:
+        with emulation, real_quantization():
+            run: ProgramRun = launch(spec, counter)
+    except ProgramFailed as failed:  # this is the plain run: the error is the program's
+        failed.confirmed = True
+        failed.hint = "its traceback is above; it raised in its plain run on the CPU"
+        raise
     if run.steps not in counter.step_peaks or run.ending != "max-steps":
         # what ran after the last step belongs to it, as in a trace (trace/program_trace.py)
         last = max(run.steps, 1)

@@ -19,6 +19,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import os
+import re
 import runpy
 import signal
 import sys
@@ -82,6 +83,53 @@ class ProgramSpec:
         return self.nnodes * self.nproc_per_node
 
 
+_PYTHON_NAME = re.compile(r"python(\d+(\.\d+)*)?$")
+"""An interpreter's file name: ``python``, ``python3``, ``python3.11``."""
+
+
+HARMLESS_INTERPRETER_OPTIONS = frozenset({"-u", "-B"})
+"""Interpreter options that change nothing the program computes (unbuffered output, no
+``.pyc`` files written): accepted and skipped (``python -u train.py``, as job scripts write)."""
+
+
+def is_interpreter(word: str) -> bool:
+    """``word`` names a Python interpreter (``python``, ``python3.11``, ``/usr/bin/python3``,
+    ``sys.executable``), as a profiler's command line starts: ``-- python train.py``."""
+    if word == sys.executable:
+        return True
+    path = Path(word)
+    return bool(_PYTHON_NAME.match(path.name)) and (len(path.parts) == 1 or path.exists())
+
+
+def parse_command(command: list[str]) -> tuple[str, tuple[str, ...], bool]:
+    """``(program, args, module)`` of a command line as a shell would run it: ``train.py ARGS``,
+    ``-m MODULE ARGS``, ``CONSOLE_SCRIPT ARGS``, each optionally after the interpreter
+    (``python train.py``, ``/usr/bin/python3 -m torchtitan.train``), which runs here in this
+    process's interpreter. An interpreter option other than ``-m`` (and
+    :data:`HARMLESS_INTERPRETER_OPTIONS`) is refused in one line."""
+    words = list(command)
+    if words and is_interpreter(words[0]):
+        words = words[1:]
+        while words and words[0] in HARMLESS_INTERPRETER_OPTIONS:
+            words = words[1:]
+        if words and words[0].startswith("-") and words[0] != "-m":
+            raise InputError(
+                f"the interpreter option {words[0]} is not applied by vramledger run",
+                hint="give the script (or -m MODULE) right after python, and set PYTHON* "
+                "environment variables for interpreter settings",
+            )
+        if not words:
+            raise InputError("no program after the interpreter", hint="write `-- python train.py`")
+    module = bool(words) and words[0] == "-m"
+    if module:
+        words = words[1:]
+    if not words:
+        raise InputError(
+            "no program to run", hint="write `vramledger run [OPTIONS] -- train.py [ARGS...]`"
+        )
+    return words[0], tuple(words[1:]), module
+
+
 class StopProgram(BaseException):
     """Raised inside the program to stop it (a BaseException: ``except Exception`` in the
     program does not catch it)."""
@@ -98,11 +146,14 @@ class ProgramFailed(VramledgerError):
         super().__init__(
             f"the program raised {type(exc).__name__}: {_first_line(exc)} (after {steps} "
             f"optimizer step{'s' if steps != 1 else ''})",
-            hint="its traceback is above; the error is in the program, not in vramledger",
+            hint="its traceback is above",
         )
         self.exception = exc
         self.program_traceback = program_traceback
         self.steps = steps
+        self.confirmed = False
+        """A run with no trace raised it too (``attribution.py``), or this was that run: the
+        error is the program's. Until then it is not said whose it is."""
 
 
 def _first_line(exc: BaseException) -> str:

@@ -65,21 +65,16 @@ def cmd_run(args: argparse.Namespace) -> int:
     its memory; the program's own exception is shown as the program's."""
     import contextlib
 
-    from ..program import ProgramFailed, ProgramSpec
+    from ..attribution import TraceFailed
+    from ..program import ProgramFailed, ProgramSpec, parse_command
 
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    module = bool(command) and command[0] == "-m"
-    if module:
-        command = command[1:]
-    if not command:
-        raise InputError(
-            "no program to run", hint="write `vramledger run [OPTIONS] -- train.py [ARGS...]`"
-        )
+    program, program_args, module = parse_command(command)
     spec = ProgramSpec(
-        program=command[0],
-        args=tuple(command[1:]),
+        program=program,
+        args=program_args,
         module=module,
         max_steps=args.max_steps,
         timeout=args.timeout,
@@ -95,14 +90,25 @@ def cmd_run(args: argparse.Namespace) -> int:
 
                 result = measure_program(spec, gpu=args.gpu, quiet=args.json)
             else:
-                from ..predict_program import run_program
+                from ..attribution import run_program_checked
 
-                result = run_program(spec, target=args.target, gpu=args.gpu)
+                result = run_program_checked(spec, target=args.target, gpu=args.gpu)
     except ProgramFailed as failed:
         sys.stdout.flush()
+        whose = (
+            "the error is the program's, not vramledger's"
+            if failed.confirmed
+            else "whose error it is could not be told: the hint below says why"
+        )
+        print(f"vramledger: the program raised; its traceback ({whose}):", file=sys.stderr)
+        print(failed.program_traceback.rstrip(), file=sys.stderr)
+        print(f"vramledger: error: {failed.one_line()}", file=sys.stderr)
+        return 1
+    except TraceFailed as failed:
+        sys.stdout.flush()
         print(
-            "vramledger: the program raised; its traceback (the error is the program's, not "
-            "vramledger's):",
+            "vramledger: its trace of the program failed; the traceback, in the program's "
+            "frames (the program itself ran without error):",
             file=sys.stderr,
         )
         print(failed.program_traceback.rstrip(), file=sys.stderr)

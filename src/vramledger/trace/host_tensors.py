@@ -6,7 +6,7 @@ The trace records device memory only. A real CPU run (``run --measure``) counts 
 allocation, so a program that keeps a 24 MiB image tensor on the host measures 24 MiB above the
 ``--target cpu`` prediction, with nothing in the prediction's device ledger to say why. This
 module lists them: after each of the first steps and the last (``SCANNED_STEPS``), the live CPU
-tensors are found (``gc``), one entry per storage (views of one storage count once), with the
+tensors are found (``gc``), but those alive before the program started, one entry per storage (views of one storage count once), with the
 program's name for the tensor where it has one (``program_frames.program_name_of``), else its
 shape and dtype. Host stand-ins (``host_stand_ins.py``: a module's tensors built without data)
 are host memory too and are listed with their bytes. Tensors vramledger itself holds (known
@@ -56,6 +56,13 @@ class HostTensors:
         self.max_steps = max_steps
         self.found: list[HostTensor] = []
         """The latest scan's entries, largest first."""
+        self._before: list[Any] = [
+            st
+            for t in _live_tensors()
+            if is_real_host(t, host_mode, set()) and (st := _storage(t)) is not None
+        ]
+        """The host storages alive before the program started (this process's, not the
+        program's), held so that their addresses are not reused while it runs."""
 
     def after_step(self, step: int) -> None:
         if step <= SCANNED_STEPS or step == self.max_steps:
@@ -63,16 +70,12 @@ class HostTensors:
 
     def scan(self) -> list[HostTensor]:
         seen: dict[int, HostTensor] = {}
-        own = self.own()
-        for obj in gc.get_objects():
-            # type(), not isinstance(): a dead weakref.proxy raises on isinstance
-            if not issubclass(type(obj), torch.Tensor) or not is_real_host(
-                obj, self.host_mode, own
-            ):
+        own = self.own() | {st._cdata for st in self._before}
+        for obj in _live_tensors():
+            if not is_real_host(obj, self.host_mode, own):
                 continue
-            try:
-                storage = obj.untyped_storage()
-            except (RuntimeError, NotImplementedError):
+            storage = _storage(obj)
+            if storage is None:
                 continue
             key = storage._cdata
             nbytes = storage.nbytes()
@@ -99,6 +102,19 @@ class HostTensors:
         )
 
 
+def _storage(t: torch.Tensor) -> Any:
+    """``t``'s storage, or None where it has none (a sparse tensor)."""
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _live_tensors() -> list[torch.Tensor]:
+    # type(), not isinstance(): a dead weakref.proxy raises on isinstance
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+
+
 def _describe(t: torch.Tensor) -> str:
     return (
         f"({'×'.join(str(d) for d in t.shape) or 'scalar'} {str(t.dtype).removeprefix('torch.')})"
@@ -114,7 +130,5 @@ def is_real_host(t: torch.Tensor, host_mode: Any, own: set[int]) -> bool:
         return False  # a subclass (DTensor, a quantized weight): its inner tensors are listed
     if t.device.type != "cpu" or t.is_meta:
         return False
-    try:
-        return t.untyped_storage()._cdata not in own
-    except (RuntimeError, NotImplementedError):
-        return False
+    storage = _storage(t)
+    return storage is not None and storage._cdata not in own

@@ -61,6 +61,7 @@ from .policy import DevicePolicy
 from .program_tracker import ProgramTracker, TimelineCounter, emulated
 from .trace_errors import FAKE_LIMITS
 from .tracker import StorageTracker, TrackerObserver
+from .triton_launches import TritonLaunches
 from .value_stand_ins import ValueStandIns
 from .values import KnownValues
 
@@ -325,6 +326,7 @@ def trace_program(
     )
     emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
     paged = PagedStates(mode)
+    triton = TritonLaunches()
     if moves is not None:
         moves.tracker = tracker
     notes: list[str] = []
@@ -343,6 +345,7 @@ def trace_program(
             hf_known_values_once_imported(values) as phases.on_forward,
             quantization,
             paged.installed() if fake_cuda.reports_cuda else contextlib.nullcontext(),
+            triton.installed() if fake_cuda.reports_cuda else contextlib.nullcontext(),
             world.entered(fake_cuda.device, phases.register, phases.replaced)
             if world is not None
             else contextlib.nullcontext(),
@@ -369,8 +372,12 @@ def trace_program(
         notes.append(kept)
     if cpu_kernels is not None and (ran := cpu_kernels.note()) is not None:
         notes.append(ran)
+    if fake_cuda.reports_cuda:
+        notes.append(_gpu_paths_note(tracker, paged, triton))
     if (unified := paged.note()) is not None:
         notes.append(unified)
+    if (launched := triton.note()) is not None:
+        notes.append(launched)
     return ProgramTrace(
         host_tensors=host_tensors.found,
         unified_memory_bytes=paged.nbytes,
@@ -419,6 +426,27 @@ def _tracker(
         values=values,
         op_categories=world.op_categories if world is not None else None,
         resize_category=world.resize_category if world is not None else None,
+    )
+
+
+def _gpu_paths_note(tracker: StorageTracker, paged: PagedStates, triton: TritonLaunches) -> str:
+    """What the program was told of its device, and the GPU-only paths the trace saw it take
+    (the optimizer's implementation, the attention kernel and compiled regions have notes of
+    their own)."""
+    taken = [f"{name} ×{calls}" for name, calls in sorted(tracker.higher_order_calls.items())]
+    if paged.nbytes:
+        taken.append("bitsandbytes' paged (unified-memory) optimizer states")
+    if triton.launched:
+        taken.append(f"{sum(triton.launched.values())} Triton kernel launches")
+    return (
+        "GPU code paths: the program and its libraries were told their tensors are CUDA "
+        "tensors (device cuda:0, is_cuda) and torch.cuda.is_available() is True, at import "
+        "too (but bitsandbytes' import, which would load CUDA code); "
+        + (
+            f"GPU-only paths it took: {', '.join(taken)}"
+            if taken
+            else "it took no GPU-only path that the trace records on its own"
+        )
     )
 
 

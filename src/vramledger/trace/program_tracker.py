@@ -32,6 +32,10 @@ _DEVICE_COPIES = frozenset({torch.ops.aten._to_copy.default})
 (``device_mappings.FakeCuda.move``), not a real tensor met on the device."""
 
 
+_HOST_TO_DEVICE = frozenset({torch.ops.aten.copy_.default})
+"""Writes into an emulated tensor whose source may be a host tensor (``param.copy_(cpu)``):
+the source is not adopted as device memory."""
+
 _WRAP_COLLECTIVE = "_c10d_functional::_wrap_tensor_autograd"
 """A functional collective's result wrapped as an ``AsyncCollectiveTensor`` outside a tracing
 mode (``_maybe_wrap_tensor`` in torch/distributed/_functional_collectives.py, where the operator
@@ -129,6 +133,10 @@ class ProgramTracker(StorageTracker):
         kwargs = _on_trace_device(kwargs)
         if getattr(func, "_name", None) == _WRAP_COLLECTIVE and not args[0].requires_grad:
             return args[0]
+        if func in _HOST_TO_DEVICE and self._emulated(args[0]):
+            # an emulated tensor written from a host one (``load_state_dict`` of a CPU state
+            # dict into a model on the GPU): the host side is host memory, not adopted
+            return super().__torch_dispatch__(func, types, self._host_source(args), kwargs)
         if func not in _DEVICE_COPIES:
             leaves = tree_leaves((args, kwargs))
             if self.adopt(leaves):  # a host stand-in met on the device: its twin, as for a real one
@@ -138,6 +146,19 @@ class ProgramTracker(StorageTracker):
                     (args, kwargs),
                 )
         return super().__torch_dispatch__(func, types, args, kwargs)
+
+    def _emulated(self, t: Any) -> bool:
+        return isinstance(t, FakeTensor) and t.fake_mode is self._mode
+
+    def _host_source(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """``copy_``'s arguments with a host stand-in source replaced by an unrecorded twin of
+        the trace's mode (a real source is taken by the fake mode as it is)."""
+        src = args[1]
+        if self._host.owns(src):
+            src = self._mode.fake_tensor_converter.from_meta_and_device(
+                self._mode, meta_of(src), TRACE_DEVICE
+            )
+        return (args[0], src, *args[2:])
 
     def adopt(self, leaves: list[Any]) -> bool:
         """Record the fake twin of each real CPU tensor (but 0-d ones) and of each host stand-in

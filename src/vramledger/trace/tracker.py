@@ -193,6 +193,8 @@ class StorageTracker(
         self.twins_merged = 0
         """How many out-of-place autograd buffers were modelled as the plain run's in-place
         writes."""
+        self.higher_order_calls: dict[str, int] = {}
+        """Higher-order operators recorded whole (:data:`RECORDED_HIGHER_ORDER`): name -> calls."""
         self.failure: tuple[BaseException, str] | None = None
         self._module_failure: tuple[BaseException, str] | None = None
         """The last exception an operator raised and the innermost module running then."""
@@ -205,6 +207,7 @@ class StorageTracker(
         """A higher-order operator of :data:`RECORDED_HIGHER_ORDER` (with this mode popped):
         it runs under the modes below, and its outputs are recorded."""
         out = hop(*args, **kwargs)
+        self.higher_order_calls[hop.name()] = self.higher_order_calls.get(hop.name(), 0) + 1
         self._twin = None
         self._see_output(hop, args, kwargs, out)
         return out

@@ -1,0 +1,141 @@
+"""`vramledger run` predicting a GPU run takes the GPU's code paths (issue 31): the program and
+its libraries are told their tensors are CUDA tensors; host copies are host memory; a CPU state
+dict loaded into the model on the GPU is counted once, on the device; a Triton kernel is not run
+but named; the answer says which GPU paths were taken. And whose failure a failure is: the
+program's only when its plain run fails too. And the command forms profilers accept
+(``-- python train.py``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vramledger.attribution import TraceFailed, run_program_checked
+from vramledger.categories import Category
+from vramledger.cli import main
+from vramledger.errors import InputError
+from vramledger.measure_program import measure_program
+from vramledger.predict_program import run_program
+from vramledger.program import ProgramFailed, ProgramSpec, parse_command
+
+from .plain_run import assert_matches_plain_run
+
+PROGRAMS = Path(__file__).parent / "programs"
+MODEL_BYTES = 4 * (256 * 256 + 256) * 4
+"""gpu_paths.py's four fp32 Linear(256, 256) layers."""
+
+
+def _spec(name: str, **kwargs) -> ProgramSpec:
+    return ProgramSpec(program=str(PROGRAMS / f"{name}.py"), **kwargs)
+
+
+def test_the_program_sees_cuda_tensors_on_the_gpu_and_cpu_ones_on_the_cpu(capsys):
+    on_gpu = run_program(_spec("gpu_paths"), gpu="h100-80gb")
+    gpu_out = capsys.readouterr().out
+    assert "device: cuda:0 True 0" in gpu_out
+    assert gpu_out.count("host: cpu False") == 3  # .cpu() of a result is a host tensor
+    on_cpu = run_program(_spec("gpu_paths"), target="cpu")
+    assert "device: cpu False -1" in capsys.readouterr().out  # a CPU run's paths
+    assert on_gpu.ledger is not None and on_cpu.ledger is not None
+    paths = [n for n in on_gpu.notes if n.startswith("GPU code paths:")]
+    assert len(paths) == 1
+    assert not any(n.startswith("GPU code paths:") for n in on_cpu.notes)
+
+
+def test_a_cpu_state_dict_loaded_on_the_gpu_is_counted_once(capsys):
+    """``model.cuda(); model.load_state_dict(cpu_state)``: the parameters are device memory
+    once; the CPU state dict is host memory the program keeps, named with its bytes (it was
+    counted as device memory too, a second copy of the model)."""
+    report = run_program(_spec("gpu_paths"), gpu="h100-80gb")
+    capsys.readouterr()
+    assert report.ledger is not None
+    assert report.ledger.at_peak[Category.PARAMETERS] == MODEL_BYTES
+    # the state dict (MODEL_BYTES) and the offloaded host buffer (64 x 256 fp32)
+    assert report.to_dict()["host_bytes"] >= MODEL_BYTES + 64 * 256 * 4
+
+
+def test_triton_kernels_are_named_not_run(capsys):
+    pytest.importorskip("triton")  # installed with the frameworks extra (CI)
+    report = run_program(_spec("gpu_paths"), gpu="h100-80gb")
+    capsys.readouterr()
+    [launched] = [n for n in report.notes if n.startswith("Triton kernels")]
+    assert "add_kernel ×3" in launched
+
+
+@pytest.mark.slow
+def test_gpu_paths_program_against_its_plain_cpu_run(capsys):
+    predicted = run_program(_spec("gpu_paths"), target="cpu")
+    measured = measure_program(_spec("gpu_paths"))
+    capsys.readouterr()
+    assert_matches_plain_run(predicted, measured)
+
+
+def test_a_library_that_asks_for_a_gpu_while_imported_is_told_there_is_one(tmp_path):
+    """torchtune decides at import whether FlexAttention is supported: in a fresh process, so
+    that the module is first imported under the emulation."""
+    pytest.importorskip("torchtune")
+    program = tmp_path / "imports.py"
+    program.write_text(
+        "from torchtune.modules.attention_utils import _SUPPORTS_FLEX_ATTENTION\n"
+        "print('flex:', _SUPPORTS_FLEX_ATTENTION)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-m", "vramledger", "run", "--no-cache", "--", str(program)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert "flex: True" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_programs_own_error_is_confirmed_by_its_plain_run(capsys):
+    with pytest.raises(ProgramFailed) as info:
+        run_program_checked(_spec("raises"), target="cuda", gpu="h100-80gb")
+    assert info.value.confirmed
+    assert "raised the same: the error is the program's" in info.value.hint
+    assert main(["run", "--", str(PROGRAMS / "raises.py")]) == 1
+    err = capsys.readouterr().err
+    assert "the error is the program's, not vramledger's" in err
+
+
+def test_a_failure_only_the_trace_has_is_vramledgers(capsys):
+    with pytest.raises(TraceFailed) as info:
+        run_program_checked(_spec("trace_only_failure"), target="cuda", gpu="h100-80gb")
+    assert "where the program's plain run on the CPU made 1 step without error" in str(
+        info.value.message
+    )
+    assert "not the program's" in info.value.hint
+    assert main(["run", "--", str(PROGRAMS / "trace_only_failure.py")]) == 1
+    err = capsys.readouterr().err
+    assert "the error is the program's" not in err
+    assert "the failure is vramledger's" in err
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["python", "train.py", "--lr", "1"],
+        [sys.executable, "train.py", "--lr", "1"],
+        ["python3", "-u", "train.py", "--lr", "1"],
+    ],
+)
+def test_the_interpreter_before_the_program_is_accepted(command):
+    assert parse_command(command) == ("train.py", ("--lr", "1"), False)
+
+
+def test_python_m_and_a_refused_interpreter_option():
+    assert parse_command(["python", "-m", "torchtitan.train", "-x"]) == (
+        "torchtitan.train",
+        ("-x",),
+        True,
+    )
+    with pytest.raises(InputError, match="-X is not applied"):
+        parse_command(["python", "-X", "dev", "train.py"])
+
+
+def test_run_with_the_interpreter_runs_the_script(capsys):
+    assert main(["run", "--target", "cpu", "--", "python", str(PROGRAMS / "raises.py")]) == 1
+    assert 'raise ValueError("learning rate schedule is empty")' in capsys.readouterr().err
