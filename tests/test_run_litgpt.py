@@ -29,6 +29,8 @@ from vramledger.measure_program import measure_program
 from vramledger.predict_program import run_program
 from vramledger.program import ProgramSpec
 
+from .plain_run import assert_matches_plain_run
+
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("litgpt") is None,
     reason="litgpt is not installed (not in the dev extra: see this module's docstring)",
@@ -93,12 +95,6 @@ COMMANDS = {
 }
 """Each command's arguments after ``litgpt`` (run in the folder litgpt_tiny.make filled)."""
 
-HOST_SCALARS = 64
-"""Host memory the real CPU run's allocator counts and a GPU's would not: 20 bytes with
-finetune_full and pretrain, 36 with finetune_lora (torchmetrics' ``RunningMean``, which LitGPT
-makes for the running loss, keeps its default states on the host: 12 bytes when built; LitGPT's
-and Lightning's host scalars the rest)."""
-
 
 @pytest.fixture
 def workdir(tmp_path, monkeypatch):
@@ -122,20 +118,17 @@ def _spec(command: str, *extra: str) -> ProgramSpec:
 @pytest.mark.parametrize("command", list(COMMANDS))
 def test_litgpt_command_matches_the_real_cpu_run(command, workdir):
     """--target cpu predicts the real CPU run's allocator count, step by step and in the steady
-    window, to within the host scalars named (LitGPT would run 100 steps; vramledger stops it
-    after three, before its final save and merge)."""
+    window, within 0.5 % once the host tensors it names are added (LitGPT's DataLoader keeps the
+    next batch on the host; LitGPT would run 100 steps, vramledger stops it after three, before
+    its final save and merge)."""
     spec = _spec(command)
     predicted = run_program(spec, target="cpu")
     measured = measure_program(spec)
     assert predicted.steps == measured.steps == STEPS
     assert predicted.ending == measured.ending == "max-steps"
-    assert predicted.step_peaks.keys() == measured.step_peaks.keys()
-    for step, peak in predicted.step_peaks.items():
-        assert 0 <= measured.step_peaks[step] - peak <= HOST_SCALARS, (step, predicted, measured)
+    assert_matches_plain_run(predicted, measured)
     [window] = predicted.windows
-    [truth] = measured.windows
-    assert window.optimizer == truth.optimizer == "AdamW"
-    assert 0 <= truth.peak_bytes - window.peak_bytes <= HOST_SCALARS
+    assert window.optimizer == "AdamW"
     notes = " ".join(predicted.notes)
     # the notes name LitGPT's lines (the console script's package is the program)
     assert f"{command.removeprefix('finetune_')}.py:" in notes

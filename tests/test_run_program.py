@@ -405,13 +405,19 @@ def test_cli_run_json(capsys):
     assert result["program_peak_bytes"] == _printed(captured.err)["GAN"]
 
 
-def test_a_default_device_taken_from_an_emulated_tensor_is_named():
-    """``with torch.device(x.device):`` of an emulated tensor is a plain CPU device here (the
-    table is host memory, GPU memory in the program's GPU run): the notes name the line."""
+def test_a_default_device_taken_from_an_emulated_tensor(capsys):
+    """``with torch.device(x.device):`` of an emulated tensor: predicting a GPU run, the device
+    is CUDA, as on the GPU (the table is device memory, and no note is needed); predicting a CPU
+    run, it is a plain CPU device, and the notes name the line (on the GPU the table would be
+    GPU memory)."""
     program = PROGRAMS / "device_context.py"
     lines = program.read_text().splitlines()
     line = next(i for i, text in enumerate(lines, 1) if text.startswith("with torch.device("))
-    report = run_program(ProgramSpec(program=str(program)))
-    assert any("with torch.device(...)" in n and f"{program}:{line}" in n for n in report.notes), (
-        report.notes
+    on_gpu = run_program(ProgramSpec(program=str(program)))
+    assert "table on cuda:0" in capsys.readouterr().out
+    assert not any("with torch.device(...)" in n for n in on_gpu.notes)
+    on_cpu = run_program(ProgramSpec(program=str(program)), target="cpu")
+    capsys.readouterr()
+    assert any("with torch.device(...)" in n and f"{program}:{line}" in n for n in on_cpu.notes), (
+        on_cpu.notes
     )

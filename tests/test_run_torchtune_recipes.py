@@ -12,6 +12,8 @@ made tiny and pointed at local files by command-line overrides
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -97,15 +99,26 @@ def test_full_recipe_on_the_gpu_keeps_paged_states_outside_the_allocator(workdir
 
 
 @pytest.mark.slow
-def test_packed_lora_attends_with_flex_attention_on_the_gpu(workdir, capsys):
-    """torchtune decides at import whether FlexAttention is supported (a GPU of compute
-    capability 7.5 or more): on the emulated GPU a packed dataset attends with it, not with a
-    dense mask and plain attention, and the answer names it."""
-    spec = _spec("lora", "dataset.packed=True", "tokenizer.max_seq_len=64")
-    report = run_program(spec, gpu="h100-80gb")
-    capsys.readouterr()
-    assert report.steps == STEPS
-    assert any("flex_attention" in n for n in report.notes)
+def test_packed_lora_attends_with_flex_attention_on_the_gpu(workdir):
+    """torchtune decides when it is imported whether FlexAttention is supported (a GPU of
+    compute capability 7.5 or more): on the emulated GPU a packed dataset attends with it, not
+    with a dense mask and plain attention, and the answer names it. In a fresh process: this
+    one imported torchtune on the CPU."""
+    args = torchtune_recipes.command("lora", "dataset.packed=True", "tokenizer.max_seq_len=64")
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "vramledger", "run", "--json", "--no-cache"),
+            *("--gpu", "h100-80gb", "--max-steps", str(STEPS), "--", "tune", *args),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout)
+    assert report["steps"] == STEPS
+    [paths] = [n for n in report["notes"] if n.startswith("GPU code paths:")]
+    assert "flex_attention ×" in paths and "flex_attention_backward ×" in paths
 
 
 @pytest.mark.slow

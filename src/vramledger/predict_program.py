@@ -236,7 +236,7 @@ def _signature(report: ProgramReport) -> str:
     """What must be equal for two ranks to share a report: every figure, not the notes (which
     name the rank) or the time taken."""
     out = report._dict()
-    for key in ("notes", "seconds", "ranks", "spec"):
+    for key in ("notes", "seconds", "ranks", "spec", "host_tensors", "host_bytes"):
         out.pop(key, None)
     return json.dumps(out, sort_keys=True, default=str)
 

@@ -78,7 +78,7 @@ def program_name_of(obj: Any) -> str | None:
     frame = _program_frame()
     if frame is None:
         return None
-    local = _locals_of(frame)
+    local = frame_locals(frame)
     for scope in (local, frame.f_globals):
         for name, value in scope.items():
             if value is obj and not name.startswith("_"):
@@ -90,7 +90,7 @@ def program_name_of(obj: Any) -> str | None:
     return None
 
 
-def _locals_of(frame: Any) -> dict[str, Any]:
+def frame_locals(frame: Any) -> dict[str, Any]:
     """A copy of a function frame's local variables that leaves nothing behind.
 
     Before Python 3.13 (PEP 667), ``frame.f_locals`` of a function is a snapshot dict the frame

@@ -5,7 +5,7 @@ import torch
 
 lin = torch.nn.Linear(8, 8).cuda()
 opt = torch.optim.SGD(lin.parameters(), lr=0.1)
-for i in range(3):
+for _i in range(3):
     x = torch.randn(4, 8, device="cuda")
     if type(x) is not torch.Tensor:
         raise RuntimeError(f"expected a plain tensor, got {type(x).__name__}")

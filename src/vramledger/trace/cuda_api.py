@@ -48,13 +48,14 @@ class MemoryCounter(Protocol):
 
 _IMPORTING = "<frozen importlib._bootstrap>"
 
-NATIVE_CUDA_AT_IMPORT = frozenset({"bitsandbytes"})
+NATIVE_CUDA_AT_IMPORT = frozenset({"bitsandbytes", "deepspeed"})
 """Packages that load native CUDA code when ``torch.cuda.is_available()`` is True while they
 are imported, which a CPU-only PyTorch cannot: bitsandbytes picks its CUDA library then
-(``bitsandbytes/cextension.py``). They are told the truth, no GPU, during their import; every
-other package sees the GPU at import as at run time (torchtune decides at import whether
-FlexAttention is supported, ``_SUPPORTS_FLEX_ATTENTION`` in
-``torchtune/modules/attention_utils.py``)."""
+(``bitsandbytes/cextension.py``), DeepSpeed its CUDA accelerator (whose fused Adam it then
+builds with the CUDA toolkit: "CUDA_HOME environment variable is not set"). They are told the
+truth, no GPU, during their import; every other package sees the GPU at import as at run time
+(torchtune decides at import whether FlexAttention is supported, ``_SUPPORTS_FLEX_ATTENTION``
+in ``torchtune/modules/attention_utils.py``)."""
 
 TORCH_COMPILER_FILES = tuple(
     os.path.join(os.path.dirname(torch.__file__), *part)

@@ -43,6 +43,17 @@ def index_as_cuda(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str,
     return args, kwargs
 
 
+def parse_to(args: tuple, kwargs: dict[str, Any]) -> tuple[Any, Any]:
+    """The device and dtype of ``Tensor.to``'s / ``Module.to``'s arguments. A ``device=``
+    keyword is passed by position: under the emulation ``_parse_to(device=cuda:0)`` answers the
+    CPU (seen on torch 2.13; ``_parse_to(cuda:0)`` answers CUDA), so LitGPT's
+    ``wte.to(device=old.weight.device, dtype=...)`` left a new embedding on the host."""
+    if "device" in kwargs and not args:
+        args, kwargs = (kwargs["device"],), {k: v for k, v in kwargs.items() if k != "device"}
+    device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+    return device, dtype
+
+
 def is_cuda(device: Any) -> bool:
     """``device`` names a CUDA device (a bare index does)."""
     if device is None:
@@ -95,7 +106,7 @@ class DeviceMode(TorchFunctionMode):
             to_args, to_kwargs = index_as_cuda(
                 args[1:], {k: v for k, v in kwargs.items() if k != "copy"}
             )
-            device, dtype, _, _ = torch._C._nn._parse_to(*to_args, **to_kwargs)
+            device, dtype = parse_to(to_args, to_kwargs)
             if is_cuda(device) or self._emulated(*to_args, *to_kwargs.values()):
                 moved = self.mapping.move(args[0], dtype)
                 # to(..., copy=True) of a tensor already there is a new tensor on the GPU too
@@ -147,12 +158,17 @@ class DeviceMode(TorchFunctionMode):
             to_args, to_kwargs = index_as_cuda(
                 args[1:], {k: v for k, v in kwargs.items() if k != "copy"}
             )
-            device, dtype, _, _ = torch._C._nn._parse_to(*to_args, **to_kwargs)
+            device, dtype = parse_to(to_args, to_kwargs)
             if device is not None and torch.device(device).type == "cpu":
                 return mapping.to_host(args[0], dtype)
             return None
         device = kwargs.get("device")
-        if device is not None and not is_cuda(device) and torch.device(device).type == "cpu":
+        if (
+            device is not None
+            and not isinstance(func, torch._ops.OpOverload)  # an operator inside a trace's kernel
+            and not is_cuda(device)
+            and torch.device(device).type == "cpu"
+        ):
             return mapping.host_like(func, args, kwargs)
         return None
 
@@ -280,10 +296,27 @@ CUDA device there makes a fake CUDA tensor, and autograd on it aborts a CPU-only
 compiler (it compiles for the CPU here), and vramledger itself."""
 
 
+_FAKE_DISPATCH = os.path.join(_TORCH_ROOT, "_subclasses", "fake_tensor.py")
+FAKE_DISPATCH_DEPTH = 40
+"""How far up the stack a fake tensor's dispatch is looked for (a custom operator's fake kernel
+runs a few frames below it: ``torch/_library``'s wrappers)."""
+
+
 def _reader_told_truth(depth: int = 2) -> bool:
     """The code asking (``depth`` frames up: past the property) is one of
-    :data:`TRUE_DEVICE_READERS`."""
-    return sys._getframe(depth).f_code.co_filename.startswith(TRUE_DEVICE_READERS)
+    :data:`TRUE_DEVICE_READERS`, or runs inside a fake tensor's dispatch: a library's fake
+    kernel for its custom operator (bitsandbytes' ``quantize_4bit`` makes its outputs with
+    ``device=A.device``) makes fake tensors, whose device must be the real one."""
+    frame = sys._getframe(depth)
+    if frame.f_code.co_filename.startswith(TRUE_DEVICE_READERS):
+        return True
+    for _ in range(FAKE_DISPATCH_DEPTH):
+        frame = frame.f_back
+        if frame is None:
+            return False
+        if frame.f_code.co_filename == _FAKE_DISPATCH:
+            return True
+    return False
 
 
 def reporting(mode: FakeTensorMode, device: torch.device) -> property:
@@ -377,16 +410,36 @@ def module_to(mapping: DeviceMapping, original: Callable[..., nn.Module]) -> Cal
 
     def to(module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
         args, kwargs = index_as_cuda(args, kwargs)
-        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        device, dtype = parse_to(args, kwargs)
         # the device an emulated tensor reported names the GPU (peft moves a LoRA
         # adapter to its base layer's weight.device)
         emulated = reported is not None and any(a is reported[1] for a in (*args, *kwargs.values()))
+        if (
+            getattr(mapping, "reports_cuda", False)
+            and device is not None
+            and torch.device(device).type == "cpu"
+        ):
+            mapping.module_to_host(module, dtype)  # Lightning's teardown: model.cpu()
+            return module
         if not is_cuda(device) and not emulated:
             return original(module, *args, **kwargs)
         mapping.module(module, dtype)
         return module
 
     return to
+
+
+def module_cpu(mapping: DeviceMapping, original: Callable[..., nn.Module]) -> Callable[..., Any]:
+    """``nn.Module.cpu``: where emulated tensors report CUDA, ``mapping`` moves the module's
+    emulated tensors to the host."""
+
+    def cpu(module: nn.Module) -> nn.Module:
+        if getattr(mapping, "reports_cuda", False):
+            mapping.module_to_host(module, None)
+            return module
+        return original(module)
+
+    return cpu
 
 
 def module_cuda(mapping: DeviceMapping) -> Callable[..., Any]:

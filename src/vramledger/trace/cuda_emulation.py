@@ -57,6 +57,7 @@ from .cuda_calls import (
     host_device_contexts,
     mapped_load,
     mapped_load_file,
+    module_cpu,
     module_cuda,
     module_to,
     reporting,
@@ -142,6 +143,7 @@ class CudaEmulation:
         reported = mapping.reported_device()
         self._patch(nn.Module, "to", module_to(mapping, nn.Module.to))
         self._patch(nn.Module, "cuda", module_cuda(mapping))
+        self._patch(nn.Module, "cpu", module_cpu(mapping, nn.Module.cpu))
         self._patch(torch, "load", mapped_load(torch.load, mapping))
         try:
             import safetensors.torch as safetensors_torch

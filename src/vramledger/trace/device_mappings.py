@@ -106,6 +106,20 @@ class FakeCuda:
                 return known.value(t).to(dtype=dtype, copy=True)
         return self.host_like(torch.empty_like, (t,), {"dtype": dtype or t.dtype})
 
+    def module_to_host(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        """``module.cpu()`` / ``module.to("cpu")`` where emulated tensors report CUDA: each
+        emulated parameter and buffer is replaced by its host copy (:meth:`to_host`), so the
+        device memory is freed once nothing else holds it, as on a GPU. New parameter objects:
+        a fake tensor cannot be swapped into the old one's place in another mode."""
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None and self.emulated(p):
+                    host = self.to_host(p, dtype if p.is_floating_point() else None)
+                    sub._parameters[name] = nn.Parameter(host, requires_grad=p.requires_grad)
+            for name, b in list(sub._buffers.items()):
+                if b is not None and self.emulated(b):
+                    sub._buffers[name] = self.to_host(b, dtype if b.is_floating_point() else None)
+
     def host_like(self, func: Callable[..., Any], args: tuple, kwargs: dict[str, Any]) -> Any:
         """``func(*args, **kwargs)`` made on the host (``device="cpu"``) from emulated tensors
         (``torch.empty_like(x, device="cpu")``: torchtune's activation offloading): a host
@@ -148,9 +162,9 @@ class FakeCuda:
     def move(self, t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
         if self.emulated(t):
             return t if dtype is None or dtype == t.dtype else t.to(dtype)
-        if t.nbytes > KNOWN_VALUE_CAP_BYTES or isinstance(t, FakeTensor):
-            # values this large are never kept (trace/values.py), and the copy under the mode
-            # would run for real (FakeTensorMode propagates constants through ``_to_copy``),
+        if t.nbytes > KNOWN_VALUE_CAP_BYTES or isinstance(t, FakeTensor) or t.is_meta:
+            # values this large are never kept (trace/values.py), a meta tensor has none
+            # (Lightning's empty init), and the copy under the mode would run for real (FakeTensorMode propagates constants through ``_to_copy``),
             # reading every page: a checkpoint read as shapes (checkpoint_shapes.py) has none
             out = self._fake(t, dtype)
             self.register([out], Category.INPUTS)

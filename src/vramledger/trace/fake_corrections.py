@@ -146,7 +146,8 @@ CORRECTIONS: dict[Any, Correction] = {
 
 @contextlib.contextmanager
 def noop_conversions() -> Iterator[None]:
-    """``module.to(dtype)`` that changes nothing leaves fake parameters alone.
+    """``module.to(dtype)`` that changes nothing leaves fake parameters alone, and one that
+    changes them converts in place where a fake parameter cannot be swapped.
 
     ``nn.Module._apply`` swaps every fake parameter for its converted copy
     (``torch.utils.swap_tensors``), even when the conversion returned the parameter itself; the
@@ -165,7 +166,24 @@ def noop_conversions() -> Iterator[None]:
                 for t in (*self._parameters.values(), *self._buffers.values())
                 if t is not None
             )
-        return self if unchanged else original(self, fn, recurse=False)
+        if unchanged:
+            return self
+        try:
+            return original(self, fn, recurse=False)
+        except RuntimeError as exc:
+            if "Couldn't swap" not in str(exc):
+                raise
+        # a fake parameter with a weak reference (its known values' registry) cannot be
+        # swapped: converted in place, as ``_apply`` does where it does not swap (``.data``)
+        with torch.no_grad():
+            for p in (p for p in self._parameters.values() if p is not None):
+                converted = fn(p)
+                if converted is not p:
+                    p.data = converted
+            for name, b in list(self._buffers.items()):
+                if b is not None:
+                    self._buffers[name] = fn(b)
+        return self
 
     nn.Module._apply = _apply  # type: ignore[method-assign]
     try:

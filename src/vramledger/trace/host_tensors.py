@@ -5,17 +5,22 @@ of offloaded activations).
 The trace records device memory only. A real CPU run (``run --measure``) counts every CPU
 allocation, so a program that keeps a 24 MiB image tensor on the host measures 24 MiB above the
 ``--target cpu`` prediction, with nothing in the prediction's device ledger to say why. This
-module lists them: after each of the first steps and the last (``SCANNED_STEPS``), the live CPU
-tensors are found (``gc``), but those alive before the program started, one entry per storage (views of one storage count once), with the
-program's name for the tensor where it has one (``program_frames.program_name_of``), else its
-shape and dtype. Host stand-ins (``host_stand_ins.py``: a module's tensors built without data)
-are host memory too and are listed with their bytes. Tensors vramledger itself holds (known
-values, ``trace/values.py``) are left out.
+module lists them: after each of the first steps (``SCANNED_STEPS``) and the last, the CPU
+tensors that the program's running frames reach (its locals and the objects they hold: a
+trainer's data loader, a recipe's state dict; not modules, classes or functions, which reach
+every global of the process), but those alive before the program started, one entry per storage
+(views of one storage count once), with the program's name for the tensor where it has one
+(``program_frames.program_name_of``), else its shape and dtype. Host stand-ins
+(``host_stand_ins.py``: a module's tensors built without data) are host memory too and are
+listed with their bytes. Tensors vramledger itself holds (known values, ``trace/values.py``)
+are left out.
 """
 
 from __future__ import annotations
 
 import gc
+import sys
+import types
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -23,11 +28,14 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..program_frames import program_name_of
+from ..program import launch
+from ..program_frames import frame_locals, program_name_of
 
 SCANNED_STEPS = 3
 """Steps after which the host is scanned, besides the last: a scan walks every object the
 garbage collector tracks (~0.1 s per million objects), so not after every step."""
+
+_LAUNCH_CODE = launch.__code__
 
 LISTED = 8
 """Entries named in the note; the total counts every one."""
@@ -69,9 +77,10 @@ class HostTensors:
             self.found = self.scan()
 
     def scan(self) -> list[HostTensor]:
+        """The host tensors the program's running frames reach now (module docstring)."""
         seen: dict[int, HostTensor] = {}
         own = self.own() | {st._cdata for st in self._before}
-        for obj in _live_tensors():
+        for obj in _reached_tensors(_program_frames()):
             if not is_real_host(obj, self.host_mode, own):
                 continue
             storage = _storage(obj)
@@ -108,6 +117,46 @@ def _storage(t: torch.Tensor) -> Any:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):
         return None
+
+
+def _program_frames() -> list[Any]:
+    """The frames running now from the program's entry (``program.launch``) down: what the
+    program and the libraries it called hold in their local variables."""
+    frames = []
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _LAUNCH_CODE:
+            return frames
+        frames.append(frame)
+        frame = frame.f_back
+    return []  # not inside a program run
+
+
+_NOT_FOLLOWED = (types.ModuleType, type, types.FunctionType, types.BuiltinFunctionType)
+"""Objects whose referents are not followed: a module or a class reaches every global of the
+process (this test run's, vramledger's), a function its module's globals. A host tensor the
+program keeps is reached from its frames through its own objects (a trainer, a recipe, a data
+loader, a dataset, a state dict)."""
+
+
+def _reached_tensors(frames: list[Any]) -> list[torch.Tensor]:
+    """The tensors reachable from ``frames``' local variables (a running frame's references are
+    not its referents: ``program_frames.frame_locals``) through ``gc.get_referents``, not
+    through :data:`_NOT_FOLLOWED`."""
+    found: list[torch.Tensor] = []
+    roots = [frame_locals(f) for f in frames]
+    visited: set[int] = {id(r) for r in roots}
+    stack: list[Any] = list(roots)
+    while stack:
+        for obj in gc.get_referents(stack.pop()):
+            if id(obj) in visited:
+                continue
+            visited.add(id(obj))
+            if issubclass(type(obj), torch.Tensor):
+                found.append(obj)
+            if not isinstance(obj, _NOT_FOLLOWED):
+                stack.append(obj)
+    return found
 
 
 def _live_tensors() -> list[torch.Tensor]:

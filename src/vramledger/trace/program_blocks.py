@@ -269,7 +269,8 @@ def trace_program_blocks(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedG
     note = (
         f"traced {SMALL} and {SMALL + 1} of the {length} identical blocks in {prefix} and "
         "extended the timeline to all of them (verified exact on the smaller pair); what the "
-        "program printed from torch.cuda is the extended run's"
+        "program printed from torch.cuda is the extended run's; the host tensors listed are "
+        f"the {SMALL + 1}-block run's"
     )
     return replace(
         b,

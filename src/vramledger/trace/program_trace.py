@@ -304,10 +304,9 @@ def trace_program(
     values = KnownValues(mode)
     host = HostStandIns()
     tracker = _tracker(mode, host, values, policy, world)
-    cpu_kernels = None
-    if policy.name == "cpu":  # custom operators as a CPU run runs them
-        cpu_kernels = CpuKernels(tracker._substitutes, tracker)
-        tracker._substitutes = cpu_kernels
+    # custom operators found by name: as a CPU run runs them, and LLM.int8's outliers
+    cpu_kernels = CpuKernels(tracker._substitutes, tracker, cpu=policy.name == "cpu")
+    tracker._substitutes = cpu_kernels
     observer = TrackerObserver(tracker, policy.host_resident)
     host_tensors = HostTensors(host.mode, values.storages, spec.max_steps)
     phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names, host_tensors)
@@ -370,8 +369,7 @@ def trace_program(
     )
     if (kept := host_tensors.note()) is not None:
         notes.append(kept)
-    if cpu_kernels is not None and (ran := cpu_kernels.note()) is not None:
-        notes.append(ran)
+    notes += cpu_kernels.notes()
     if fake_cuda.reports_cuda:
         notes.append(_gpu_paths_note(tracker, paged, triton))
     if (unified := paged.note()) is not None:
