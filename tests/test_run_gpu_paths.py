@@ -58,7 +58,6 @@ def test_a_cpu_state_dict_loaded_on_the_gpu_is_counted_once(capsys):
 
 
 def test_triton_kernels_are_named_not_run(capsys):
-    pytest.importorskip("triton")  # installed with the frameworks extra (CI)
     report = run_program(_spec("gpu_paths"), gpu="h100-80gb")
     capsys.readouterr()
     [launched] = [n for n in report.notes if n.startswith("Triton kernels")]
@@ -76,7 +75,6 @@ def test_gpu_paths_program_against_its_plain_cpu_run(capsys):
 def test_a_library_that_asks_for_a_gpu_while_imported_is_told_there_is_one(tmp_path):
     """torchtune decides at import whether FlexAttention is supported: in a fresh process, so
     that the module is first imported under the emulation."""
-    pytest.importorskip("torchtune")
     program = tmp_path / "imports.py"
     program.write_text(
         "from torchtune.modules.attention_utils import _SUPPORTS_FLEX_ATTENTION\n"

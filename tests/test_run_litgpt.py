@@ -9,15 +9,12 @@ compiles the model (`torch.compile`, modelled as Inductor runs it) and steps a f
 `--quantize bnb.nf4` runs with bitsandbytes' quantization emulated on the GPU
 (``bnb_weights.py``); its real CPU run is refused in one line (Lightning quantizes only on CUDA).
 
-litgpt is not in the dev extra: the newest (0.5.13) pins ``huggingface-hub<1.4``, which the
-pinned ``datasets`` 5.2 refuses (``>=1.31``), and the newest that resolves beside the pins
-(0.5.9) pins ``numpy<2``, which breaks pyarrow 26 (datasets). Install it beside them
-(`pip install litgpt`, then numpy 2 again) to run these tests.
+litgpt 0.5.9 comes with the ``frameworks`` extra (CI installs it; pyproject says why that
+version).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -30,11 +27,6 @@ from vramledger.predict_program import run_program
 from vramledger.program import ProgramSpec
 
 from .plain_run import assert_matches_plain_run
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("litgpt") is None,
-    reason="litgpt is not installed (not in the dev extra: see this module's docstring)",
-)
 
 PROGRAMS = Path(__file__).parent / "programs"
 STEPS = 3

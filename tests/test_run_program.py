@@ -18,6 +18,8 @@ from vramledger.measure_program import measure_program
 from vramledger.predict_program import run_program
 from vramledger.program import ProgramFailed, ProgramSpec
 
+from .plain_run import assert_matches_plain_run
+
 PROGRAMS = Path(__file__).parent / "programs"
 
 
@@ -218,6 +220,21 @@ def test_lightning_trainer(precision, capsys):
     assert predicted.steps == measured.steps == 4
     extra = printed_measured["lightning"] - printed["lightning"]
     assert LIGHTNING_HOST_DATASET <= extra <= LIGHTNING_HOST_DATASET + HOST_SCALARS
+
+
+@pytest.mark.slow
+def test_lightning_module_that_logs(capsys):
+    """A LightningModule that calls ``self.log`` (issue 31: torchmetrics' ``add_state``
+    deep-copies a tensor made inside the optimizer's step closure, which ran under the step's
+    fake mode): the closure runs as the program's own code, and --target cpu with the host
+    tensors it names holds the plain run's bound; on the GPU the program sees a CUDA device."""
+    spec = _spec("lightning_logging")
+    on_gpu = run_program(spec, gpu="h100-80gb")
+    assert on_gpu.steps == 4 and on_gpu.windows[0].peak_bytes > 0
+    predicted = run_program(spec, target="cpu")
+    measured = measure_program(spec)
+    capsys.readouterr()
+    assert_matches_plain_run(predicted, measured)
 
 
 def test_autocast_without_a_dtype_is_cudas_float16(capsys):

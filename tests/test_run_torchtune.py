@@ -9,16 +9,12 @@ The recipe's config asks for ``device: cuda`` and ``dtype: bf16`` (torchtune's o
 single-device LoRA settings): bf16 is allowed where ``torch.cuda.is_bf16_supported()`` and
 NCCL >= 2.10 (``training.verify_bf16_support``), which the emulation answers as a CUDA build.
 
-torchtune is not in the dev extra: its newest (0.6.1) imports ``torchao.dtypes.nf4tensor``,
-which torchao 0.14.1 has and 0.18 does not. Install ``torchtune==0.6.1 torchao==0.14.1`` in a
-venv of its own (beside the pins, ``-c`` torch==2.13.0) to run these tests; there peft 0.21
-refuses that torchao ("only versions above 0.16.0 are supported"), so the peft tests fail in
-that venv and pass in the dev extra's.
+torchtune 0.6.1 comes with the ``frameworks`` extra (CI installs it; pyproject says why its
+torchao is 0.15).
 """
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -27,11 +23,6 @@ from vramledger.categories import Category
 from vramledger.measure_program import measure_program
 from vramledger.predict_program import run_program
 from vramledger.program import ProgramSpec
-
-pytestmark = pytest.mark.skipif(
-    importlib.util.find_spec("torchtune") is None or importlib.util.find_spec("torchao") is None,
-    reason="torchtune is not installed (not in the dev extra: see this module's docstring)",
-)
 
 PROGRAMS = Path(__file__).parent / "programs"
 STEPS = 3
