@@ -137,3 +137,13 @@ def test_python_m_and_a_refused_interpreter_option():
 def test_run_with_the_interpreter_runs_the_script(capsys):
     assert main(["run", "--target", "cpu", "--", "python", str(PROGRAMS / "raises.py")]) == 1
     assert 'raise ValueError("learning rate schedule is empty")' in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["ddp_torchrun", "fsdp2_torchrun"])
+def test_every_rank_sees_cuda_tensors(name, capsys):
+    """Each traced rank of a world of two is told its tensors are CUDA tensors, as one rank is
+    (DDP and FSDP2 on the fake process group: the same peaks as with CPU-reporting tensors)."""
+    spec = ProgramSpec(program=str(PROGRAMS / f"{name}.py"), nproc_per_node=2, max_steps=2)
+    report = run_program(spec, gpu="h100-80gb")
+    capsys.readouterr()
+    assert any(n.startswith("GPU code paths: the program and its libraries") for n in report.notes)

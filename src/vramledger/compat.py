@@ -28,8 +28,10 @@ TESTED_RANGES: dict[str, tuple[str, str]] = {
     "peft": ("0.17", "0.22"),
     "bitsandbytes": ("0.45", "0.51"),
 }
-"""Package -> (lowest version supported, first version not tested): ``>=low,<high``. Tested with
-deepspeed 0.19.8, torchao 0.18.0, accelerate 1.15.0, peft 0.21.2, bitsandbytes 0.50.2 (and
+"""Package -> (lowest version supported, first version not tested): ``>=low,<high``. CI tests
+deepspeed 0.19.8, torchao 0.15.0, accelerate 1.15.0, peft 0.18.1, bitsandbytes 0.50.2 (torchao and
+peft as the ``frameworks`` extra pins them for torchtune; torchao 0.18.0 and peft 0.21.2 were
+tested before it) (and
 transformers 5.24, whose own range, ``<5.25``, is the ``hf`` extra's: 5.25 turns on Hub kernels in
 ``from_pretrained`` by default)."""
 

@@ -321,7 +321,7 @@ def trace_program(
         parameter_move=quantization.move,
         # the GPU's code paths where a GPU run is predicted; a CPU run's where a CPU run is,
         # and on several ranks, whose engines run on the fake process group as on gloo
-        reports_cuda=policy.name == "cuda" and world is None,
+        reports_cuda=policy.name == "cuda",
     )
     emulation = CudaEmulation(gpu, counter(tracker.timeline, policy.allocator), fake_cuda)
     paged = PagedStates(mode)
