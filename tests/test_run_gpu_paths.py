@@ -147,3 +147,27 @@ def test_every_rank_sees_cuda_tensors(name, capsys):
     report = run_program(spec, gpu="h100-80gb")
     capsys.readouterr()
     assert any(n.startswith("GPU code paths: the program and its libraries") for n in report.notes)
+
+
+def test_a_program_that_picks_its_device_with_torch_accelerator(capsys):
+    """PyTorch's examples choose ``torch.accelerator.current_accelerator()``: under `run` the
+    accelerator is the emulated GPU, its memory functions answer from the prediction, and
+    --target cpu equals the plain run's count (issue 33: it trained on the CPU, unseen)."""
+    on_gpu = run_program(_spec("accelerator_device"), gpu="h100-80gb")
+    out = capsys.readouterr().out
+    assert "device: cuda 1" in out
+    assert f"accelerator peak bytes: {on_gpu.windows[0].peak_bytes}" in out
+    predicted = run_program(_spec("accelerator_device"), target="cpu")
+    measured = measure_program(_spec("accelerator_device"))
+    capsys.readouterr()
+    assert predicted.step_peaks == measured.step_peaks
+
+
+def test_a_failure_in_vramledgers_emulation_is_vramledgers(monkeypatch):
+    """The plain run maps CUDA onto the CPU with the same ``torch.cuda`` answers as the trace: a
+    missing method of an emulated object fails both runs alike, and is not the program's."""
+    from vramledger.trace import cuda_api
+
+    monkeypatch.delattr(cuda_api.EmulatedStream, "is_capturing")
+    with pytest.raises(TraceFailed, match="failed the same way in vramledger's code"):
+        run_program_checked(_spec("accelerator_device"), gpu="h100-80gb")

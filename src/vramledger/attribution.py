@@ -9,7 +9,10 @@ program, its arguments and folder, run for real on the CPU ("cuda" mapped onto t
 step after the step the trace failed in. Then:
 
 - the plain run raises the same exception type: the error is the program's, and
-  :class:`~vramledger.program.ProgramFailed` says so (``confirmed``);
+  :class:`~vramledger.program.ProgramFailed` says so (``confirmed``), unless vramledger's own
+  code is in it (:func:`in_vramledger`): the plain run maps "cuda" onto the CPU with the same
+  ``torch.cuda`` answers as the trace, so a failure of those answers shows in both runs, and it
+  is vramledger's (:class:`TraceFailed`);
 - the plain run gets past where the trace failed: the failure is vramledger's, and
   :class:`TraceFailed` says so, with the trace's exception;
 - the plain run fails otherwise: both exceptions are given, and neither side is blamed.
@@ -22,7 +25,9 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import traceback
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from .errors import VramledgerError
@@ -33,17 +38,41 @@ PROGRAMS_OWN = (
 )
 
 
-class TraceFailed(VramledgerError):
-    """The program ran plainly past where vramledger's trace of it failed: vramledger's
-    failure. ``failed`` is the trace's :class:`ProgramFailed` (its traceback is the trace's)."""
+PACKAGE = str(Path(__file__).resolve().parent)
+"""vramledger's own source folder."""
 
-    def __init__(self, failed: ProgramFailed, plain_steps: int) -> None:
+
+def in_vramledger(exc: BaseException) -> bool:
+    """Whether the plain run's ``exc`` was raised by vramledger's own code: in a frame of it
+    (the innermost; a program's error that merely passes through one of vramledger's wrappers,
+    ``torch.load`` of a missing file, is raised in torch's), or as an attribute missing from
+    one of its objects (``AttributeError.obj``: an emulated ``torch.cuda`` stream that lacks a
+    method)."""
+    obj = getattr(exc, "obj", None) if isinstance(exc, AttributeError) else None
+    if obj is not None and type(obj).__module__.startswith("vramledger."):
+        return True
+    frames = traceback.extract_tb(exc.__traceback__)
+    return bool(frames) and str(Path(frames[-1].filename).resolve()).startswith(PACKAGE)
+
+
+class TraceFailed(VramledgerError):
+    """The program ran plainly past where vramledger's trace of it failed, or failed in
+    vramledger's own code: vramledger's failure. ``failed`` is the trace's
+    :class:`ProgramFailed` (its traceback is the trace's)."""
+
+    def __init__(self, failed: ProgramFailed, plain_steps: int | None) -> None:
         exc = failed.exception
+        plain = (
+            "where the program's plain run on the CPU failed the same way in vramledger's "
+            "code (its mapping of CUDA onto the CPU answers as the trace's emulation does)"
+            if plain_steps is None
+            else f"where the program's plain run on the CPU made {plain_steps} "
+            f"step{'s' if plain_steps != 1 else ''} without error"
+        )
         super().__init__(
             f"vramledger's trace of the program failed with {type(exc).__name__}: "
             f"{_first_line(exc)} (after {failed.steps} optimizer step"
-            f"{'s' if failed.steps != 1 else ''}), where the program's plain run on the CPU "
-            f"made {plain_steps} step{'s' if plain_steps != 1 else ''} without error",
+            f"{'s' if failed.steps != 1 else ''}), {plain}",
             hint="the failure is vramledger's, not the program's: please report it with the "
             "traceback above (--debug adds vramledger's own frames)",
         )
@@ -66,6 +95,8 @@ def attributed(failed: ProgramFailed, spec: ProgramSpec, gpu: str | None) -> Vra
         with contextlib.redirect_stdout(sys.stderr):
             measured = measure_program(plain, gpu=gpu, quiet=True)
     except ProgramFailed as also:
+        if in_vramledger(also.exception):
+            return TraceFailed(failed, None)
         if type(also.exception) is type(failed.exception):
             failed.confirmed = True
             failed.hint = f"its traceback is above; {PROGRAMS_OWN}"

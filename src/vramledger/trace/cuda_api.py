@@ -153,6 +153,11 @@ class EmulatedStream:
     def synchronize(self) -> None:
         pass
 
+    def is_capturing(self) -> bool:
+        """No CUDA graph is captured (``Optimizer._accelerator_graph_capture_health_check``
+        asks ``torch.accelerator.current_stream()``)."""
+        return False
+
     def wait_stream(self, stream: Any) -> None:
         pass
 
@@ -267,4 +272,42 @@ def cuda_functions(gpu: EmulatedGpu, counter: MemoryCounter) -> dict[str, Callab
         "ipc_collect": nothing(),
         "device": _DeviceScope,
         "device_of": _DeviceScope,
+    }
+
+
+def accelerator_functions(cuda: dict[str, Callable[..., Any]]) -> dict[str, Callable[..., Any]]:
+    """``torch.accelerator``'s functions by name (and ``torch.accelerator.memory``'s), answering
+    as a CUDA build with the emulated GPU does, from ``cuda`` (:func:`cuda_functions`).
+
+    A CPU-only PyTorch has no accelerator (``torch._C._accelerator_getAccelerator()`` is None),
+    so a program that picks its device with ``torch.accelerator.current_accelerator()`` (PyTorch's
+    own examples, accelerate 1.16) would train on the CPU, unseen by the trace."""
+
+    def current_accelerator(check_available: bool = False) -> torch.device | None:
+        if check_available and not cuda["is_available"]():
+            return None
+        return torch.device("cuda")
+
+    return {
+        "current_accelerator": current_accelerator,
+        "is_available": cuda["is_available"],
+        "device_count": cuda["device_count"],
+        "current_device_index": cuda["current_device"],
+        "current_device_idx": cuda["current_device"],
+        "set_device_index": cuda["set_device"],
+        "set_device_idx": cuda["set_device"],
+        "device_index": _DeviceScope,
+        "synchronize": nothing(),
+        "empty_cache": nothing(),
+        "empty_host_cache": nothing(),
+        "current_stream": cuda["current_stream"],
+        "set_stream": nothing(),
+        "memory_allocated": cuda["memory_allocated"],
+        "max_memory_allocated": cuda["max_memory_allocated"],
+        "memory_reserved": cuda["memory_reserved"],
+        "max_memory_reserved": cuda["max_memory_reserved"],
+        "memory_stats": cuda["memory_stats"],
+        "reset_peak_memory_stats": cuda["reset_peak_memory_stats"],
+        "reset_accumulated_memory_stats": cuda["reset_accumulated_memory_stats"],
+        "get_memory_info": cuda["mem_get_info"],
     }

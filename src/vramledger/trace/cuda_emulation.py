@@ -50,7 +50,13 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import BackwardCFunction
 
-from .cuda_api import EmulatedGpu, MemoryCounter, cuda_functions, nothing
+from .cuda_api import (
+    EmulatedGpu,
+    MemoryCounter,
+    accelerator_functions,
+    cuda_functions,
+    nothing,
+)
 from .cuda_calls import (
     DeviceMode,
     backward_under,
@@ -127,10 +133,15 @@ class CudaEmulation:
         import torch.cuda.memory
         import torch.cuda.nccl
 
+        cuda = cuda_functions(self.gpu, self.counter)
         for module_name in CUDA_MODULES:
             module = sys.modules[module_name]
-            for name, function in cuda_functions(self.gpu, self.counter).items():
+            for name, function in cuda.items():
                 if module_name == "torch.cuda" or hasattr(module, name):
+                    self._patch(module, name, function)
+        for module in (torch.accelerator, torch.accelerator.memory):
+            for name, function in accelerator_functions(cuda).items():
+                if hasattr(module, name):
                     self._patch(module, name, function)
         # a CUDA build has NCCL; a CPU-only one has neither it nor torch._C._nccl_version
         self._patch(torch.distributed, "is_nccl_available", lambda: True)
