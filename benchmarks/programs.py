@@ -73,6 +73,7 @@ CASES = [
     "torchtune_recipe_full",
     "torchtitan_debugmodel_2ranks",
     "lightning_logging",
+    "accelerator_device",
 ]
 HOST = {
     "data_loader": "the TensorDataset in host memory (33,792 B)",

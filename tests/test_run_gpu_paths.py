@@ -171,3 +171,22 @@ def test_a_failure_in_vramledgers_emulation_is_vramledgers(monkeypatch):
     monkeypatch.delattr(cuda_api.EmulatedStream, "is_capturing")
     with pytest.raises(TraceFailed, match="failed the same way in vramledger's code"):
         run_program_checked(_spec("accelerator_device"), gpu="h100-80gb")
+
+
+def test_data_parallel_on_one_gpu(capsys):
+    """``nn.DataParallel(model).cuda()`` (issue 33: its device check and ``torch._C._scatter``
+    failed): with one GPU it scatters the host input onto it and runs the module; --target cpu
+    is the plain run's count in every step but the first, where the plain run's peak also holds
+    the host input (32 x 128 fp32, named among the host tensors): a GPU run frees its device copy
+    after the backward, the CPU run's "copy" is the input itself."""
+    on_gpu = run_program(_spec("data_parallel"), gpu="h100-80gb")
+    assert f"data parallel peak bytes: {on_gpu.windows[0].peak_bytes}" in capsys.readouterr().out
+    predicted = run_program(_spec("data_parallel"), target="cpu")
+    measured = measure_program(_spec("data_parallel"))
+    capsys.readouterr()
+    host = 32 * 128 * 4
+    assert predicted.to_dict()["host_bytes"] == host
+    assert measured.step_peaks[1] - predicted.step_peaks[1] == host
+    assert {k: v for k, v in predicted.step_peaks.items() if k > 1} == {
+        k: v for k, v in measured.step_peaks.items() if k > 1
+    }

@@ -450,3 +450,21 @@ def module_cuda(mapping: DeviceMapping) -> Callable[..., Any]:
         return module
 
     return cuda
+
+
+def one_device_data_parallel(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``nn.DataParallel.forward`` on the one emulated GPU: what DataParallel does with a
+    single device (``device_ids == [0]``): its inputs scattered to it (a copy of a host input,
+    the tensor itself for one already there: ``.to("cuda")``), then the module itself; no
+    replica. Its own check that the module's parameters are on ``cuda:0`` is left out (under
+    ``--target cpu`` and ``--measure`` they report the CPU) and its scatter calls
+    ``torch._C._scatter``, which a CPU-only PyTorch lacks. Several device ids (no GPU model
+    here has them) run DataParallel's own code."""
+
+    def forward(self: nn.DataParallel, *inputs: Any, **kwargs: Any) -> Any:
+        if len(self.device_ids) != 1:
+            return original(self, *inputs, **kwargs)
+        moved = tree_map_only(torch.Tensor, lambda t: t.to("cuda"), (inputs, kwargs))
+        return self.module(*moved[0], **moved[1])
+
+    return forward

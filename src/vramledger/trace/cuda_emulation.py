@@ -66,6 +66,7 @@ from .cuda_calls import (
     module_cpu,
     module_cuda,
     module_to,
+    one_device_data_parallel,
     reporting,
     reporting_cuda,
     saved_tensors_hooks_under,
@@ -155,6 +156,8 @@ class CudaEmulation:
         self._patch(nn.Module, "to", module_to(mapping, nn.Module.to))
         self._patch(nn.Module, "cuda", module_cuda(mapping))
         self._patch(nn.Module, "cpu", module_cpu(mapping, nn.Module.cpu))
+        forward = nn.DataParallel.forward
+        self._patch(nn.DataParallel, "forward", one_device_data_parallel(forward))
         self._patch(torch, "load", mapped_load(torch.load, mapping))
         try:
             import safetensors.torch as safetensors_torch
