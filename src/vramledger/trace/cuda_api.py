@@ -288,26 +288,38 @@ def accelerator_functions(cuda: dict[str, Callable[..., Any]]) -> dict[str, Call
             return None
         return torch.device("cuda")
 
+    def alias(name: str) -> Callable[..., Any]:
+        """A function of its own calling ``torch.cuda``'s ``name``: Dynamo keeps one handler per
+        function object and refuses one object under two names."""
+        function = cuda[name]
+        return lambda *args, **kwargs: function(*args, **kwargs)
+
     return {
         "current_accelerator": current_accelerator,
-        "is_available": cuda["is_available"],
-        "device_count": cuda["device_count"],
-        "current_device_index": cuda["current_device"],
-        "current_device_idx": cuda["current_device"],
-        "set_device_index": cuda["set_device"],
-        "set_device_idx": cuda["set_device"],
+        # as torch.cuda's: the caller's file decides (_told_no_gpu reads the caller's frame)
+        "is_available": lambda: not _told_no_gpu(),
+        "device_count": lambda: 0 if _told_no_gpu() else cuda["device_count"](),
+        "current_device_index": alias("current_device"),
+        "current_device_idx": alias("current_device"),
+        "set_device_index": alias("set_device"),
+        "set_device_idx": alias("set_device"),
         "device_index": _DeviceScope,
         "synchronize": nothing(),
         "empty_cache": nothing(),
         "empty_host_cache": nothing(),
-        "current_stream": cuda["current_stream"],
+        "current_stream": alias("current_stream"),
         "set_stream": nothing(),
-        "memory_allocated": cuda["memory_allocated"],
-        "max_memory_allocated": cuda["max_memory_allocated"],
-        "memory_reserved": cuda["memory_reserved"],
-        "max_memory_reserved": cuda["max_memory_reserved"],
-        "memory_stats": cuda["memory_stats"],
-        "reset_peak_memory_stats": cuda["reset_peak_memory_stats"],
-        "reset_accumulated_memory_stats": cuda["reset_accumulated_memory_stats"],
-        "get_memory_info": cuda["mem_get_info"],
+        **{
+            name: alias(name)
+            for name in (
+                "memory_allocated",
+                "max_memory_allocated",
+                "memory_reserved",
+                "max_memory_reserved",
+                "memory_stats",
+                "reset_peak_memory_stats",
+                "reset_accumulated_memory_stats",
+            )
+        },
+        "get_memory_info": alias("mem_get_info"),
     }

@@ -140,8 +140,10 @@ class CudaEmulation:
             for name, function in cuda.items():
                 if module_name == "torch.cuda" or hasattr(module, name):
                     self._patch(module, name, function)
+        # one object under both names, as in torch (torch.accelerator re-exports .memory's)
+        accelerator = accelerator_functions(cuda)
         for module in (torch.accelerator, torch.accelerator.memory):
-            for name, function in accelerator_functions(cuda).items():
+            for name, function in accelerator.items():
                 if hasattr(module, name):
                     self._patch(module, name, function)
         # a CUDA build has NCCL; a CPU-only one has neither it nor torch._C._nccl_version
