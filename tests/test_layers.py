@@ -63,6 +63,7 @@ LAYERS: dict[str, list[str]] = {
         "program",
         "program_frames",
         "recipe",
+        "saved_objects",
         "sources",
         "spec",
         "spec_fields",

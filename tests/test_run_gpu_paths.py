@@ -190,3 +190,51 @@ def test_data_parallel_on_one_gpu(capsys):
     assert {k: v for k, v in predicted.step_peaks.items() if k > 1} == {
         k: v for k, v in measured.step_peaks.items() if k > 1
     }
+
+
+def test_a_checkpoint_saved_and_loaded_back(tmp_path, capsys):
+    """Saves write nothing; a ``torch.load`` of what the run saved (issue 33: an empty file,
+    ``EOFError``) gets new tensors of the saved layout on the device asked: --target cpu equals
+    the plain run's count, and the file is left as the program's ``open`` left it."""
+    spec = _spec("save_and_load", args=(str(tmp_path / "best.pt"),))
+    on_gpu = run_program(spec, gpu="h100-80gb")
+    assert f"save and load peak bytes: {on_gpu.windows[0].peak_bytes}" in capsys.readouterr().out
+    assert any("torch.save at save_and_load.py:" in n for n in on_gpu.notes)
+    predicted = run_program(spec, target="cpu")
+    measured = measure_program(spec)
+    capsys.readouterr()
+    assert predicted.step_peaks == measured.step_peaks
+    assert (tmp_path / "best.pt").stat().st_size == 0
+
+
+def test_a_loaded_copy_has_the_storages_torch_load_restores():
+    """What a real ``torch.load`` allocates for a saved optimizer and model state (views of one
+    storage included) is what ``fresh_copy`` allocates: the same storages, sizes and sharing."""
+    import io
+
+    import torch
+    from torch import nn
+
+    from vramledger.saved_objects import fresh_copy
+
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 16)).sum().backward()
+    optimizer.step()
+    base = torch.arange(64.0)
+    state = {"model": model.state_dict(), "opt": optimizer.state_dict(), "views": [base[:8], base]}
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+
+    def storages(obj) -> list[tuple[int, int]]:
+        leaves = torch.utils._pytree.tree_leaves(obj)
+        tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+        first: dict[int, int] = {}
+        for i, t in enumerate(tensors):
+            first.setdefault(t.untyped_storage().data_ptr(), i)
+        return [
+            (t.untyped_storage().nbytes(), first[t.untyped_storage().data_ptr()]) for t in tensors
+        ]
+
+    assert storages(fresh_copy(state)) == storages(torch.load(buffer))

@@ -33,6 +33,7 @@ from typing import Any, Literal, Protocol
 from .checkpoint_shapes import replace_everywhere
 from .errors import InputError, VramledgerError
 from .program_frames import PROGRAM_DIRS, program_location, program_name_of, program_traceback
+from .saved_objects import SavedObjects
 
 DEFAULT_MAX_STEPS = 20
 """Optimizer steps in all (every optimizer counted) after which the program is stopped."""
@@ -228,11 +229,14 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
     tests/test_run_program.py)."""
     restore: list[tuple[Any, str, Any]] = []
     functions: dict[int, tuple[Any, Any]] = {}
+    saved = SavedObjects()
 
     def skip(name: str) -> Callable[..., None]:
-        def skipped(*_args: Any, **_kwargs: Any) -> None:
+        def skipped(*args: Any, **kwargs: Any) -> None:
             where = program_location()
             run.skipped_saves.append(f"{name} at {where}" if where else name)
+            if name == "torch.save" and args and (len(args) > 1 or "f" in kwargs):
+                saved.remember(args[0], args[1] if len(args) > 1 else kwargs["f"])
 
         return skipped
 
@@ -244,6 +248,7 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
         if module is not None and hasattr(module, attr):
             original = getattr(module, attr)
             if id(original) not in functions:
+                # torch.serialization.save is torch.save: one stub, named torch.save
                 functions[id(original)] = (original, skip(f"{module_name.split('.')[0]}.{attr}"))
     replace_everywhere(functions)
     for module_name, cls_name, attr in SAVE_METHODS:
@@ -252,7 +257,8 @@ def skipped_saves(run: ProgramRun) -> Iterator[None]:
             restore.append((cls, attr, cls.__dict__[attr]))
             setattr(cls, attr, skip(f"{cls_name}.{attr}"))
     try:
-        yield
+        with saved.loads_answered():
+            yield
     finally:
         replace_everywhere({id(stub): (stub, original) for original, stub in functions.values()})
         for owner, attr, original in reversed(restore):
@@ -264,8 +270,9 @@ def skipped_saves_note(saves: list[str]) -> str:
     counts: dict[str, int] = {}
     for where in saves:
         counts[where] = counts.get(where, 0) + 1
-    return "checkpoint saves skipped (nothing written): " + "; ".join(
-        f"{where} ({n} times)" if n > 1 else where for where, n in counts.items()
+    return (
+        "checkpoint saves skipped (nothing written; a torch.load of one in the same run gets new tensors of its layout): "
+        + "; ".join(f"{where} ({n} times)" if n > 1 else where for where, n in counts.items())
     )
 
 
