@@ -22,6 +22,9 @@ import json
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+from torchtune_tiny import hf_config, save_hf
+
 WORDS = [f"w{i}" for i in range(40)]
 SAMPLES = 16
 WORDS_PER_FIELD = 6
@@ -103,27 +106,13 @@ def _tokenizer(path: Path) -> None:
 
 def _weights(checkpoint: Path) -> None:
     import torch
-    from safetensors.torch import save_file
-    from torchtune.models import convert_weights
     from torchtune.models.llama3_2 import llama3_2
 
     torch.manual_seed(0)
     state = llama3_2(**MODEL).state_dict()
-    heads, kv_heads, dim = MODEL["num_heads"], MODEL["num_kv_heads"], MODEL["embed_dim"]
-    hf = convert_weights.tune_to_hf(state, num_heads=heads, num_kv_heads=kv_heads, dim=dim)
-    hf.pop("lm_head.weight", None)  # tied to the embedding, as Llama 3.2 1B saves it
-    save_file({k: v.contiguous() for k, v in hf.items()}, checkpoint / "model.safetensors")
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": dim,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "num_hidden_layers": MODEL["num_layers"],
-        "intermediate_size": MODEL["intermediate_dim"],
-        "vocab_size": VOCAB,
-        "tie_word_embeddings": True,
-    }
+    # tied to the embedding, as Llama 3.2 1B saves it
+    save_hf(state, MODEL, checkpoint / "model.safetensors", tied=True)
+    config = {**hf_config(MODEL), "vocab_size": VOCAB, "tie_word_embeddings": True}
     (checkpoint / "config.json").write_text(json.dumps(config))
 
 

@@ -142,24 +142,36 @@ def _weights(checkpoint: Path, fmt: str) -> None:
         torch.save(convert_weights.tune_to_meta(state), checkpoint / CHECKPOINTS[fmt][1])
         (checkpoint / "params.json").write_text(json.dumps(MODEL))
         return
-    from safetensors.torch import save_file
+    save_hf(state, MODEL, checkpoint / CHECKPOINTS[fmt][1])
+    config = {**hf_config(MODEL), "vocab_size": VOCAB, "torch_dtype": "float32"}
+    config["max_position_embeddings"] = MODEL["max_seq_len"]
+    (checkpoint / "config.json").write_text(json.dumps(config))
 
-    heads, kv_heads, dim = MODEL["num_heads"], MODEL["num_kv_heads"], MODEL["embed_dim"]
+
+def save_hf(state: dict, model: dict, file: Path, tied: bool = False) -> None:
+    """torchtune's ``state`` of a model built with ``model``'s arguments, in Hugging Face's
+    names, as safetensors (``tied``: without the output weight, which is the embedding's)."""
+    from safetensors.torch import save_file
+    from torchtune.models import convert_weights
+
+    heads, kv_heads, dim = model["num_heads"], model["num_kv_heads"], model["embed_dim"]
     hf = convert_weights.tune_to_hf(state, num_heads=heads, num_kv_heads=kv_heads, dim=dim)
-    save_file({k: v.contiguous() for k, v in hf.items()}, checkpoint / CHECKPOINTS[fmt][1])
-    config = {
+    if tied:
+        hf.pop("lm_head.weight", None)
+    save_file({k: v.contiguous() for k, v in hf.items()}, file)
+
+
+def hf_config(model: dict) -> dict:
+    """The Llama ``config.json`` fields of a model built with ``model``'s arguments."""
+    return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
-        "hidden_size": dim,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "num_hidden_layers": MODEL["num_layers"],
-        "intermediate_size": MODEL["intermediate_dim"],
-        "vocab_size": VOCAB,
-        "max_position_embeddings": MODEL["max_seq_len"],
-        "torch_dtype": "float32",
+        "hidden_size": model["embed_dim"],
+        "num_attention_heads": model["num_heads"],
+        "num_key_value_heads": model["num_kv_heads"],
+        "num_hidden_layers": model["num_layers"],
+        "intermediate_size": model["intermediate_dim"],
     }
-    (checkpoint / "config.json").write_text(json.dumps(config))
 
 
 def make(root: Path, fmt: str = "hf") -> tuple[Path, Path, Path]:
