@@ -104,3 +104,37 @@ def test_cli_refuses_an_untested_deepspeed(untested, capsys):
     assert code == 2
     assert err.strip().count("\n") == 0
     assert "deepspeed 0.20.1 is installed" in err and "deepspeed>=0.19,<0.20" in err
+
+
+@pytest.mark.slow
+def test_pip_resolves_every_extra_inside_the_tested_ranges(tmp_path):
+    """``pip install 'vramledger[all]'`` as a user runs it (pip's own resolver, a dry run beside
+    the installed torch: the package index is reachable in CI) picks a version inside
+    ``compat.TESTED_RANGES`` for each of those packages it installs (issue 33: accelerate 1.16
+    came with peft, unpinned)."""
+    import importlib.metadata
+    import json
+    import subprocess
+    import sys
+
+    constraints = tmp_path / "torch.txt"
+    constraints.write_text(f"torch=={importlib.metadata.version('torch').split('+')[0]}\n")
+    report = tmp_path / "report.json"
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"),
+            *("--quiet", "--report", str(report), "-c", str(constraints)),
+            f"{PYPROJECT.parent}[all]",
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    resolved = {
+        item["metadata"]["name"].lower(): item["metadata"]["version"]
+        for item in json.loads(report.read_text())["install"]
+    }
+    for package in compat.TESTED_RANGES:
+        assert package in resolved, package
+        assert compat.in_tested_range(package, resolved[package]), (package, resolved[package])
