@@ -7,6 +7,7 @@ program's only when its plain run fails too. And the command forms profilers acc
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -238,3 +239,22 @@ def test_a_loaded_copy_has_the_storages_torch_load_restores():
         ]
 
     assert storages(fresh_copy(state)) == storages(torch.load(buffer))
+
+
+HOST_MODEL_BYTES = (256 * 256 + 256 + 256 * 4 + 4) * 4
+"""trains_on_host.py's fp32 parameters."""
+
+
+def test_a_program_that_trains_on_the_host_is_told_loudly(capsys):
+    """Issue 33: a program that trained on the CPU got a clean answer counting only its
+    optimizer's state, exit 0. Now the answer says so, on the standard error too, and exits 4
+    unless --allow-host-training; the same program on "cuda" is answered as ever."""
+    program = str(PROGRAMS / "trains_on_host.py")
+    assert main(["run", "--json", "--", program]) == 4
+    out = capsys.readouterr()
+    assert json.loads(out.out)["trained_on_host_bytes"] == HOST_MODEL_BYTES
+    assert f"trained {HOST_MODEL_BYTES:,} bytes of parameters on the CPU" in out.err
+    assert main(["run", "--allow-host-training", "--", program]) == 0
+    capsys.readouterr()
+    assert main(["run", "--json", "--", program, "--device", "cuda"]) == 0
+    assert json.loads(capsys.readouterr().out)["trained_on_host_bytes"] == 0

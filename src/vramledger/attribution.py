@@ -77,6 +77,7 @@ class TraceFailed(VramledgerError):
             "traceback above (--debug adds vramledger's own frames)",
         )
         self.failed = failed
+        self.plain_steps = plain_steps
         self.program_traceback = failed.program_traceback
 
 

@@ -84,6 +84,10 @@ class ProgramReport:
     unified_memory_bytes: int = 0
     """Paged optimizer states in CUDA unified memory (``trace/paged_states.py``): on the GPU
     while it has room, outside the allocator's count and this peak."""
+    trained_on_host_bytes: int = 0
+    """Bytes of the parameters the program trained on the host, having trained none on the
+    emulated GPU (``trace/program_trace.py``, ``_trained_on_host``): the answer is not its
+    training's (:data:`TRAINED_ON_HOST`)."""
     exit_code: int = 0
     seconds: float = 0.0
     world_size: int = 1
@@ -115,10 +119,20 @@ class ProgramReport:
             host_tensors=[h.to_dict() for h in self.host_tensors],
             host_bytes=sum(h.nbytes for h in self.host_tensors),
             unified_memory_bytes=self.unified_memory_bytes,
+            trained_on_host_bytes=self.trained_on_host_bytes,
             exit_code=self.exit_code,
             seconds=round(self.seconds, 3),
         )
         return out
+
+
+TRAINED_ON_HOST = (
+    "the program trained {nbytes:,} bytes of parameters on the CPU and nothing on the GPU: "
+    "it chose its device without asking for 'cuda' (or saw no GPU), so this answer counts "
+    "none of its training"
+)
+"""Said (as a note, and on the standard error with a non-zero exit) where
+``trained_on_host_bytes`` is set."""
 
 
 EVERY_BLOCK_PER_RANK = (
@@ -167,6 +181,8 @@ def _run_rank(
     raw = replay(timeline)
     seen = max(raw.step_peaks.values(), key=lambda p: p.total, default=None)
     notes = [*traced.notes, _ending_note(run.ending, run.steps, spec)]
+    if traced.trained_on_host_bytes:
+        notes.insert(0, TRAINED_ON_HOST.format(nbytes=traced.trained_on_host_bytes))
     ledger = None
     if timeline.steps >= 2:
         ledger = build_ledger(
@@ -204,6 +220,7 @@ def _run_rank(
         notes=notes,
         host_tensors=traced.host_tensors,
         unified_memory_bytes=traced.unified_memory_bytes,
+        trained_on_host_bytes=traced.trained_on_host_bytes,
         exit_code=run.exit_code,
         seconds=traced.seconds,
     )

@@ -106,9 +106,14 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 1
     except TraceFailed as failed:
         sys.stdout.flush()
+        plain = (
+            "the program itself ran without error"
+            if failed.plain_steps is not None
+            else "its plain run failed the same way, in vramledger's own code"
+        )
         print(
             "vramledger: its trace of the program failed; the traceback, in the program's "
-            "frames (the program itself ran without error):",
+            f"frames ({plain}):",
             file=sys.stderr,
         )
         print(failed.program_traceback.rstrip(), file=sys.stderr)

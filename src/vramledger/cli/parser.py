@@ -228,6 +228,12 @@ def _add_run(sub: Any) -> None:
         metavar="SECONDS",
         help="stop the program after SECONDS (one that never steps), reporting what was seen",
     )
+    p.add_argument(
+        "--allow-host-training",
+        action="store_true",
+        help="exit 0 where the program trained on the CPU and nothing on the GPU (by default "
+        "that is a warning and exit status 4: the answer counts none of its training)",
+    )
     _add_launch_options(p)
     _add_output_options(p, snapshot="run")
     p.add_argument(

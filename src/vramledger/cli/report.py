@@ -53,6 +53,11 @@ def report(
     return 0
 
 
+TRAINED_ON_HOST_EXIT = 4
+"""`vramledger run`'s exit status where the program trained on the CPU, nothing on the GPU (3 is
+a --timeout stop)."""
+
+
 def report_program(args: argparse.Namespace, result: Any) -> int:
     """Write the HTML report and memory snapshot of the program's ledger if asked, then print
     JSON or the tables; the exit status says how the program ended."""
@@ -88,6 +93,15 @@ def report_program(args: argparse.Namespace, result: Any) -> int:
     else:
         table = measured_program_table if args.measure else program_table
         print_renderable(table(result))
+    if (host := getattr(result, "trained_on_host_bytes", 0)) and not args.allow_host_training:
+        from ..predict_program import TRAINED_ON_HOST
+
+        print(
+            f"vramledger: warning: {TRAINED_ON_HOST.format(nbytes=host)} (exit status "
+            f"{TRAINED_ON_HOST_EXIT}; --allow-host-training to accept it)",
+            file=sys.stderr,
+        )
+        return TRAINED_ON_HOST_EXIT
     if result.ending == "timeout":
         print(
             f"vramledger: the program was stopped by --timeout {args.timeout:g} after "

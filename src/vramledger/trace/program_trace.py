@@ -84,6 +84,9 @@ class ProgramTrace:
     extended: bool = False
     """The timeline was extended from a few of the model's identical blocks
     (``program_blocks.py``), not traced in full."""
+    trained_on_host_bytes: int = 0
+    """Bytes of the parameters the program trained on the host, where it trained none on the
+    emulated GPU and ran no forward or backward there (:func:`_trained_on_host`)."""
 
 
 _BY_KIND = {Category.PARAMETERS: param_category, Category.GRADIENTS: grad_category}
@@ -124,6 +127,10 @@ class _Phases:
         keep it alive)."""
         self.trainable: dict[int, int] = {}
         """The same, of the parameters an optimizer steps that require gradients."""
+        self.host_trained: dict[int, int] = {}
+        """id -> bytes of every host tensor (not emulated) an optimizer steps that requires
+        gradients: a program that trains on the CPU (it chose its device otherwise than by
+        asking for "cuda")."""
 
     def register(self, tensors: list[torch.Tensor], category: Category) -> None:
         tensors = [t for t in tensors if t is not None]
@@ -198,6 +205,11 @@ class _Phases:
             (id(p), getattr(p, STANDS_FOR, p.numel()))
             for p in stepped
             if self.emulated(p) and p.requires_grad
+        )
+        self.host_trained.update(
+            (id(p), p.untyped_storage().nbytes())
+            for p in stepped
+            if isinstance(p, torch.Tensor) and not self.emulated(p) and p.requires_grad
         )
         params = [p for p in stepped if not hasattr(p, STANDS_FOR)]
         self.register([p for p in params if self.emulated(p)], Category.PARAMETERS)
@@ -383,6 +395,7 @@ def trace_program(
         run=run,
         parameters=sum(phases.parameters.values()),
         trainable_parameters=sum(phases.trainable.values()),
+        trained_on_host_bytes=_trained_on_host(phases, timeline),
         notes=list(dict.fromkeys(policy.notes() + notes)),
         seconds=time.perf_counter() - start,
     )
@@ -425,6 +438,22 @@ def _tracker(
         op_categories=world.op_categories if world is not None else None,
         resize_category=world.resize_category if world is not None else None,
     )
+
+
+def _trained_on_host(phases: _Phases, timeline: Timeline) -> int:
+    """Bytes of the parameters the optimizers stepped on the host, when none they stepped was on
+    the emulated GPU and no device memory was allocated in a forward or backward: the program
+    trained on the CPU, and the answer is not its training's (a program that picks its device
+    by some other test than ``torch.cuda``'s). 0 otherwise (offloaded optimizer states step host
+    copies of parameters whose forward and backward ran on the device)."""
+    if phases.trainable or not phases.host_trained:
+        return 0
+    computed = (Phase.FORWARD, Phase.BACKWARD)
+    on_device = (
+        not host and phase in computed
+        for (_step, phase), host in zip(timeline.origin, timeline.on_host, strict=True)
+    )
+    return 0 if any(on_device) else sum(phases.host_trained.values())
 
 
 def _gpu_paths_note(tracker: StorageTracker, paged: PagedStates, triton: TritonLaunches) -> str:
