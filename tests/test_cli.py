@@ -84,6 +84,11 @@ BAD = {
     "malformed config": (["estimate", fixture("bad/truncated.json")], "not valid JSON"),
     "config without model_type": (["estimate", fixture("bad/no-model-type.json")], "model_type"),
     "unknown model type": (["estimate", fixture("bad/unknown-type.json")], "not-a-model"),
+    # issue 32: it grew to 20 GB before it was killed
+    "world size beyond any cluster": (
+        ["estimate", fixture("tiny-llama.json"), "--world-size", "100000000"],
+        "world-size 100,000,000 is beyond any training cluster",
+    ),
     "unknown task": (
         ["estimate", fixture("tiny-llama.json"), "--task", "translation"],
         "invalid choice",

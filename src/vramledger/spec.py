@@ -35,6 +35,12 @@ Target = Literal["cuda", "cpu"]
 TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
 
+MAX_RANKS = 2**17
+"""131,072 ranks: above the largest GPU clusters built for training (100,000 H100s in xAI's
+Colossus, 2024); a larger world size is a typo, and per-rank work grows with it
+(``--world-size 100000000`` grew to 20 GB and was killed)."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
     """Everything that decides the memory of a training step. Each field's docstring is its
@@ -244,6 +250,12 @@ class TrainingSpec:
             ):
                 raise InputError(
                     f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
+                )
+            if value is not None and value > MAX_RANKS:
+                raise InputError(
+                    f"{name.replace('_', '-')} {value:,} is beyond any training cluster "
+                    f"(vramledger models at most {MAX_RANKS:,} ranks)",
+                    hint="check the number",
                 )
         if (self.nodes is None) != (self.gpus_per_node is None):
             raise InputError(
