@@ -58,22 +58,30 @@ class HostTensors:
     host stand-ins; ``own``: the ``_cdata`` of the real storages vramledger holds (known
     values), read once per scan."""
 
-    def __init__(self, host_mode: Any, own: Callable[[], set[int]], max_steps: int) -> None:
+    def __init__(
+        self, host_mode: Any, own: Callable[[], set[int]], max_steps: int, listed: bool = True
+    ) -> None:
+        self.listed = listed
+        """False: nothing is scanned or listed (a program run as several ranks)."""
         self.host_mode = host_mode
         self.own = own
         self.max_steps = max_steps
         self.found: list[HostTensor] = []
         """The latest scan's entries, largest first."""
-        self._before: list[Any] = [
-            st
-            for t in _live_tensors()
-            if is_real_host(t, host_mode, set()) and (st := _storage(t)) is not None
-        ]
+        self._before: list[Any] = (
+            [
+                st
+                for t in _live_tensors()
+                if is_real_host(t, host_mode, set()) and (st := _storage(t)) is not None
+            ]
+            if listed
+            else []
+        )
         """The host storages alive before the program started (this process's, not the
         program's), held so that their addresses are not reused while it runs."""
 
     def after_step(self, step: int) -> None:
-        if step <= SCANNED_STEPS or step == self.max_steps:
+        if self.listed and (step <= SCANNED_STEPS or step == self.max_steps):
             self.found = self.scan()
 
     def scan(self) -> list[HostTensor]:

@@ -320,7 +320,10 @@ def trace_program(
     cpu_kernels = CpuKernels(tracker._substitutes, tracker, cpu=policy.name == "cpu")
     tracker._substitutes = cpu_kernels
     observer = TrackerObserver(tracker, policy.host_resident)
-    host_tensors = HostTensors(host.mode, values.storages, spec.max_steps)
+    # several ranks run one after another in this process: what one rank's frames reach on the
+    # host is not told apart from the others' (torchtitan's two ranks listed 24.7 MB of
+    # full-size fp32 weights that neither real process holds), so only one rank's are listed
+    host_tensors = HostTensors(host.mode, values.storages, spec.max_steps, listed=world is None)
     phases = _Phases(tracker, observer, mode, spec.max_steps, tracker.module_names, host_tensors)
     stand_ins = ValueStandIns(values)
     quantization = EmulatedQuantization(phases.register, cuda_target=policy.name == "cuda")
