@@ -102,6 +102,11 @@ class DeviceMode(TorchFunctionMode):
                 return torch.overrides.redispatch_function(func, types, args, kwargs)
         if self.reports_cuda and (host := self._to_host(func, args, kwargs)) is not None:
             return host
+        if func is torch.device and len(args) == 1 and type(args[0]) is int:
+            # a bare index is the accelerator's device (transformers' device_map {"": 0},
+            # is_accelerator_device); a CPU-only PyTorch has none ("Cannot access accelerator
+            # device when none is available")
+            return torch.device("cuda", args[0])
         if func in _TENSOR_TO:
             to_args, to_kwargs = index_as_cuda(
                 args[1:], {k: v for k, v in kwargs.items() if k != "copy"}

@@ -39,6 +39,7 @@ Everything is restored on exit.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -50,6 +51,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import BackwardCFunction
 
+from ..checkpoint_shapes import SYNCHRONOUS_LOADING
 from .cuda_api import (
     EmulatedGpu,
     MemoryCounter,
@@ -134,6 +136,9 @@ class CudaEmulation:
         import torch.cuda.memory
         import torch.cuda.nccl
 
+        # the emulation is a thread-local mode: transformers' loading threads would reach the
+        # real (absent) CUDA backend (`tensor.to(device=0)` in a worker under --measure)
+        self._stack.enter_context(mock.patch.dict(os.environ, {SYNCHRONOUS_LOADING: "1"}))
         cuda = cuda_functions(self.gpu, self.counter)
         for module_name in CUDA_MODULES:
             module = sys.modules[module_name]
