@@ -258,3 +258,13 @@ def test_a_program_that_trains_on_the_host_is_told_loudly(capsys):
     capsys.readouterr()
     assert main(["run", "--json", "--", program, "--device", "cuda"]) == 0
     assert json.loads(capsys.readouterr().out)["trained_on_host_bytes"] == 0
+
+
+def test_a_launcher_is_said_to_train_in_a_child_process(capsys):
+    """A program that starts its training in a child Python process: the answer says that the
+    child is not followed, and names its command (``trl sft`` runs ``trl/scripts/sft.py`` so)."""
+    report = run_program(_spec("launches_child"), gpu="h100-80gb")
+    capsys.readouterr()
+    assert report.steps == 0
+    [child] = [n for n in report.notes if n.startswith("the program started 1 Python process")]
+    assert "print('child: training would run here')" in child

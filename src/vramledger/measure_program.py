@@ -33,7 +33,14 @@ from .measure.local import run_on_local_gloo
 from .parallel.dtensor_rng import host_rng_on_emulated_mesh
 from .parallel.program_deepspeed import real_program_deepspeed
 from .predict_program import DEFAULT_GPU, emulated_gpu, with_rank_programs
-from .program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
+from .program import (
+    ProgramFailed,
+    ProgramRun,
+    ProgramSpec,
+    children_note,
+    launch,
+    skipped_saves_note,
+)
 from .torchrun_env import TorchrunRank, as_rank
 from .trace.cuda_emulation import CudaEmulation
 from .trace.device_mappings import CpuForCuda
@@ -189,6 +196,7 @@ def _measure_one(spec: ProgramSpec, gpu: str | None) -> ProgramMeasurement:
         notes=[
             "measured: the program ran for real on CPU, 'cuda' mapped onto the CPU",
             *([skipped_saves_note(run.skipped_saves)] if run.skipped_saves else []),
+            *([children_note(run.children)] if run.children else []),
         ],
         exit_code=run.exit_code,
         seconds=time.perf_counter() - start,

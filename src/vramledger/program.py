@@ -152,6 +152,8 @@ class ProgramFailed(VramledgerError):
         self.exception = exc
         self.program_traceback = program_traceback
         self.steps = steps
+        self.children: list[str] = []
+        """Python processes the program had started (``ProgramRun.children``)."""
         self.confirmed = False
         """A run with no trace raised it too (``attribution.py``), or this was that run: the
         error is the program's. Until then it is not said whose it is."""
@@ -198,6 +200,9 @@ class ProgramRun:
     """Each optimizer's name (its class, numbered when two share one)."""
     skipped_saves: list[str] = field(default_factory=list)
     """Where the program asked to save (``torch.save at train.py:80``), skipped."""
+    children: list[str] = field(default_factory=list)
+    """Python processes the program started (``accelerate launch``, ``trl sft``): their
+    commands, which vramledger does not follow (:func:`children_note`)."""
     exit_code: int = 0
     seconds: float = 0.0
 
@@ -368,6 +373,47 @@ def _default_device_kept() -> Iterator[None]:
             torch.set_default_device(None if before is None else before.device)
 
 
+def _is_python(argv0: str) -> bool:
+    name = os.path.basename(argv0)
+    return os.path.realpath(argv0) == os.path.realpath(sys.executable) or bool(
+        re.fullmatch(r"python[\d.]*", name)
+    )
+
+
+@contextlib.contextmanager
+def _children_seen(run: ProgramRun) -> Iterator[None]:
+    """Record the Python processes the program starts (``subprocess.Popen`` of an interpreter):
+    a launcher (``accelerate launch``, ``trl sft``) trains in a child, which runs without
+    vramledger."""
+    import shlex
+    import subprocess
+
+    original = subprocess.Popen.__init__
+
+    def init(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
+        argv = shlex.split(args) if isinstance(args, str) else [os.fspath(a) for a in args]
+        if argv and _is_python(argv[0]):
+            run.children.append(shlex.join(argv))
+        original(self, args, *rest, **kwargs)
+
+    subprocess.Popen.__init__ = init  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        subprocess.Popen.__init__ = original  # type: ignore[method-assign]
+
+
+def children_note(children: list[str]) -> str:
+    """What the answer says of the Python processes the program started."""
+    first = children[0] if len(children[0]) <= 200 else children[0][:197] + "..."
+    return (
+        f"the program started {len(children)} Python process"
+        f"{'es' if len(children) != 1 else ''} that vramledger does not follow ({first}): "
+        "what they allocate is not in this answer; run that command under vramledger "
+        "(`vramledger run -- python SCRIPT ...`, or -m MODULE)"
+    )
+
+
 @contextlib.contextmanager
 def _alarm(seconds: float | None) -> Iterator[None]:
     """Raise ``StopProgram('timeout')`` in the main thread after ``seconds``."""
@@ -519,6 +565,7 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
             _default_device_kept(),
             _scripts_followed(),
             skipped_saves(run),
+            _children_seen(run),
             _alarm(spec.timeout),
         ):
             target()
@@ -533,7 +580,9 @@ def launch(spec: ProgramSpec, hooks: StepHooks | None = None) -> ProgramRun:
     except VramledgerError:
         raise
     except Exception as exc:
-        raise ProgramFailed(exc, program_traceback(exc), run.steps) from exc
+        failed = ProgramFailed(exc, program_traceback(exc), run.steps)
+        failed.children = run.children
+        raise failed from exc
     finally:
         for handle in handles:
             handle.remove()

@@ -66,7 +66,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     import contextlib
 
     from ..attribution import TraceFailed
-    from ..program import ProgramFailed, ProgramSpec, parse_command
+    from ..program import ProgramFailed, ProgramSpec, children_note, parse_command
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -102,6 +102,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         )
         print(f"vramledger: the program raised; its traceback ({whose}):", file=sys.stderr)
         print(failed.program_traceback.rstrip(), file=sys.stderr)
+        if failed.children:
+            print(f"vramledger: note: {children_note(failed.children)}", file=sys.stderr)
         print(f"vramledger: error: {failed.one_line()}", file=sys.stderr)
         return 1
     except TraceFailed as failed:

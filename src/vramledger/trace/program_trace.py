@@ -43,7 +43,14 @@ from ..categories import Category, Phase
 from ..checkpoint_shapes import weights_without_data
 from ..errors import TraceError
 from ..offline_hub import offline_hub
-from ..program import ProgramFailed, ProgramRun, ProgramSpec, launch, skipped_saves_note
+from ..program import (
+    ProgramFailed,
+    ProgramRun,
+    ProgramSpec,
+    children_note,
+    launch,
+    skipped_saves_note,
+)
 from ..timeline import Timeline
 from ..training import grad_category, param_category
 from .compiled import compiled_regions
@@ -551,6 +558,8 @@ def _notes(
         )
     if run.skipped_saves:
         notes.append(skipped_saves_note(run.skipped_saves))
+    if run.children:
+        notes.insert(0, children_note(run.children))
     if tracker.scalars_answered:
         notes.append(
             "optimizer.step() read scalar values with .item(); fake tensors have none, so "
