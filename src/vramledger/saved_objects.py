@@ -8,8 +8,10 @@ save is remembered here by where it went (the file's resolved path, or the buffe
 ``torch.load`` of the same place is answered from it: new tensors of the saved ones' shapes,
 dtypes, strides and storages (a view is a view of its storage's copy, as ``torch.load`` restores
 it), on the device ``map_location`` names or the saved one's, made by the program's own factories
-(so the emulation places them), values undefined. Memory is what a real load allocates; the file
-on disk is left as the program left it.
+(so the emulation places them), holding the saved values (a fake tensor's are none; a real one's
+are copied: an optimizer's ``step`` read back as uninitialised memory overflowed AdamW's bias
+correction). Memory is what a real load allocates; the file on disk is left as the program left
+it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from unittest import mock
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_map_only
 
 
@@ -62,6 +65,10 @@ def fresh_copy(obj: Any, map_location: Any = None) -> Any:
                 count, dtype=t.dtype, device=_device(t.device, map_location)
             )
         made = storages[key].as_strided(t.size(), t.stride(), t.storage_offset())
+        if isinstance(made, FakeTensor) or not isinstance(t, FakeTensor):
+            made.copy_(t)
+        else:  # a fake tensor has no values to give a real one: ones (a step count of 1)
+            made.fill_(1)
         if isinstance(t, nn.Parameter):
             return nn.Parameter(made, requires_grad=t.requires_grad)
         return made.requires_grad_(t.requires_grad) if t.is_floating_point() else made
