@@ -32,6 +32,32 @@ def _printed(text: str) -> dict[str, int]:
     return {m[1]: int(m[2]) for m in re.finditer(r"^(.*) peak bytes: (\d+)$", text, re.M)}
 
 
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return {f for line in text.splitlines() if line.startswith("flags") for f in line.split()}
+
+
+ONEDNN_BF16_SCRATCH = (
+    256
+    if "avx512_bf16" in _cpu_flags()
+    and "amx_bf16" not in _cpu_flags()
+    and os.environ.get("ONEDNN_MAX_CPU_ISA") is None
+    else 0
+)
+"""autocast_bf16.py on a CPU whose oneDNN runs bf16 with AVX512-BF16 (and no AMX: AMD Zen 4
+here): the real run's steady steps count 256 bytes the prediction does not (485,072 vs 484,816,
+in a separate process and in the suite alike), with LayerNorm under bf16 autocast (without it,
+exact); under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` or ``AVX2`` on the same machine both are
+455,112, exact. Scratch inside a oneDNN bf16 kernel that the probe (trace/cpu_scratch.py) does
+not see; not traced to the kernel (docs/test-bounds.md). The last landed CI run passed with 0:
+oneDNN keeps scratch with its cached primitives, so whether a run allocates it depends on what
+ran before in the process; the test takes either, the same in every comparison. A CPU with AMX
+is not measured."""
+
+
 HOST_DATASET = 128 * 64 * 4 + 128 * 8
 """data_loader.py's TensorDataset, in host memory: a GPU's allocator never sees it, the real CPU
 run's allocator counts it (measure_program.py)."""
@@ -44,7 +70,7 @@ run's allocator counts it (measure_program.py)."""
         ("gan", 0),
         ("ema", 0),
         ("distill", 0),
-        ("autocast_bf16", 0),
+        ("autocast_bf16", {0, ONEDNN_BF16_SCRATCH}),
         ("device_of_input", 0),
         ("accelerate_ema", 0),
         ("default_device", 0),
@@ -82,6 +108,10 @@ def test_target_cpu_equals_the_real_cpu_run(name, allowance, capsys):
     measured = measure_program(_spec(name))
     printed_measured = _printed(capsys.readouterr().out)
     assert printed_predicted
+    if isinstance(allowance, set):  # one of these, the same in every comparison
+        extra = measured.windows[0].peak_bytes - predicted.windows[0].peak_bytes
+        assert extra in allowance, extra
+        allowance = extra
     assert {k: v + allowance for k, v in printed_predicted.items()} == printed_measured
     assert [(w.optimizer, w.steps, w.peak_bytes + allowance) for w in predicted.windows] == [
         (w.optimizer, w.steps, w.peak_bytes) for w in measured.windows
