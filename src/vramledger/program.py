@@ -373,13 +373,6 @@ def _default_device_kept() -> Iterator[None]:
             torch.set_default_device(None if before is None else before.device)
 
 
-def _is_python(argv0: str) -> bool:
-    name = os.path.basename(argv0)
-    return os.path.realpath(argv0) == os.path.realpath(sys.executable) or bool(
-        re.fullmatch(r"python[\d.]*", name)
-    )
-
-
 @contextlib.contextmanager
 def _children_seen(run: ProgramRun) -> Iterator[None]:
     """Record the Python processes the program starts (``subprocess.Popen`` of an interpreter):
@@ -392,7 +385,7 @@ def _children_seen(run: ProgramRun) -> Iterator[None]:
 
     def init(self: Any, args: Any, *rest: Any, **kwargs: Any) -> None:
         argv = shlex.split(args) if isinstance(args, str) else [os.fspath(a) for a in args]
-        if argv and _is_python(argv[0]):
+        if argv and is_interpreter(argv[0]):
             run.children.append(shlex.join(argv))
         original(self, args, *rest, **kwargs)
 
