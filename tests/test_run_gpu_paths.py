@@ -174,6 +174,10 @@ def test_a_failure_in_vramledgers_emulation_is_vramledgers(monkeypatch):
         run_program_checked(_spec("accelerator_device"), gpu="h100-80gb")
 
 
+DATA_PARALLEL_HOST_INPUT = 32 * 128 * 4
+"""data_parallel.py's host input, ``torch.randn(32, 128)`` in fp32."""
+
+
 def test_data_parallel_on_one_gpu(capsys):
     """``nn.DataParallel(model).cuda()`` (issue 33: its device check and ``torch._C._scatter``
     failed): with one GPU it scatters the host input onto it and runs the module; --target cpu
@@ -185,7 +189,7 @@ def test_data_parallel_on_one_gpu(capsys):
     predicted = run_program(_spec("data_parallel"), target="cpu")
     measured = measure_program(_spec("data_parallel"))
     capsys.readouterr()
-    host = 32 * 128 * 4
+    host = DATA_PARALLEL_HOST_INPUT
     assert predicted.to_dict()["host_bytes"] == host
     assert measured.step_peaks[1] - predicted.step_peaks[1] == host
     assert {k: v for k, v in predicted.step_peaks.items() if k > 1} == {
