@@ -12,13 +12,13 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .categories import Category, Phase
-from .errors import InputError, TraceError, VramledgerError
-from .ledger import Ledger
-from .version import __version__
+from vramledger.categories import Category, Phase
+from vramledger.errors import InputError, TraceError, VramledgerError
+from vramledger.ledger import Ledger
+from vramledger.version import __version__
 
 if TYPE_CHECKING:
-    from .spec import TrainingSpec
+    from vramledger.spec import TrainingSpec
 
 _LAZY = {"TrainingSpec": "spec"}
 """Public names whose modules import torch: imported when first asked for."""
@@ -36,8 +36,8 @@ def __getattr__(name: str) -> Any:
 
 
 def _quiet_estimate() -> Any:
-    from .chatter import library_chatter_quieted
-    from .predict import estimate as _estimate
+    from vramledger.chatter import library_chatter_quieted
+    from vramledger.predict import estimate as _estimate
 
     @functools.wraps(_estimate)
     def estimate(*args: Any, **kwargs: Any) -> Ledger:

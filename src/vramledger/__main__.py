@@ -3,6 +3,6 @@ answered from the cache before torch is imported: ``answer_cache.py``)."""
 
 import sys
 
-from .answer_cache import run
+from vramledger.answer_cache import run
 
 sys.exit(run())

@@ -33,10 +33,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .config_flags import check_agrees
-from .errors import InputError
-from .recipe import resolve
-from .spec import TrainingSpec
+from vramledger.config_flags import check_agrees
+from vramledger.errors import InputError
+from vramledger.recipe import resolve
+from vramledger.spec import TrainingSpec
 
 ACCELERATE_MODELLED = "1.15"
 """The accelerate version whose config format and FSDP2 wrapping are modelled here."""

@@ -36,8 +36,8 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from .compat import import_tested
-from .errors import InputError
+from vramledger.compat import import_tested
+from vramledger.errors import InputError
 
 Quantize = Literal["nf4", "fp4", "int8"]
 QUANTIZE: tuple[str, ...] = Quantize.__args__  # type: ignore[attr-defined]

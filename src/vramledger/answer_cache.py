@@ -25,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .cache import CACHE_DIR_VARIABLE, NO_CACHE_VARIABLE, Store, enabled, path_fingerprint
+from vramledger.cache import CACHE_DIR_VARIABLE, NO_CACHE_VARIABLE, Store, enabled, path_fingerprint
 
 ANSWERED = ("estimate", "fit", "plan")
 """Commands whose answers are kept: predictions from the files and options given."""
@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             return 0
-    from .cli import main as cli_main
+    from vramledger.cli import main as cli_main
 
     if key is None:
         return cli_main(args)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 """``--attn-implementation`` values: transformers' names."""

@@ -30,8 +30,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .errors import VramledgerError
-from .program import ProgramFailed, ProgramSpec
+from vramledger.errors import VramledgerError
+from vramledger.program import ProgramFailed, ProgramSpec
 
 PROGRAMS_OWN = (
     "its plain run on the CPU (no vramledger trace) raised the same: the error is the program's"
@@ -89,7 +89,7 @@ def _first_line(exc: BaseException) -> str:
 def attributed(failed: ProgramFailed, spec: ProgramSpec, gpu: str | None) -> VramledgerError:
     """What to raise for a trace that failed with ``failed``: the program's confirmed failure,
     :class:`TraceFailed`, or ``failed`` with both sides' exceptions (module docstring)."""
-    from .measure_program import measure_program
+    from vramledger.measure_program import measure_program
 
     plain = replace(spec, max_steps=failed.steps + 1, timeout=spec.timeout)
     try:
@@ -118,7 +118,7 @@ def attributed(failed: ProgramFailed, spec: ProgramSpec, gpu: str | None) -> Vra
 def run_program_checked(spec: ProgramSpec, **kwargs: Any) -> Any:
     """``predict_program.run_program(spec, **kwargs)``; a failure is attributed after the plain
     run (:func:`attributed`)."""
-    from .predict_program import run_program
+    from vramledger.predict_program import run_program
 
     try:
         return run_program(spec, **kwargs)

@@ -56,10 +56,10 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .adapters import quantized_tensors
-from .categories import Category
-from .errors import TraceError
-from .import_hooks import when_imported
+from vramledger.adapters import quantized_tensors
+from vramledger.categories import Category
+from vramledger.errors import TraceError
+from vramledger.import_hooks import when_imported
 
 MODULE = "bitsandbytes.nn.modules"
 LIGHTNING_MODULE = "lightning.fabric.plugins.precision.bitsandbytes"

@@ -30,7 +30,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from .version import __version__
+from vramledger.version import __version__
 
 CACHE_DIR_VARIABLE = "VRAMLEDGER_CACHE_DIR"
 """Environment variable naming the cache's folder (default: the user's cache directory)."""

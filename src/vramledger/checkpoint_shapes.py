@@ -49,8 +49,8 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import InputError
-from .import_hooks import when_imported
+from vramledger.errors import InputError
+from vramledger.import_hooks import when_imported
 
 HEADER_LENGTH_BYTES = 8
 """A safetensors file opens with its header's length, an unsigned 64-bit little-endian int."""

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 
 def enable_hf_checkpointing(model: nn.Module) -> None:

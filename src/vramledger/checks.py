@@ -8,8 +8,8 @@ hint never suggests what the user already did.
 
 from __future__ import annotations
 
-from .recipe import Recipe
-from .tasks import position_limit
+from vramledger.recipe import Recipe
+from vramledger.tasks import position_limit
 
 
 def request_warnings(recipe: Recipe) -> list[str]:

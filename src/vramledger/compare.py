@@ -22,15 +22,15 @@ from typing import Any
 
 import torch
 
-from .categories import Category
-from .errors import InputError
-from .optimizers import resolve_optimizer
-from .recipe import resolve
-from .replay import replay, steady_peak
-from .sources import BatchShape, load_callable
-from .spec import TrainingSpec
-from .trace.tracker import StorageTracker, TrackerObserver, storages_of
-from .training import NullObserver, assemble, optimizer_state_tensors
+from vramledger.categories import Category
+from vramledger.errors import InputError
+from vramledger.optimizers import resolve_optimizer
+from vramledger.recipe import resolve
+from vramledger.replay import replay, steady_peak
+from vramledger.sources import BatchShape, load_callable
+from vramledger.spec import TrainingSpec
+from vramledger.trace.tracker import StorageTracker, TrackerObserver, storages_of
+from vramledger.training import NullObserver, assemble, optimizer_state_tensors
 
 EMA_ALPHA = 0.05
 """Weight of the newest loss in the smoothed curve."""

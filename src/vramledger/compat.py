@@ -19,7 +19,7 @@ import os
 import re
 from types import ModuleType
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 TESTED_RANGES: dict[str, tuple[str, str]] = {
     "deepspeed": ("0.19", "0.20"),

@@ -16,9 +16,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
-from .spec import TrainingSpec
-from .spec_fields import option_flag
+from vramledger.errors import InputError
+from vramledger.spec import TrainingSpec
+from vramledger.spec_fields import option_flag
 
 
 def check_agrees(spec: TrainingSpec, fields: dict[str, Any], config: str, path: str) -> None:

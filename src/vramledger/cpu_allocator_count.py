@@ -24,7 +24,7 @@ import functools
 import shutil
 from types import ModuleType
 
-from .errors import VramledgerError
+from vramledger.errors import VramledgerError
 
 EXTENSION_NAME = "vramledger_cpu_allocator_count"
 

@@ -20,10 +20,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from .config_flags import check_agrees
-from .errors import InputError
-from .jsonfile import read_json_object
-from .spec import TrainingSpec
+from vramledger.config_flags import check_agrees
+from vramledger.errors import InputError
+from vramledger.jsonfile import read_json_object
+from vramledger.spec import TrainingSpec
 
 STAGES = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
 _IGNORED_TOP = {

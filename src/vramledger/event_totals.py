@@ -19,7 +19,7 @@ from itertools import accumulate
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .timeline import Timeline
+    from vramledger.timeline import Timeline
 
 
 class EventTotals:

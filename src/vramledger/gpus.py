@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
-from .units import format_bytes, parse_bytes
+from vramledger.errors import InputError
+from vramledger.units import format_bytes, parse_bytes
 
 CATALOGUE_FILE = Path(__file__).parent / "data" / "gpus.json"
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 
 def read_json_object(path: str | Path, what: str, hint: str) -> dict[str, Any]:

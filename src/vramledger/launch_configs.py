@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from .accelerate_config import apply_accelerate
-from .deepspeed_config import apply_deepspeed, read_deepspeed_config
-from .spec import TrainingSpec
+from vramledger.accelerate_config import apply_accelerate
+from vramledger.deepspeed_config import apply_deepspeed, read_deepspeed_config
+from vramledger.spec import TrainingSpec
 
 
 def apply_configs(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:

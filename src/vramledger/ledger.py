@@ -11,13 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from .allocator import AllocatorModel
-from .categories import Category, Phase
-from .event_totals import EventTotals
-from .peak_modules import ModuleBytes, modules_at_peak, top_modules
-from .replay import replay, steady_peak, steady_phase_peaks, steady_reserved_peak
-from .timeline import Timeline
-from .verdict import Verdict
+from vramledger.allocator import AllocatorModel
+from vramledger.categories import Category, Phase
+from vramledger.event_totals import EventTotals
+from vramledger.peak_modules import ModuleBytes, modules_at_peak, top_modules
+from vramledger.replay import replay, steady_peak, steady_phase_peaks, steady_reserved_peak
+from vramledger.timeline import Timeline
+from vramledger.verdict import Verdict
 
 TOP_MODULES = 10
 """How many modules the top-activation list and the modules at the peak keep."""

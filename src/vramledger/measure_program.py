@@ -25,15 +25,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import cpu_allocator_count as count
-from .bnb_weights import quantizing_move, real_quantization
-from .errors import VramledgerError
-from .gpus import resolve_gpu
-from .measure.local import run_on_local_gloo
-from .parallel.dtensor_rng import host_rng_on_emulated_mesh
-from .parallel.program_deepspeed import real_program_deepspeed
-from .predict_program import DEFAULT_GPU, emulated_gpu, with_rank_programs
-from .program import (
+from vramledger import cpu_allocator_count as count
+from vramledger.bnb_weights import quantizing_move, real_quantization
+from vramledger.errors import VramledgerError
+from vramledger.gpus import resolve_gpu
+from vramledger.measure.local import run_on_local_gloo
+from vramledger.parallel.dtensor_rng import host_rng_on_emulated_mesh
+from vramledger.parallel.program_deepspeed import real_program_deepspeed
+from vramledger.predict_program import DEFAULT_GPU, emulated_gpu, with_rank_programs
+from vramledger.program import (
     ProgramFailed,
     ProgramRun,
     ProgramSpec,
@@ -41,10 +41,10 @@ from .program import (
     launch,
     skipped_saves_note,
 )
-from .torchrun_env import TorchrunRank, as_rank
-from .trace.cuda_emulation import CudaEmulation
-from .trace.device_mappings import CpuForCuda
-from .windows import OptimizerWindow, optimizer_windows
+from vramledger.torchrun_env import TorchrunRank, as_rank
+from vramledger.trace.cuda_emulation import CudaEmulation
+from vramledger.trace.device_mappings import CpuForCuda
+from vramledger.windows import OptimizerWindow, optimizer_windows
 
 COUNTED = "cpu_allocator_count: every CPU allocation on every thread, from the program's start"
 

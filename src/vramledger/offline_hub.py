@@ -20,8 +20,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from .checkpoint_shapes import replace_everywhere
-from .errors import InputError
+from vramledger.checkpoint_shapes import replace_everywhere
+from vramledger.errors import InputError
 
 OFFLINE_VARIABLE = "HF_HUB_OFFLINE"
 

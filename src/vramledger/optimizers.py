@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .compat import import_tested
-from .errors import InputError
-from .sources import load_callable
+from vramledger.compat import import_tested
+from vramledger.errors import InputError
+from vramledger.sources import load_callable
 
 # torch.optim classes whose ``step()`` cannot run in a plain training loop.
 _UNSUPPORTED = {

@@ -23,9 +23,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from .categories import Phase
-from .event_totals import live_at
-from .timeline import Timeline
+from vramledger.categories import Phase
+from vramledger.event_totals import live_at
+from vramledger.timeline import Timeline
 
 OUTSIDE = "(outside any module)"
 """The row of storages allocated while no module ran."""

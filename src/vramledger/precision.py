@@ -41,7 +41,7 @@ from typing import Literal
 import torch
 from torch import nn
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 Precision = Literal["fp32", "bf16-mixed", "16-mixed", "bf16-true", "bf16-master", "fp16-master"]
 

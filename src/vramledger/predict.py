@@ -10,24 +10,24 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from .checks import request_warnings
-from .gpus import precision_warnings
-from .launch_configs import apply_configs
-from .ledger import Ledger, build_ledger
-from .parallel.deepspeed_engine import DeepSpeedZero, deepspeed_config
-from .parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
-from .parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
-from .parallel.engines import DataParallel, zero1_partition
-from .parallel.mesh import MeshParallel, mesh_coords, mesh_rank_groups, uses_mesh
-from .parallel.pipeline import PipelineParallel, pipeline_rank_groups
-from .recipe import resolve
-from .spec import TrainingSpec
-from .trace.fake import trace
-from .trace.target_policy import policy_for
-from .trace.values import CONCRETE_ROUTINGS
-from .units import format_bytes
-from .verdict import verdict
-from .version import __version__
+from vramledger.checks import request_warnings
+from vramledger.gpus import precision_warnings
+from vramledger.launch_configs import apply_configs
+from vramledger.ledger import Ledger, build_ledger
+from vramledger.parallel.deepspeed_engine import DeepSpeedZero, deepspeed_config
+from vramledger.parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
+from vramledger.parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
+from vramledger.parallel.engines import DataParallel, zero1_partition
+from vramledger.parallel.mesh import MeshParallel, mesh_coords, mesh_rank_groups, uses_mesh
+from vramledger.parallel.pipeline import PipelineParallel, pipeline_rank_groups
+from vramledger.recipe import resolve
+from vramledger.spec import TrainingSpec
+from vramledger.trace.fake import trace
+from vramledger.trace.target_policy import policy_for
+from vramledger.trace.values import CONCRETE_ROUTINGS
+from vramledger.units import format_bytes
+from vramledger.verdict import verdict
+from vramledger.version import __version__
 
 __all__ = ["as_spec", "estimate", "policy_for", "rank_groups"]
 

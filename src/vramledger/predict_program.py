@@ -14,21 +14,21 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from .categories import Category
-from .gpus import Gpu, resolve_gpu
-from .ledger import Ledger, build_ledger, replay
-from .parallel.program_pipeline import StageMail
-from .parallel.program_world import ProgramWorld
-from .predict import policy_for
-from .program import ProgramSpec
-from .torchrun_env import TorchrunRank
-from .trace.cuda_api import EmulatedGpu
-from .trace.host_tensors import HostTensor
-from .trace.program_blocks import trace_program_blocks
-from .trace.program_trace import trace_program
-from .verdict import DEFAULT_MARGIN, verdict
-from .version import __version__
-from .windows import OptimizerWindow, optimizer_windows
+from vramledger.categories import Category
+from vramledger.gpus import Gpu, resolve_gpu
+from vramledger.ledger import Ledger, build_ledger, replay
+from vramledger.parallel.program_pipeline import StageMail
+from vramledger.parallel.program_world import ProgramWorld
+from vramledger.predict import policy_for
+from vramledger.program import ProgramSpec
+from vramledger.torchrun_env import TorchrunRank
+from vramledger.trace.cuda_api import EmulatedGpu
+from vramledger.trace.host_tensors import HostTensor
+from vramledger.trace.program_blocks import trace_program_blocks
+from vramledger.trace.program_trace import trace_program
+from vramledger.verdict import DEFAULT_MARGIN, verdict
+from vramledger.version import __version__
+from vramledger.windows import OptimizerWindow, optimizer_windows
 
 DEFAULT_GPU = "h100-80gb"
 """What ``torch.cuda.get_device_properties`` describes when no ``--gpu`` is given (compute

@@ -30,10 +30,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from .checkpoint_shapes import replace_everywhere
-from .errors import InputError, VramledgerError
-from .program_frames import PROGRAM_DIRS, program_location, program_name_of, program_traceback
-from .saved_objects import SavedObjects
+from vramledger.checkpoint_shapes import replace_everywhere
+from vramledger.errors import InputError, VramledgerError
+from vramledger.program_frames import (
+    PROGRAM_DIRS,
+    program_location,
+    program_name_of,
+    program_traceback,
+)
+from vramledger.saved_objects import SavedObjects
 
 DEFAULT_MAX_STEPS = 20
 """Optimizer steps in all (every optimizer counted) after which the program is stopped."""

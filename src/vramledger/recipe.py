@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .adapters import (
+from vramledger.adapters import (
     apply_lora,
     freeze,
     index_dependent_option,
@@ -22,12 +22,12 @@ from .adapters import (
     quantize_linears,
     trainable_choice,
 )
-from .checkpointing import checkpoint_modules, enable_hf_checkpointing
-from .config_depth import config_depth, shallow_config
-from .errors import InputError, TraceError, VramledgerError
-from .optimizers import OptimizerChoice, resolve_optimizer
-from .precision import PrecisionPolicy, cast_model, dtype_name, precision_policy
-from .sources import (
+from vramledger.checkpointing import checkpoint_modules, enable_hf_checkpointing
+from vramledger.config_depth import config_depth, shallow_config
+from vramledger.errors import InputError, TraceError, VramledgerError
+from vramledger.optimizers import OptimizerChoice, resolve_optimizer
+from vramledger.precision import PrecisionPolicy, cast_model, dtype_name, precision_policy
+from vramledger.sources import (
     BatchShape,
     Inputs,
     LossFn,
@@ -36,7 +36,7 @@ from .sources import (
     resolve_loss,
     resolve_model,
 )
-from .spec import TrainingSpec
+from vramledger.spec import TrainingSpec
 
 
 @dataclass(frozen=True, kw_only=True)

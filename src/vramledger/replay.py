@@ -15,11 +15,11 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .allocator import AllocatorModel
-from .categories import CATEGORY_PRIORITY, MODEL_STATE_CATEGORIES, Category, Phase
-from .event_totals import EventTotals, live_at, sizes_in
-from .peak_modules import OUTSIDE
-from .timeline import Timeline
+from vramledger.allocator import AllocatorModel
+from vramledger.categories import CATEGORY_PRIORITY, MODEL_STATE_CATEGORIES, Category, Phase
+from vramledger.event_totals import EventTotals, live_at, sizes_in
+from vramledger.peak_modules import OUTSIDE
+from vramledger.timeline import Timeline
 
 _NCAT = len(CATEGORY_PRIORITY)
 

@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from torch.utils import _pytree as pytree
 
-from .attention import register_modelled_flash_attention
-from .errors import InputError
-from .jsonfile import read_json_object
-from .tasks import (
+from vramledger.attention import register_modelled_flash_attention
+from vramledger.errors import InputError
+from vramledger.jsonfile import read_json_object
+from vramledger.tasks import (
     KINDS,
     TASKS,
     TEXT_ONLY_SPEECH,

@@ -10,16 +10,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
-from .adapters import QUANTIZE, parse_lora
-from .attention import IMPLEMENTATIONS, check_implementation
-from .errors import InputError
-from .gpus import Gpu, modelled_compute_capability, resolve_gpu
-from .parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
-from .precision import PRECISIONS, Precision, canonical_precision
-from .spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
-from .tasks import TASKS
-from .units import parse_bytes
-from .verdict import DEFAULT_MARGIN, check_margin
+from vramledger.adapters import QUANTIZE, parse_lora
+from vramledger.attention import IMPLEMENTATIONS, check_implementation
+from vramledger.errors import InputError
+from vramledger.gpus import Gpu, modelled_compute_capability, resolve_gpu
+from vramledger.parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
+from vramledger.precision import PRECISIONS, Precision, canonical_precision
+from vramledger.spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
+from vramledger.tasks import TASKS
+from vramledger.units import parse_bytes
+from vramledger.verdict import DEFAULT_MARGIN, check_margin
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 """MoE routing policies (trace/values.py answers router choices by them)."""

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import Field, dataclass
 from typing import Any, Literal
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 Section = Literal["model", "optimizer", "precision", "step", "parallelism", "adapters", "gpu"]
 SECTIONS: dict[Section, str] = {

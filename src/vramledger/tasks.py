@@ -23,7 +23,7 @@ from typing import Any, Literal
 
 import torch
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 Task = Literal[
     "causal-lm",

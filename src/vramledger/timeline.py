@@ -12,7 +12,7 @@ import bisect
 import copy
 from dataclasses import dataclass, field, fields
 
-from .categories import CATEGORY_RANK, Category, Phase
+from vramledger.categories import CATEGORY_RANK, Category, Phase
 
 
 @dataclass(kw_only=True)

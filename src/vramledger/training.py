@@ -16,12 +16,18 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
-from .adapters import quantization_state
-from .categories import Category, Phase
-from .errors import InputError
-from .optimizers import OptimizerChoice
-from .precision import DynamicLossScaler, MasterWeights, PrecisionPolicy, autocast, is_fake
-from .sources import LossFn, map_tensors, tensor_leaves
+from vramledger.adapters import quantization_state
+from vramledger.categories import Category, Phase
+from vramledger.errors import InputError
+from vramledger.optimizers import OptimizerChoice
+from vramledger.precision import (
+    DynamicLossScaler,
+    MasterWeights,
+    PrecisionPolicy,
+    autocast,
+    is_fake,
+)
+from vramledger.sources import LossFn, map_tensors, tensor_leaves
 
 
 class StepObserver(Protocol):

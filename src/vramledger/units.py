@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 
-from .errors import InputError
+from vramledger.errors import InputError
 
 KIB = 1024
 MIB = 1024**2

@@ -13,9 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import InputError
-from .gpus import Gpu
-from .units import GIB, format_bytes
+from vramledger.errors import InputError
+from vramledger.gpus import Gpu
+from vramledger.units import GIB, format_bytes
 
 DEFAULT_MARGIN = 2 * GIB
 """Kept back when no ``--margin`` is given (the planner's default since it was written)."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .program import ProgramRun
+from vramledger.program import ProgramRun
 
 
 @dataclass(frozen=True, kw_only=True)

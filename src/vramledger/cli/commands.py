@@ -7,17 +7,17 @@ import json
 import sys
 from typing import Any
 
-from .. import cache
-from ..errors import InputError
-from ..precision import canonical_precision
-from ..units import format_bytes
-from .options import spec_from_args
-from .report import report, report_program, with_progress
+from vramledger import cache
+from vramledger.cli.options import spec_from_args
+from vramledger.cli.report import report, report_program, with_progress
+from vramledger.errors import InputError
+from vramledger.precision import canonical_precision
+from vramledger.units import format_bytes
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from ..predict import estimate
-    from ..render.terminal import ledger_table
+    from vramledger.predict import estimate
+    from vramledger.render.terminal import ledger_table
 
     return report(args, estimate(spec_from_args(args)), ledger_table)
 
@@ -25,9 +25,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 def cmd_measure(args: argparse.Namespace) -> int:
     import torch.distributed as dist
 
-    from ..measure import measure
-    from ..parallel.real import torchrun_group
-    from ..render.terminal import measurement_table
+    from vramledger.measure import measure
+    from vramledger.parallel.real import torchrun_group
+    from vramledger.render.terminal import measurement_table
 
     with torchrun_group(args.device) as world:
         if world is not None and args.world_size == 1:
@@ -39,9 +39,9 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from ..compare import compare
-    from ..render.plots import comparison_plot
-    from ..render.terminal import comparison_table
+    from vramledger.compare import compare
+    from vramledger.render.plots import comparison_plot
+    from vramledger.render.terminal import comparison_table
 
     optimizers = _names(args.optimizers, "--optimizers")
     spec = spec_from_args(args)
@@ -65,8 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     its memory; the program's own exception is shown as the program's."""
     import contextlib
 
-    from ..attribution import TraceFailed
-    from ..program import ProgramFailed, ProgramSpec, children_note, parse_command
+    from vramledger.attribution import TraceFailed
+    from vramledger.program import ProgramFailed, ProgramSpec, children_note, parse_command
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -86,11 +86,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with output:
             if args.measure:
-                from ..measure_program import measure_program
+                from vramledger.measure_program import measure_program
 
                 result = measure_program(spec, gpu=args.gpu, quiet=args.json)
             else:
-                from ..attribution import run_program_checked
+                from vramledger.attribution import run_program_checked
 
                 result = run_program_checked(spec, target=args.target, gpu=args.gpu)
     except ProgramFailed as failed:
@@ -132,15 +132,15 @@ def _names(text: str, option: str) -> list[str]:
 
 
 def _gpu(args: argparse.Namespace) -> Any:
-    from ..gpus import resolve_gpu
+    from vramledger.gpus import resolve_gpu
 
     return resolve_gpu(args.gpu, args.gpu_memory)
 
 
 def _margin(args: argparse.Namespace) -> tuple[int, str]:
     """The explicit margin, plus a rehearsal's residual when --margin-from gives one."""
-    from ..units import format_bytes, parse_bytes
-    from ..verdict import DEFAULT_MARGIN, MARGIN_SOURCE
+    from vramledger.units import format_bytes, parse_bytes
+    from vramledger.verdict import DEFAULT_MARGIN, MARGIN_SOURCE
 
     if args.margin is None:
         margin, source = DEFAULT_MARGIN, MARGIN_SOURCE
@@ -156,7 +156,7 @@ def _margin(args: argparse.Namespace) -> tuple[int, str]:
 
 def read_rehearsal_residual(path: str) -> int:
 
-    from ..jsonfile import read_json_object
+    from vramledger.jsonfile import read_json_object
 
     hint = "write it with `vramledger rehearse ... --json > FILE`"
     data = read_json_object(path, "rehearsal file", hint=hint)
@@ -170,9 +170,9 @@ def read_rehearsal_residual(path: str) -> int:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from ..plan.search import plan
-    from ..plan.workers import start_fork_server
-    from ..render.planning import plan_table
+    from vramledger.plan.search import plan
+    from vramledger.plan.workers import start_fork_server
+    from vramledger.render.planning import plan_table
 
     if args.workers is None or args.workers > 1:
         start_fork_server()  # its imports overlap this process's own (as fit's)
@@ -221,14 +221,14 @@ def _degrees(text: str, option: str, auto: bool = False) -> list[int] | None:
 
 
 def _host_memory(args: argparse.Namespace) -> int | None:
-    from ..units import parse_bytes
+    from vramledger.units import parse_bytes
 
     return parse_bytes(args.host_memory, option="--host-memory") if args.host_memory else None
 
 
 def cmd_advise(args: argparse.Namespace) -> int:
-    from ..plan.advise import DEFAULT_GPUS_PER_NODE, advise
-    from ..render.planning import advice_table
+    from vramledger.plan.advise import DEFAULT_GPUS_PER_NODE, advise
+    from vramledger.render.planning import advice_table
 
     gpu = _gpu(args)
     margin, _ = _margin(args)
@@ -243,9 +243,9 @@ def cmd_advise(args: argparse.Namespace) -> int:
 
 
 def cmd_fit(args: argparse.Namespace) -> int:
-    from ..plan.fit import fit
-    from ..plan.workers import start_fork_server
-    from ..render.planning import fit_table
+    from vramledger.plan.fit import fit
+    from vramledger.plan.workers import start_fork_server
+    from vramledger.render.planning import fit_table
 
     if args.workers is None or args.workers > 1:
         start_fork_server()
@@ -291,9 +291,9 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_rehearse(args: argparse.Namespace) -> int:
-    from ..plan.rehearse import rehearse
-    from ..render.planning import rehearsal_table
-    from ..render.plots import rehearsal_plot
+    from vramledger.plan.rehearse import rehearse
+    from vramledger.render.planning import rehearsal_table
+    from vramledger.render.plots import rehearsal_plot
 
     try:
         depths = [int(d) for d in _names(args.depths, "--depths")]
@@ -323,7 +323,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from ..serve.app import serve
+    from vramledger.serve.app import serve
 
     return serve(
         Path(args.dir) if args.dir else None,

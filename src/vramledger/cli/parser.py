@@ -8,13 +8,7 @@ import dataclasses
 import functools
 from typing import Any
 
-from ..plan.fit import MAXIMIZE, SEQ_STEP
-from ..precision import PRECISIONS
-from ..program import ProgramSpec
-from ..spec import TARGETS
-from ..spec_fields import field_docs, option_flag
-from ..version import __version__
-from .commands import (
+from vramledger.cli.commands import (
     cmd_advise,
     cmd_cache,
     cmd_compare,
@@ -26,7 +20,13 @@ from .commands import (
     cmd_run,
     cmd_serve,
 )
-from .options import GPU_OPTIONS, PARALLEL_OPTIONS, add_spec_options
+from vramledger.cli.options import GPU_OPTIONS, PARALLEL_OPTIONS, add_spec_options
+from vramledger.plan.fit import MAXIMIZE, SEQ_STEP
+from vramledger.precision import PRECISIONS
+from vramledger.program import ProgramSpec
+from vramledger.spec import TARGETS
+from vramledger.spec_fields import field_docs, option_flag
+from vramledger.version import __version__
 
 
 def _add_output_options(

@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
-from ..errors import InputError
+from vramledger.errors import InputError
 
 
 def with_progress(args: argparse.Namespace, run: Callable[[Any], Any]) -> Any:
@@ -35,17 +35,17 @@ def report(
     if plotted:
         plot(result, args.plot)
     if getattr(args, "html", None):
-        from ..render.html import write_html
+        from vramledger.render.html import write_html
 
         write_html(result, args.html)
     if getattr(args, "memory_snapshot", None):
-        from ..render.snapshot import write_memory_snapshot
+        from vramledger.render.snapshot import write_memory_snapshot
 
         write_memory_snapshot(result, args.memory_snapshot)
     if args.json:
         print(json.dumps(result.to_dict(), indent=2))
     else:
-        from ..render.terminal import print_renderable
+        from vramledger.render.terminal import print_renderable
 
         print_renderable(table(result))
         if plotted:
@@ -61,8 +61,8 @@ a --timeout stop)."""
 def report_program(args: argparse.Namespace, result: Any) -> int:
     """Write the HTML report and memory snapshot of the program's ledger if asked, then print
     JSON or the tables; the exit status says how the program ended."""
-    from ..render.program import measured_program_table, program_table
-    from ..render.terminal import print_renderable
+    from vramledger.render.program import measured_program_table, program_table
+    from vramledger.render.terminal import print_renderable
 
     ledger = getattr(result, "ledger", None)
     for option in ("html", "memory_snapshot"):
@@ -74,7 +74,7 @@ def report_program(args: argparse.Namespace, result: Any) -> int:
     if args.html:
         from pathlib import Path
 
-        from ..render.html import ledger_html
+        from vramledger.render.html import ledger_html
 
         try:
             Path(args.html).write_text(
@@ -85,7 +85,7 @@ def report_program(args: argparse.Namespace, result: Any) -> int:
                 f"cannot write {args.html}: {exc.strerror}", hint="check the path"
             ) from exc
     if args.memory_snapshot:
-        from ..render.snapshot import write_memory_snapshot
+        from vramledger.render.snapshot import write_memory_snapshot
 
         write_memory_snapshot(ledger, args.memory_snapshot)
     if args.json:
@@ -94,7 +94,7 @@ def report_program(args: argparse.Namespace, result: Any) -> int:
         table = measured_program_table if args.measure else program_table
         print_renderable(table(result))
     if (host := getattr(result, "trained_on_host_bytes", 0)) and not args.allow_host_training:
-        from ..predict_program import TRAINED_ON_HOST
+        from vramledger.predict_program import TRAINED_ON_HOST
 
         print(
             f"vramledger: warning: {TRAINED_ON_HOST.format(nbytes=host)} (exit status "

@@ -41,24 +41,24 @@ import torch
 import torch.distributed as dist
 from torch.profiler import profile, record_function
 
-from .. import cpu_allocator_count
-from ..allocator_events import memory_events, ranges, recording
-from ..categories import CATEGORY_PRIORITY, Category, Phase
-from ..errors import InputError
-from ..launch_configs import apply_configs
-from ..ledger import Ledger, build_ledger
-from ..parallel.engines import adapt_recipe
-from ..parallel.real import in_step_context, real_optimizer, wrap_real
-from ..predict import as_spec
-from ..predict import estimate as predict
-from ..recipe import count_parameters, module_names, resolve
-from ..spec import TrainingSpec
-from ..trace.target_policy import policy_for
-from ..trace.tracker import StorageTracker, TrackerObserver
-from ..training import NullObserver, assemble
-from ..version import __version__
-from .deepspeed import measure_deepspeed
-from .pipeline import measure_pipeline
+from vramledger import cpu_allocator_count
+from vramledger.allocator_events import memory_events, ranges, recording
+from vramledger.categories import CATEGORY_PRIORITY, Category, Phase
+from vramledger.errors import InputError
+from vramledger.launch_configs import apply_configs
+from vramledger.ledger import Ledger, build_ledger
+from vramledger.measure.deepspeed import measure_deepspeed
+from vramledger.measure.pipeline import measure_pipeline
+from vramledger.parallel.engines import adapt_recipe
+from vramledger.parallel.real import in_step_context, real_optimizer, wrap_real
+from vramledger.predict import as_spec
+from vramledger.predict import estimate as predict
+from vramledger.recipe import count_parameters, module_names, resolve
+from vramledger.spec import TrainingSpec
+from vramledger.trace.target_policy import policy_for
+from vramledger.trace.tracker import StorageTracker, TrackerObserver
+from vramledger.training import NullObserver, assemble
+from vramledger.version import __version__
 
 _STEP_LABEL = "vramledger.step{}"
 

@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from .. import cpu_allocator_count
-from ..categories import Category, Phase
-from ..ledger import Ledger, build_ledger
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..trace.target_policy import policy_for
-from ..training import NullObserver
-from ..version import __version__
+from vramledger import cpu_allocator_count
+from vramledger.categories import Category, Phase
+from vramledger.ledger import Ledger, build_ledger
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.target_policy import policy_for
+from vramledger.training import NullObserver
+from vramledger.version import __version__
 
 
 def allocator_counter(cuda: bool) -> tuple[Callable[[], None], Callable[[], int]]:

@@ -14,16 +14,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..errors import InputError
-from ..launch_configs import apply_configs
-from ..parallel.deepspeed_engine import build_run
-from ..parallel.deepspeed_runtime import deepspeed_modules, deepspeed_state, real_deepspeed
-from ..parallel.fake_group import forget_sharding_propagation
-from ..parallel.real import shut_down_group
-from ..recipe import count_parameters, module_names, resolve
-from ..spec import TrainingSpec
-from ..trace.tracker import StorageTracker, TrackerObserver
-from .counting import PlainCountingObserver, RankMeasurement, allocator_counter, rank_measurement
+from vramledger.errors import InputError
+from vramledger.launch_configs import apply_configs
+from vramledger.measure.counting import (
+    PlainCountingObserver,
+    RankMeasurement,
+    allocator_counter,
+    rank_measurement,
+)
+from vramledger.parallel.deepspeed_engine import build_run
+from vramledger.parallel.deepspeed_runtime import deepspeed_modules, deepspeed_state, real_deepspeed
+from vramledger.parallel.fake_group import forget_sharding_propagation
+from vramledger.parallel.real import shut_down_group
+from vramledger.recipe import count_parameters, module_names, resolve
+from vramledger.spec import TrainingSpec
+from vramledger.trace.tracker import StorageTracker, TrackerObserver
 
 
 def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:

@@ -22,9 +22,9 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .. import cpu_allocator_count
-from ..parallel.real import shut_down_group
-from . import measure
+from vramledger import cpu_allocator_count
+from vramledger.measure import measure
+from vramledger.parallel.real import shut_down_group
 
 RESULT_TIMEOUT_S = 900
 """Longest wait for one rank's result of one case."""

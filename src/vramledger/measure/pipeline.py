@@ -12,13 +12,18 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import InputError
-from ..parallel.mesh import build_mesh, mesh_coords
-from ..parallel.pipeline import PipelineParallel, PipelineRank
-from ..recipe import count_parameters, module_names, resolve
-from ..spec import TrainingSpec
-from ..trace.tracker import StorageTracker, TrackerObserver
-from .counting import PlainCountingObserver, RankMeasurement, allocator_counter, rank_measurement
+from vramledger.errors import InputError
+from vramledger.measure.counting import (
+    PlainCountingObserver,
+    RankMeasurement,
+    allocator_counter,
+    rank_measurement,
+)
+from vramledger.parallel.mesh import build_mesh, mesh_coords
+from vramledger.parallel.pipeline import PipelineParallel, PipelineRank
+from vramledger.recipe import count_parameters, module_names, resolve
+from vramledger.spec import TrainingSpec
+from vramledger.trace.tracker import StorageTracker, TrackerObserver
 
 
 def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:

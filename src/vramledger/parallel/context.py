@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
+from vramledger.errors import InputError
 
 SEQ_BUFFERS = ("input_ids", "labels", "position_ids", "attention_mask", "token_type_ids")
 """Batch entries whose dimension 1 is the sequence."""

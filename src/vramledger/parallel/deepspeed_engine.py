@@ -47,19 +47,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..categories import Category, Phase
-from ..deepspeed_config import DEEPSPEED_HINT
-from ..errors import InputError
-from ..jsonfile import read_json_object
-from ..optimizers import OptimizerChoice
-from ..precision import PrecisionPolicy
-from ..recipe import Recipe
-from ..sources import LossFn, tensor_leaves
-from ..spec import TrainingSpec
-from ..trace.program_trace import STANDS_FOR
-from ..training import MASTER_GRADIENT, StepObserver, cast_floating
-from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world, quiet, version
-from .engines import DataParallel, fake_world
+from vramledger.categories import Category, Phase
+from vramledger.deepspeed_config import DEEPSPEED_HINT
+from vramledger.errors import InputError
+from vramledger.jsonfile import read_json_object
+from vramledger.optimizers import OptimizerChoice
+from vramledger.parallel.deepspeed_runtime import (
+    deepspeed_modules,
+    fake_deepspeed_world,
+    quiet,
+    version,
+)
+from vramledger.parallel.engines import DataParallel, fake_world
+from vramledger.precision import PrecisionPolicy
+from vramledger.recipe import Recipe
+from vramledger.sources import LossFn, tensor_leaves
+from vramledger.spec import TrainingSpec
+from vramledger.trace.program_trace import STANDS_FOR
+from vramledger.training import MASTER_GRADIENT, StepObserver, cast_floating
 
 DEEPSPEED_PRECISIONS = {
     "fp32": {},

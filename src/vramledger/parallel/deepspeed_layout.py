@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .deepspeed_runtime import deepspeed_modules, fake_deepspeed_world
-from .engines import fake_world
+from vramledger.parallel.deepspeed_runtime import deepspeed_modules, fake_deepspeed_world
+from vramledger.parallel.engines import fake_world
 
 NCCL_START_ALIGNMENT_FACTOR = 2
 """Elements each partition start is aligned to, per rank: ``nccl_start_alignment_factor = 2``

@@ -14,20 +14,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..categories import Category
-from ..errors import InputError
-from ..parallelism import Parallelism
-from ..precision import PrecisionPolicy
-from ..recipe import Recipe
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from .fake_group import fake_process_group
-from .fsdp_units import apply_fully_shard
-from .strategy import (
+from vramledger.categories import Category
+from vramledger.errors import InputError
+from vramledger.parallel.fake_group import fake_process_group
+from vramledger.parallel.fsdp_units import apply_fully_shard
+from vramledger.parallel.strategy import (
     OFFLOADED,
     apply_offload,
     master_shard_fraction,
 )
+from vramledger.parallelism import Parallelism
+from vramledger.precision import PrecisionPolicy
+from vramledger.recipe import Recipe
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
 
 DDP_FIRST_BUCKET_BYTES = 1024**2
 """``dist._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket is capped at 1 MiB."""

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..errors import InputError
+from vramledger.errors import InputError
 
 
 def ep_plan(model: nn.Module) -> dict[str, str]:

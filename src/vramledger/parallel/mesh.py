@@ -30,20 +30,20 @@ from typing import Any
 
 from torch import nn
 
-from ..categories import Category
-from ..config_depth import config_depth
-from ..errors import InputError
-from ..recipe import Recipe, resolve
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..trace.engine import Track
-from ..training import assemble
-from .context import check_context_parallel, context_parallel_step
-from .engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
-from .experts import apply_expert_parallel, symmetric_count_exchange
-from .fake_group import fake_process_group
-from .fsdp_units import apply_fully_shard, mixed_precision_policy
-from .tp_plans import tp_plan
+from vramledger.categories import Category
+from vramledger.config_depth import config_depth
+from vramledger.errors import InputError
+from vramledger.parallel.context import check_context_parallel, context_parallel_step
+from vramledger.parallel.engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
+from vramledger.parallel.experts import apply_expert_parallel, symmetric_count_exchange
+from vramledger.parallel.fake_group import fake_process_group
+from vramledger.parallel.fsdp_units import apply_fully_shard, mixed_precision_policy
+from vramledger.parallel.tp_plans import tp_plan
+from vramledger.recipe import Recipe, resolve
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.engine import Track
+from vramledger.training import assemble
 
 MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """torchtitan's order of mesh dimensions, outermost first."""

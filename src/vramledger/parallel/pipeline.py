@@ -60,16 +60,13 @@ from dataclasses import replace
 
 from torch import nn
 
-from ..config_depth import config_depth
-from ..errors import InputError
-from ..recipe import Recipe
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from .engines import DataParallel, adapt_recipe
-from .mesh import fake_mesh, fsdp_degree
-from .pipeline_models import decoder_parts, stage_source
-from .pipeline_rank import PipelineRank
-from .pipeline_stages import (
+from vramledger.config_depth import config_depth
+from vramledger.errors import InputError
+from vramledger.parallel.engines import DataParallel, adapt_recipe
+from vramledger.parallel.mesh import fake_mesh, fsdp_degree
+from vramledger.parallel.pipeline_models import decoder_parts, stage_source
+from vramledger.parallel.pipeline_rank import PipelineRank
+from vramledger.parallel.pipeline_stages import (
     StagePlan,
     check_pipeline_spec,
     microbatches,
@@ -77,7 +74,10 @@ from .pipeline_stages import (
     rank_stage_plans,
     stage_layers,
 )
-from .pipeline_step import PipelineRun
+from vramledger.parallel.pipeline_step import PipelineRun
+from vramledger.recipe import Recipe
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
 
 
 class PipelineParallel:

@@ -11,12 +11,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..categories import Category, Phase
-from ..errors import InputError
-from ..precision import autocast
-from ..spec import TrainingSpec
-from ..training import TrainingRun, assemble
-from .mesh import (
+from vramledger.categories import Category, Phase
+from vramledger.errors import InputError
+from vramledger.parallel.mesh import (
     MeshRankEngine,
     applied,
     apply_inner_parallelism,
@@ -24,8 +21,11 @@ from .mesh import (
     mesh_coords,
     meshes_outside_the_trace,
 )
-from .pipeline_stages import StagePlan, microbatches
-from .pipeline_step import PipelineRun, unsharded_gradients
+from vramledger.parallel.pipeline_stages import StagePlan, microbatches
+from vramledger.parallel.pipeline_step import PipelineRun, unsharded_gradients
+from vramledger.precision import autocast
+from vramledger.spec import TrainingSpec
+from vramledger.training import TrainingRun, assemble
 
 SCHEDULE_CLASSES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",

@@ -45,10 +45,10 @@ from unittest import mock
 
 import torch
 
-from ..categories import Category
-from ..import_hooks import when_imported
-from .deepspeed_engine import tag_optimizer_buffers
-from .deepspeed_runtime import (
+from vramledger.categories import Category
+from vramledger.import_hooks import when_imported
+from vramledger.parallel.deepspeed_engine import tag_optimizer_buffers
+from vramledger.parallel.deepspeed_runtime import (
     FAKE_RUN_WARNINGS,
     cpu_accelerator,
     deepspeed_modules,
@@ -126,7 +126,7 @@ def _engines_told(
     """Each ``DeepSpeedEngine`` the program builds: its strategy (``zero<stage>``) and a note;
     a ZeRO-1/2 optimizer's buffers tagged as the estimate tags them, from the moment it is
     built (``_configure_optimizer``, after DeepSpeed moved the model to its device)."""
-    from .deepspeed_engine import _Labels
+    from vramledger.parallel.deepspeed_engine import _Labels
 
     modules = deepspeed_modules()
     engine_class = modules.engine_class

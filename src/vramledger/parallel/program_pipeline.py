@@ -38,9 +38,9 @@ from unittest import mock
 
 import torch
 
-from ..categories import Category
-from ..errors import InputError
-from .pipeline_step import receive_buffers, works_hold_tensors
+from vramledger.categories import Category
+from vramledger.errors import InputError
+from vramledger.parallel.pipeline_step import receive_buffers, works_hold_tensors
 
 Register = Callable[[list[torch.Tensor], Category], None]
 

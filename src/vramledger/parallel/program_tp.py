@@ -26,8 +26,8 @@ from unittest import mock
 import torch
 from torch import nn
 
-from ..categories import Category
-from .mesh import COLLECTIVE_OP_CATEGORIES
+from vramledger.categories import Category
+from vramledger.parallel.mesh import COLLECTIVE_OP_CATEGORIES
 
 Replaced = Callable[[torch.Tensor, torch.Tensor], None]
 

@@ -37,14 +37,19 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from ..categories import Category
-from ..torchrun_env import TorchrunRank, as_rank
-from .dtensor_rng import host_rng_on_emulated_mesh
-from .engines import DDP_BUCKET_CAP_BYTES, DDP_FIRST_BUCKET_BYTES, FSDP_OP_CATEGORIES, ddp_buckets
-from .fake_group import fake_process_group
-from .program_deepspeed import program_deepspeed
-from .program_pipeline import StageMail, program_pipelines
-from .program_tp import program_tensor_parallel
+from vramledger.categories import Category
+from vramledger.parallel.dtensor_rng import host_rng_on_emulated_mesh
+from vramledger.parallel.engines import (
+    DDP_BUCKET_CAP_BYTES,
+    DDP_FIRST_BUCKET_BYTES,
+    FSDP_OP_CATEGORIES,
+    ddp_buckets,
+)
+from vramledger.parallel.fake_group import fake_process_group
+from vramledger.parallel.program_deepspeed import program_deepspeed
+from vramledger.parallel.program_pipeline import StageMail, program_pipelines
+from vramledger.parallel.program_tp import program_tensor_parallel
+from vramledger.torchrun_env import TorchrunRank, as_rank
 
 Register = Callable[[list[torch.Tensor], Category], None]
 """Tags tensors with a category in the trace (``program_trace._Phases.register``)."""

@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from ..categories import Category, Phase
-from ..parallelism import Parallelism
-from ..precision import PrecisionPolicy
-from ..timeline import Timeline
+from vramledger.categories import Category, Phase
+from vramledger.parallelism import Parallelism
+from vramledger.precision import PrecisionPolicy
+from vramledger.timeline import Timeline
 
 FP32_ITEMSIZE = 4
 

@@ -22,19 +22,19 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..categories import MODEL_STATE_CATEGORIES, Category, Phase
-from ..event_totals import live_at
-from ..gpus import Gpu
-from ..launch_configs import apply_configs
-from ..ledger import Ledger
-from ..optimizers import resolve_optimizer
-from ..predict import estimate
-from ..recipe import resolve
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..trace.blocks import find_block_stack
-from ..verdict import DEFAULT_MARGIN, check_margin, verdict
-from .candidates import DEFAULT_GPUS_PER_NODE
+from vramledger.categories import MODEL_STATE_CATEGORIES, Category, Phase
+from vramledger.event_totals import live_at
+from vramledger.gpus import Gpu
+from vramledger.launch_configs import apply_configs
+from vramledger.ledger import Ledger
+from vramledger.optimizers import resolve_optimizer
+from vramledger.plan.candidates import DEFAULT_GPUS_PER_NODE
+from vramledger.predict import estimate
+from vramledger.recipe import resolve
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.blocks import find_block_stack
+from vramledger.verdict import DEFAULT_MARGIN, check_margin, verdict
 
 TOP_TEMPORARIES = 5
 MIN_SAVING = 0.005

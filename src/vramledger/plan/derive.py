@@ -38,18 +38,18 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..categories import Category, Phase
-from ..parallel.deepspeed_layout import (
+from vramledger.categories import Category, Phase
+from vramledger.parallel.deepspeed_layout import (
     REDUCE_BUCKET_ELEMENTS,
     RankPartition,
     even_partitions,
     reduction_buckets,
     reduction_order,
 )
-from ..parallel.strategy import FP32_ITEMSIZE, apply_offload, half_shard_fraction
-from ..parallelism import Parallelism
-from ..timeline import Timeline
-from ..training import MASTER_GRADIENT
+from vramledger.parallel.strategy import FP32_ITEMSIZE, apply_offload, half_shard_fraction
+from vramledger.parallelism import Parallelism
+from vramledger.timeline import Timeline
+from vramledger.training import MASTER_GRADIENT
 
 
 @dataclass(frozen=True, kw_only=True)

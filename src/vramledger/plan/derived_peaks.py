@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from ..allocator import CUDA_CACHING_ALLOCATOR
-from ..event_totals import EventTotals
-from ..parallelism import Parallelism
-from ..recipe import resolve
-from ..replay import steady_peaks, steady_tensor_peak
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..trace.blocks import find_block_stack
-from .derive import DerivedLayout, ModelFacts, derive, derive_layout
+from vramledger.allocator import CUDA_CACHING_ALLOCATOR
+from vramledger.event_totals import EventTotals
+from vramledger.parallelism import Parallelism
+from vramledger.plan.derive import DerivedLayout, ModelFacts, derive, derive_layout
+from vramledger.recipe import resolve
+from vramledger.replay import steady_peaks, steady_tensor_peak
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.blocks import find_block_stack
 
 
 def model_facts(spec: TrainingSpec) -> ModelFacts:

@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
-from ..ledger import Ledger
-from ..predict import estimate
-from ..recipe import count_parameters, resolve
-from ..spec import TrainingSpec
-from .runner import extension_family, verifies_extension
-from .workers import WORKERS_AT_ONCE_PARAMETERS, available_cpus, start_pool
+from vramledger.ledger import Ledger
+from vramledger.plan.runner import extension_family, verifies_extension
+from vramledger.plan.workers import WORKERS_AT_ONCE_PARAMETERS, available_cpus, start_pool
+from vramledger.predict import estimate
+from vramledger.recipe import count_parameters, resolve
+from vramledger.spec import TrainingSpec
 
 
 def workers_for(spec: TrainingSpec) -> tuple[int, tuple[str, ...]]:

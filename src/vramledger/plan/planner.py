@@ -7,11 +7,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from ..gpus import Gpu
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..units import GIB, format_bytes
-from .candidates import (
+from vramledger.gpus import Gpu
+from vramledger.plan.candidates import (
     DERIVED,
     ESTIMATED,
     PLANNED_STRATEGIES,
@@ -22,9 +19,12 @@ from .candidates import (
     pareto,
     preference,
 )
-from .derive import ModelFacts
-from .derived_peaks import DerivedPeaks, fewest
-from .runner import Runner
+from vramledger.plan.derive import ModelFacts
+from vramledger.plan.derived_peaks import DerivedPeaks, fewest
+from vramledger.plan.runner import Runner
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.units import GIB, format_bytes
 
 VERIFY_TRIES = 4
 """Re-estimates allowed per answer when moving its GPU count."""

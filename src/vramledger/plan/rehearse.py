@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
-from ..categories import STEP_PHASES, Category, Phase
-from ..config_depth import config_depth, shallow_config
-from ..errors import InputError
-from ..measure import measure
-from ..predict import estimate
-from ..recipe import resolve
-from ..replay import breakdown_at, replay, steady_phase_point
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from .narrow import narrow_config
+from vramledger.categories import STEP_PHASES, Category, Phase
+from vramledger.config_depth import config_depth, shallow_config
+from vramledger.errors import InputError
+from vramledger.measure import measure
+from vramledger.plan.narrow import narrow_config
+from vramledger.predict import estimate
+from vramledger.recipe import resolve
+from vramledger.replay import breakdown_at, replay, steady_phase_point
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
 
 Progress = Callable[[str, int, int], None]
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..gpus import Gpu
-from .candidates import DEFAULT_GPUS_PER_NODE, Candidate
-from .layouts import LayoutResult
+from vramledger.gpus import Gpu
+from vramledger.plan.candidates import DEFAULT_GPUS_PER_NODE, Candidate
+from vramledger.plan.layouts import LayoutResult
 
 
 @dataclass(frozen=True, kw_only=True)

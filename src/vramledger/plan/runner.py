@@ -29,13 +29,13 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
-from ..ledger import Ledger
-from ..predict import estimate
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..trace.fake import trace
-from ..trace.target_policy import policy_for
-from .workers import available_cpus, start_pool
+from vramledger.ledger import Ledger
+from vramledger.plan.workers import available_cpus, start_pool
+from vramledger.predict import estimate
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.fake import trace
+from vramledger.trace.target_policy import policy_for
 
 WORKER_MIN_TRACE_SECONDS = 1.0
 """Workers start only when the first trace took at least this long: starting them costs the

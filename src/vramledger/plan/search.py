@@ -34,15 +34,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from ..config_depth import config_depth
-from ..errors import InputError
-from ..gpus import Gpu
-from ..launch_configs import apply_configs
-from ..optimizers import resolve_optimizer
-from ..recipe import resolve
-from ..spec import TrainingSpec
-from ..verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
-from .candidates import (
+from vramledger.config_depth import config_depth
+from vramledger.errors import InputError
+from vramledger.gpus import Gpu
+from vramledger.launch_configs import apply_configs
+from vramledger.optimizers import resolve_optimizer
+from vramledger.plan.candidates import (
     DEFAULT_GPUS_PER_NODE,
     ESTIMATED,
     PLANNED_OFFLOADS,
@@ -51,9 +48,9 @@ from .candidates import (
     pareto,
     preference,
 )
-from .derive import ModelFacts
-from .derived_peaks import DerivedPeaks, fewest, model_facts
-from .layouts import (
+from vramledger.plan.derive import ModelFacts
+from vramledger.plan.derived_peaks import DerivedPeaks, fewest, model_facts
+from vramledger.plan.layouts import (
     Layout,
     LayoutResult,
     auto_tp_degrees,
@@ -62,10 +59,13 @@ from .layouts import (
     likely_layouts,
     search_layouts,
 )
-from .planner import Planner
-from .result import Plan
-from .runner import Runner
-from .workers import WORKERS_AT_ONCE_PARAMETERS
+from vramledger.plan.planner import Planner
+from vramledger.plan.result import Plan
+from vramledger.plan.runner import Runner
+from vramledger.plan.workers import WORKERS_AT_ONCE_PARAMETERS
+from vramledger.recipe import resolve
+from vramledger.spec import TrainingSpec
+from vramledger.verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
 
 Progress = Callable[[str, int, int], None]
 

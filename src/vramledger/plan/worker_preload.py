@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-from ..chatter import quiet_import_chatter
+from vramledger.chatter import quiet_import_chatter
 
 PRELOADED = (
     "vramledger.predict",

@@ -8,12 +8,12 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from ..categories import CATEGORY_PRIORITY, Category
-from ..ledger import Ledger
-from ..plan.candidates import DERIVED
-from ..plan.search import Plan
-from ..replay import series
-from ..units import format_bytes
+from vramledger.categories import CATEGORY_PRIORITY, Category
+from vramledger.ledger import Ledger
+from vramledger.plan.candidates import DERIVED
+from vramledger.plan.search import Plan
+from vramledger.replay import series
+from vramledger.units import format_bytes
 
 COLOURS = {
     Category.PARAMETERS: "#4e79a7",

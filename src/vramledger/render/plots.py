@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..compare import Comparison, smooth
-from ..errors import InputError
-from ..plan.rehearse import Rehearsal
-from ..units import MIB
+from vramledger.compare import Comparison, smooth
+from vramledger.errors import InputError
+from vramledger.plan.rehearse import Rehearsal
+from vramledger.units import MIB
 
 
 def _pyplot():

@@ -7,12 +7,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from ..categories import Category
-from ..measure_program import ProgramMeasurement
-from ..predict_program import ProgramReport
-from ..units import format_bytes
-from ..windows import OptimizerWindow
-from .terminal import ledger_table
+from vramledger.categories import Category
+from vramledger.measure_program import ProgramMeasurement
+from vramledger.predict_program import ProgramReport
+from vramledger.render.terminal import ledger_table
+from vramledger.units import format_bytes
+from vramledger.windows import OptimizerWindow
 
 
 def _title(program: str, target: str, ending: str, steps: int, label: str) -> Text:

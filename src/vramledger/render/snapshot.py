@@ -20,12 +20,12 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from ..allocator import CUDA_CACHING_ALLOCATOR, Blocks
-from ..errors import InputError
-from ..event_totals import live_at
-from ..ledger import Ledger
-from ..replay import replay, steady_peak
-from ..timeline import Timeline
+from vramledger.allocator import CUDA_CACHING_ALLOCATOR, Blocks
+from vramledger.errors import InputError
+from vramledger.event_totals import live_at
+from vramledger.ledger import Ledger
+from vramledger.replay import replay, steady_peak
+from vramledger.timeline import Timeline
 
 DEVICE = 0
 STREAM = 0

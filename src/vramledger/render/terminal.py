@@ -8,13 +8,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from ..categories import STEP_PHASES, Category
-from ..compare import Comparison
-from ..ledger import TOP_MODULES, Ledger
-from ..measure import Measurement
-from ..peak_modules import PASS_NAMES, passes_used, top_modules
-from ..units import format_bytes
-from ..verdict import Verdict
+from vramledger.categories import STEP_PHASES, Category
+from vramledger.compare import Comparison
+from vramledger.ledger import TOP_MODULES, Ledger
+from vramledger.measure import Measurement
+from vramledger.peak_modules import PASS_NAMES, passes_used, top_modules
+from vramledger.units import format_bytes
+from vramledger.verdict import Verdict
 
 
 def _pct(part: int, whole: int) -> str:

@@ -26,10 +26,10 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from ..errors import InputError
-from .dispatch import Dispatcher
-from .page import page
-from .question import MAX_CONFIG_BYTES, Sources, parse_question
+from vramledger.errors import InputError
+from vramledger.serve.dispatch import Dispatcher
+from vramledger.serve.page import page
+from vramledger.serve.question import MAX_CONFIG_BYTES, Sources, parse_question
 
 MAX_IN_FLIGHT = 32
 """Requests handled at once; more are refused with 503 (the page makes one at a time)."""
@@ -45,11 +45,11 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def choices(sources: Sources) -> dict[str, Any]:
     """What the form offers: the CLI's own lists."""
-    from ..adapters import QUANTIZE
-    from ..gpus import CATALOGUE
-    from ..optimizers import known_names
-    from ..precision import PRECISIONS
-    from ..spec import STRATEGIES
+    from vramledger.adapters import QUANTIZE
+    from vramledger.gpus import CATALOGUE
+    from vramledger.optimizers import known_names
+    from vramledger.precision import PRECISIONS
+    from vramledger.spec import STRATEGIES
 
     return {
         "configs": sources.listed(),

@@ -29,7 +29,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
 
-from .question import Question
+from vramledger.serve.question import Question
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from ..render.html import CSS
+from vramledger.render.html import CSS
 
 PAGE_CSS = """
 [hidden]{display:none!important}

@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
-from ..errors import InputError
-from ..jsonfile import parse_json_object
+from vramledger.errors import InputError
+from vramledger.jsonfile import parse_json_object
 
 KINDS: tuple[str, ...] = ("estimate", "fit", "plan", "advise")
 """The answers the page asks for: each is the CLI command of the same name."""

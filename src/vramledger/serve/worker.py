@@ -41,7 +41,7 @@ as the page has them)."""
 def error_line(exc: BaseException, shown: dict[str, str] | None = None) -> str:
     """The line ``vramledger`` prints for this exception (cli.main), with the server's private
     paths replaced by the names the page shows."""
-    from ..errors import VramledgerError
+    from vramledger.errors import VramledgerError
 
     if isinstance(exc, VramledgerError):
         line = exc.one_line()
@@ -56,13 +56,13 @@ def error_line(exc: BaseException, shown: dict[str, str] | None = None) -> str:
 
 def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
     """HTML fragments answering ``question``, keyed by the part of the page they fill."""
-    from ..gpus import resolve_gpu
-    from ..plan.advise import DEFAULT_GPUS_PER_NODE, advise
-    from ..plan.fit import fit
-    from ..plan.search import plan
-    from ..predict import estimate
-    from ..render import charts, html
-    from ..spec import TrainingSpec
+    from vramledger.gpus import resolve_gpu
+    from vramledger.plan.advise import DEFAULT_GPUS_PER_NODE, advise
+    from vramledger.plan.fit import fit
+    from vramledger.plan.search import plan
+    from vramledger.predict import estimate
+    from vramledger.render import charts, html
+    from vramledger.spec import TrainingSpec
 
     kind, options = question["kind"], question["options"]
     fields = question["spec"]
@@ -79,7 +79,7 @@ def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
     gpu = spec.gpu_kind()
     if gpu is None:
         if kind == "fit":  # the CLI's lines: cmd_fit's, resolve_gpu's for plan and advise
-            from ..errors import InputError
+            from vramledger.errors import InputError
 
             raise InputError("fit needs a GPU", hint="pass --gpu NAME or --gpu-memory SIZE")
         gpu = resolve_gpu(None, None)
@@ -124,7 +124,7 @@ def private_names(question: dict[str, Any]) -> dict[str, str]:
 def summary(ledger: Any, shown: str) -> str:
     from html import escape
 
-    from ..units import format_bytes
+    from vramledger.units import format_bytes
 
     def _e(value: Any) -> str:
         return escape(str(value))
@@ -152,8 +152,8 @@ def _send(out: TextIO, message: dict[str, Any]) -> None:
 
 
 def warm_up() -> None:
-    from ..predict import estimate
-    from ..sources import hf_config_from_dict
+    from vramledger.predict import estimate
+    from vramledger.sources import hf_config_from_dict
 
     estimate(model=hf_config_from_dict(dict(WARM_UP_CONFIG)), seq_len=16)
 
@@ -166,16 +166,16 @@ def main(argv: list[str]) -> int:
     import warnings
 
     warnings.filterwarnings("ignore")
-    from ..chatter import library_chatter_quieted, quiet_import_chatter
+    from vramledger.chatter import library_chatter_quieted, quiet_import_chatter
 
     quiet_import_chatter()
     start = time.perf_counter()
     with library_chatter_quieted():
         import transformers  # noqa: F401
 
-        from .. import plan, predict  # noqa: F401
-        from ..plan import advise, fit, search  # noqa: F401
-        from ..render import html  # noqa: F401
+        from vramledger import plan, predict  # noqa: F401
+        from vramledger.plan import advise, fit, search  # noqa: F401
+        from vramledger.render import html  # noqa: F401
 
         if "--no-warm-up" not in argv:
             try:

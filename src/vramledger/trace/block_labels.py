@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..categories import Phase
+from vramledger.categories import Phase
 
 TIMED_PHASES = (Phase.FORWARD, Phase.BACKWARD)
 """The phases whose events belong to the block running, not to the block of their tensors."""

@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
-from ..categories import Phase
-from ..timeline import Timeline
+from vramledger.categories import Phase
+from vramledger.timeline import Timeline
 
 
 class NotExtensible(Exception):

@@ -25,9 +25,9 @@ from typing import Any
 
 from torch import nn
 
-from ..gc_pause import gc_paused
-from ..timeline import Timeline
-from .block_regions import NotExtensible, Region, find_regions
+from vramledger.gc_pause import gc_paused
+from vramledger.timeline import Timeline
+from vramledger.trace.block_regions import NotExtensible, Region, find_regions
 
 SMALL = 4
 """Blocks in the smaller trace."""

@@ -26,10 +26,10 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
-from ..cache import VERSIONED_PACKAGES, Store, path_fingerprint
-from ..categories import Category, Phase
-from ..spec import TrainingSpec
-from ..timeline import Timeline
+from vramledger.cache import VERSIONED_PACKAGES, Store, path_fingerprint
+from vramledger.categories import Category, Phase
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
 
 NOT_IN_KEY: dict[str, str] = {
     "gpu": "enters as the device policy's compute capability (what CUDA decides by); its name "

@@ -60,9 +60,9 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import _disable_current_modes
 
-from .eager_regions import run_eagerly
-from .inductor_stub import Active, codegen_only
-from .patched_functions import patched_functions
+from vramledger.trace.eager_regions import run_eagerly
+from vramledger.trace.inductor_stub import Active, codegen_only
+from vramledger.trace.patched_functions import patched_functions
 
 METHOD = (
     "Inductor's own generated wrapper (CPU C++ backend) run on the fake inputs with its kernels "

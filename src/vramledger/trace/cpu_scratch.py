@@ -23,10 +23,10 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
-from ..allocator_events import memory_events, peak_of, recording
-from ..sources import tensor_leaves
-from .tracker import StorageTracker
-from .wrapped_numbers import held_wrapped_bytes
+from vramledger.allocator_events import memory_events, peak_of, recording
+from vramledger.sources import tensor_leaves
+from vramledger.trace.tracker import StorageTracker
+from vramledger.trace.wrapped_numbers import held_wrapped_bytes
 
 aten = torch.ops.aten
 

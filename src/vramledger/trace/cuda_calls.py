@@ -29,8 +29,8 @@ from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 from torch.utils._device import _device_constructors
 from torch.utils._pytree import tree_map_only
 
-from .device_mappings import DeviceMapping
-from .host_stand_ins import DATA_FREE
+from vramledger.trace.device_mappings import DeviceMapping
+from vramledger.trace.host_stand_ins import DATA_FREE
 
 
 def index_as_cuda(args: tuple, kwargs: dict[str, Any]) -> tuple[tuple, dict[str, Any]]:

@@ -51,15 +51,15 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.autograd.function import BackwardCFunction
 
-from ..checkpoint_shapes import SYNCHRONOUS_LOADING
-from .cuda_api import (
+from vramledger.checkpoint_shapes import SYNCHRONOUS_LOADING
+from vramledger.trace.cuda_api import (
     EmulatedGpu,
     MemoryCounter,
     accelerator_functions,
     cuda_functions,
     nothing,
 )
-from .cuda_calls import (
+from vramledger.trace.cuda_calls import (
     DeviceMode,
     backward_under,
     host_device_contexts,
@@ -74,7 +74,7 @@ from .cuda_calls import (
     saved_tensors_hooks_under,
     wrapper_subclasses_on_host,
 )
-from .device_mappings import DeviceMapping
+from vramledger.trace.device_mappings import DeviceMapping
 
 NCCL_VERSION = (2, 27, 3)
 """What ``torch.cuda.nccl.version()`` answers: a recent NCCL (``nvidia-nccl-cu12`` 2.27.3, the

@@ -48,14 +48,13 @@ from typing import Any
 
 import torch
 
-from ..allocator import CUDA_CACHING_ALLOCATOR, AllocatorModel
-from ..categories import Category, Phase
-from ..gpus import DEFAULT_COMPUTE_CAPABILITY
-from ..optimizers import OptimizerChoice
-from ..units import format_bytes
-from .autocast_cuda import CudaAutocast
-from .policy import DevicePolicy
-from .sdpa_cuda import (
+from vramledger.allocator import CUDA_CACHING_ALLOCATOR, AllocatorModel
+from vramledger.categories import Category, Phase
+from vramledger.gpus import DEFAULT_COMPUTE_CAPABILITY
+from vramledger.optimizers import OptimizerChoice
+from vramledger.trace.autocast_cuda import CudaAutocast
+from vramledger.trace.policy import DevicePolicy
+from vramledger.trace.sdpa_cuda import (
     BACKENDS,
     BACKWARD_WORKSPACE,
     FLASH_MAX_HEAD_DIM,
@@ -68,7 +67,8 @@ from .sdpa_cuda import (
     minimum_gemm_alignment,
     priority_order,
 )
-from .tracker import OpObserver, StorageTracker
+from vramledger.trace.tracker import OpObserver, StorageTracker
+from vramledger.units import format_bytes
 
 aten = torch.ops.aten
 

@@ -15,11 +15,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, unset_fake
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
-from ..categories import Category
-from .host_stand_ins import HostStandIns, meta_of
-from .premul_sum import REDUCTIONS, reduce_then_scale
-from .value_stand_ins import FROM_DATA
-from .values import KNOWN_VALUE_CAP_BYTES
+from vramledger.categories import Category
+from vramledger.trace.host_stand_ins import HostStandIns, meta_of
+from vramledger.trace.premul_sum import REDUCTIONS, reduce_then_scale
+from vramledger.trace.value_stand_ins import FROM_DATA
+from vramledger.trace.values import KNOWN_VALUE_CAP_BYTES
 
 
 class DeviceMapping(Protocol):

@@ -8,12 +8,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..event_totals import EventTotals
-from ..sources import tensor_leaves
-from ..timeline import Timeline
-from ..units import format_bytes
-from .inductor_stub import Active
-from .tracker import storages_of
+from vramledger.event_totals import EventTotals
+from vramledger.sources import tensor_leaves
+from vramledger.timeline import Timeline
+from vramledger.trace.inductor_stub import Active
+from vramledger.trace.tracker import storages_of
+from vramledger.units import format_bytes
 
 
 def run_eagerly(

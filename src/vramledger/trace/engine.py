@@ -19,9 +19,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from ..categories import Category
-from ..recipe import Recipe
-from ..timeline import Timeline
+from vramledger.categories import Category
+from vramledger.recipe import Recipe
+from vramledger.timeline import Timeline
 
 Track = Callable[[list[torch.Tensor], Category], None]
 

@@ -13,18 +13,17 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..adapters import adapter_notes, carry_quantization, quantization_state
-from ..attention import AttentionCalls, built_implementation, implementation_note
-from ..categories import Category
-from ..config_depth import config_depth
-from ..errors import InputError, VramledgerError
-from ..optimizers import OptimizerChoice
-from ..recipe import Recipe, count_parameters, module_names, resolve
-from ..sources import map_tensors
-from ..spec import TrainingSpec
-from ..timeline import Timeline
-from ..training import assemble
-from .blocks import (
+from vramledger.adapters import adapter_notes, carry_quantization, quantization_state
+from vramledger.attention import AttentionCalls, built_implementation, implementation_note
+from vramledger.categories import Category
+from vramledger.config_depth import config_depth
+from vramledger.errors import InputError, VramledgerError
+from vramledger.optimizers import OptimizerChoice
+from vramledger.recipe import Recipe, count_parameters, module_names, resolve
+from vramledger.sources import map_tensors
+from vramledger.spec import TrainingSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.blocks import (
     HEAD,
     MIN_BLOCKS,
     SMALL,
@@ -35,20 +34,21 @@ from .blocks import (
     same_timeline,
     truncate,
 )
-from .cache import load as load_trace
-from .cache import save as save_trace
-from .cache import trace_key
-from .compiled import compiled_regions
-from .dtensor_compat import untracked_sharding_propagation
-from .engine import Engine, RankEngine, SingleDevice
-from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
-from .hf_compat import hf_known_values, ordinary_batches
-from .optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
-from .policy import DevicePolicy
-from .step_memo import repeated_steps
-from .trace_errors import trace_error
-from .tracker import StorageTracker, TrackerObserver
-from .values import CONCRETE_ROUTINGS, KnownValues
+from vramledger.trace.cache import load as load_trace
+from vramledger.trace.cache import save as save_trace
+from vramledger.trace.cache import trace_key
+from vramledger.trace.compiled import compiled_regions
+from vramledger.trace.dtensor_compat import untracked_sharding_propagation
+from vramledger.trace.engine import Engine, RankEngine, SingleDevice
+from vramledger.trace.fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
+from vramledger.trace.hf_compat import hf_known_values, ordinary_batches
+from vramledger.trace.optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
+from vramledger.trace.policy import DevicePolicy
+from vramledger.trace.step_memo import repeated_steps
+from vramledger.trace.trace_errors import trace_error
+from vramledger.trace.tracker import StorageTracker, TrackerObserver
+from vramledger.trace.values import CONCRETE_ROUTINGS, KnownValues
+from vramledger.training import assemble
 
 TRACE_DEVICE = torch.device("cpu")
 """Fake tensors carry the CPU device: CPU-only PyTorch cannot run autograd on fake CUDA tensors

@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .values import KnownValues
+from vramledger.trace.values import KnownValues
 
 
 @contextlib.contextmanager

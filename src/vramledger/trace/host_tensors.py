@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from ..program import launch
-from ..program_frames import frame_locals, program_name_of
+from vramledger.program import launch
+from vramledger.program_frames import frame_locals, program_name_of
 
 SCANNED_STEPS = 3
 """Steps after which the host is scanned, besides the last: a scan walks every object the

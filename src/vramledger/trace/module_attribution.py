@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..categories import Phase
+from vramledger.categories import Phase
 
 
 def identity(exc: BaseException) -> tuple[int, str]:

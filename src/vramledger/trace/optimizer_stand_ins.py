@@ -23,11 +23,11 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-from ..categories import Category
-from ..errors import InputError
-from ..optimizers import OptimizerChoice
-from ..sources import tensor_leaves
-from ..training import optimizer_state_tensors
+from vramledger.categories import Category
+from vramledger.errors import InputError
+from vramledger.optimizers import OptimizerChoice
+from vramledger.sources import tensor_leaves
+from vramledger.training import optimizer_state_tensors
 
 BNB_PAGED_MIN_NUMEL = 100_000
 """``get_state_buffer``: paged optimizers page states of tensors with at least 1e5 elements."""

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..import_hooks import when_imported
-from .tracker import mark_outside_allocator
+from vramledger.import_hooks import when_imported
+from vramledger.trace.tracker import mark_outside_allocator
 
 MODULE = "bitsandbytes.functional"
 

@@ -46,7 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .plain_autograd import CHAINS, dense_like
+from vramledger.trace.plain_autograd import CHAINS, dense_like
 
 aten = torch.ops.aten
 

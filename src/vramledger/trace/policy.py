@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import torch
 
-from ..allocator import CPU_ALLOCATOR, AllocatorModel
-from ..optimizers import OptimizerChoice
-from .cpu_scratch import CpuScratchProbe
-from .tracker import OpObserver
+from vramledger.allocator import CPU_ALLOCATOR, AllocatorModel
+from vramledger.optimizers import OptimizerChoice
+from vramledger.trace.cpu_scratch import CpuScratchProbe
+from vramledger.trace.tracker import OpObserver
 
 
 class DevicePolicy:

@@ -32,14 +32,22 @@ from typing import Any, Literal
 
 from torch import nn
 
-from ..program import ProgramFailed, ProgramSpec
-from ..timeline import Timeline
-from .blocks import HEAD, MIN_BLOCKS, SMALL, NotExtensible, extend, find_block_stack, same_timeline
-from .blocks import truncate as truncate_stack
-from .cuda_api import EmulatedGpu
-from .policy import DevicePolicy
-from .program_trace import ProgramTrace, trace_program
-from .program_tracker import TimelineCounter
+from vramledger.program import ProgramFailed, ProgramSpec
+from vramledger.timeline import Timeline
+from vramledger.trace.blocks import (
+    HEAD,
+    MIN_BLOCKS,
+    SMALL,
+    NotExtensible,
+    extend,
+    find_block_stack,
+    same_timeline,
+)
+from vramledger.trace.blocks import truncate as truncate_stack
+from vramledger.trace.cuda_api import EmulatedGpu
+from vramledger.trace.policy import DevicePolicy
+from vramledger.trace.program_trace import ProgramTrace, trace_program
+from vramledger.trace.program_tracker import TimelineCounter
 
 Gate = Literal["pass", "drop", "hold"]
 

@@ -36,14 +36,14 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from ..adapters import logical_numel
-from ..allocator import AllocatorModel
-from ..bnb_weights import EmulatedQuantization
-from ..categories import Category, Phase
-from ..checkpoint_shapes import weights_without_data
-from ..errors import TraceError
-from ..offline_hub import offline_hub
-from ..program import (
+from vramledger.adapters import logical_numel
+from vramledger.allocator import AllocatorModel
+from vramledger.bnb_weights import EmulatedQuantization
+from vramledger.categories import Category, Phase
+from vramledger.checkpoint_shapes import weights_without_data
+from vramledger.errors import TraceError
+from vramledger.offline_hub import offline_hub
+from vramledger.program import (
     ProgramFailed,
     ProgramRun,
     ProgramSpec,
@@ -51,26 +51,26 @@ from ..program import (
     launch,
     skipped_saves_note,
 )
-from ..timeline import Timeline
-from ..training import grad_category, param_category
-from .compiled import compiled_regions
-from .cpu_kernels import CpuKernels
-from .cuda_api import EmulatedGpu, MemoryCounter
-from .cuda_emulation import CudaEmulation, cuda_default_foreach
-from .device_mappings import FakeCuda
-from .dtensor_compat import untracked_sharding_propagation
-from .fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
-from .hf_compat import hf_known_values_once_imported
-from .host_stand_ins import HostStandIns
-from .host_tensors import HostTensor, HostTensors
-from .paged_states import PagedStates
-from .policy import DevicePolicy
-from .program_tracker import ProgramTracker, TimelineCounter, emulated
-from .trace_errors import FAKE_LIMITS
-from .tracker import StorageTracker, TrackerObserver
-from .triton_launches import TritonLaunches
-from .value_stand_ins import ValueStandIns
-from .values import KnownValues
+from vramledger.timeline import Timeline
+from vramledger.trace.compiled import compiled_regions
+from vramledger.trace.cpu_kernels import CpuKernels
+from vramledger.trace.cuda_api import EmulatedGpu, MemoryCounter
+from vramledger.trace.cuda_emulation import CudaEmulation, cuda_default_foreach
+from vramledger.trace.device_mappings import FakeCuda
+from vramledger.trace.dtensor_compat import untracked_sharding_propagation
+from vramledger.trace.fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
+from vramledger.trace.hf_compat import hf_known_values_once_imported
+from vramledger.trace.host_stand_ins import HostStandIns
+from vramledger.trace.host_tensors import HostTensor, HostTensors
+from vramledger.trace.paged_states import PagedStates
+from vramledger.trace.policy import DevicePolicy
+from vramledger.trace.program_tracker import ProgramTracker, TimelineCounter, emulated
+from vramledger.trace.trace_errors import FAKE_LIMITS
+from vramledger.trace.tracker import StorageTracker, TrackerObserver
+from vramledger.trace.triton_launches import TritonLaunches
+from vramledger.trace.value_stand_ins import ValueStandIns
+from vramledger.trace.values import KnownValues
+from vramledger.training import grad_category, param_category
 
 
 @dataclass(kw_only=True)

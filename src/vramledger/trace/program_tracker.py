@@ -20,11 +20,11 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ..allocator import AllocatorModel
-from ..event_totals import EventTotals, sizes_in
-from ..timeline import Timeline
-from .host_stand_ins import HostStandIns, meta_of
-from .tracker import StorageTracker
+from vramledger.allocator import AllocatorModel
+from vramledger.event_totals import EventTotals, sizes_in
+from vramledger.timeline import Timeline
+from vramledger.trace.host_stand_ins import HostStandIns, meta_of
+from vramledger.trace.tracker import StorageTracker
 
 TRACE_DEVICE = torch.device("cpu")
 _DEVICE_COPIES = frozenset({torch.ops.aten._to_copy.default})

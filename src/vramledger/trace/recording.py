@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ..categories import Category
+from vramledger.categories import Category
 
 
 @dataclass(frozen=True)

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
-from ..errors import InputError
-from ..gpus import DEFAULT_COMPUTE_CAPABILITY
+from vramledger.errors import InputError
+from vramledger.gpus import DEFAULT_COMPUTE_CAPABILITY
 
 aten = torch.ops.aten
 _HALF = (torch.float16, torch.bfloat16)

@@ -23,9 +23,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from .patched_functions import patched_functions
-from .recording import Recording
-from .tracker import StorageTracker
+from vramledger.trace.patched_functions import patched_functions
+from vramledger.trace.recording import Recording
+from vramledger.trace.tracker import StorageTracker
 
 STEP_FUNCTIONS = (("torchao.optim.adam", "single_param_adam"),)
 """Module-level per-parameter step functions the optimizers call by name at each step (so a

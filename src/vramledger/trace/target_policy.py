@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from ..gpus import Gpu, modelled_compute_capability
-from .cuda_policy import CudaPolicy
-from .policy import CpuPolicy, DevicePolicy
+from vramledger.gpus import Gpu, modelled_compute_capability
+from vramledger.trace.cuda_policy import CudaPolicy
+from vramledger.trace.policy import CpuPolicy, DevicePolicy
 
 
 class Target(Protocol):

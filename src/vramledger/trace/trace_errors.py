@@ -9,8 +9,8 @@ from torch._subclasses.fake_tensor import (
     UnsupportedOperatorException,
 )
 
-from ..errors import TraceError
-from .tracker import StorageTracker
+from vramledger.errors import TraceError
+from vramledger.trace.tracker import StorageTracker
 
 FAKE_LIMITS = (
     UnsupportedOperatorException,

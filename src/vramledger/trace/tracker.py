@@ -37,18 +37,22 @@ from torch.utils._python_dispatch import (
     is_traceable_wrapper_subclass_type,
 )
 
-from ..categories import Category, Phase
-from ..timeline import Timeline
-from ..training import optimizer_state_tensors
-from .backward_modules import BackwardModules
-from .block_labels import TIMED_PHASES, BlockLabels
-from .module_attribution import ModuleAttribution
-from .plain_branches import PlainBranches
-from .recording import Recordings
-from .storage_resize import StorageResizes
-from .twin_folding import TwinFolding
-from .values import KNOWN_VALUE_CAP_BYTES, OPTIMIZER_KNOWN_VALUE_CAP_BYTES, KnownValues
-from .wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
+from vramledger.categories import Category, Phase
+from vramledger.timeline import Timeline
+from vramledger.trace.backward_modules import BackwardModules
+from vramledger.trace.block_labels import TIMED_PHASES, BlockLabels
+from vramledger.trace.module_attribution import ModuleAttribution
+from vramledger.trace.plain_branches import PlainBranches
+from vramledger.trace.recording import Recordings
+from vramledger.trace.storage_resize import StorageResizes
+from vramledger.trace.twin_folding import TwinFolding
+from vramledger.trace.values import (
+    KNOWN_VALUE_CAP_BYTES,
+    OPTIMIZER_KNOWN_VALUE_CAP_BYTES,
+    KnownValues,
+)
+from vramledger.trace.wrapped_numbers import saved_wrapped_numbers, wrapped_numbers
+from vramledger.training import optimizer_state_tensors
 
 OpObserver = Callable[[Any, tuple[Any, ...], dict[str, Any], Any, "StorageTracker"], None]
 """Called after each operator, before its outputs are recorded:

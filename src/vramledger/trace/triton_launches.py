@@ -20,7 +20,7 @@ from typing import Any
 from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
-from ..import_hooks import when_imported
+from vramledger.import_hooks import when_imported
 
 JIT_MODULE = "triton.runtime.jit"
 AUTOTUNER_MODULE = "triton.runtime.autotuner"

@@ -17,15 +17,15 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
-from ..categories import Category
-from .plain_autograd import (
+from vramledger.categories import Category
+from vramledger.trace.plain_autograd import (
     CONFIRMED_TWINS,
     IN_PLACE_TWINS,
     INPUT_BUFFER_SUM,
     confirming_operator,
     plain_writes_in_place,
 )
-from .plain_branches import Action
+from vramledger.trace.plain_branches import Action
 
 _TWIN_OPS = frozenset({INPUT_BUFFER_SUM}.union(*IN_PLACE_TWINS.values()))
 """The operators whose output may be written in place into an operand by the plain run."""

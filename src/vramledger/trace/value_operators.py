@@ -14,7 +14,7 @@ import torch
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes
 
-from ..errors import InputError
+from vramledger.errors import InputError
 
 aten = torch.ops.aten
 

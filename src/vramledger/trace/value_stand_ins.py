@@ -21,8 +21,8 @@ from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from ..program_frames import program_location
-from .values import KnownValues
+from vramledger.program_frames import program_location
+from vramledger.trace.values import KnownValues
 
 STAND_IN = 0
 """Every unknown value reads as zero (0.0, 0, False)."""

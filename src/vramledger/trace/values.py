@@ -60,7 +60,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import _disable_current_modes, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_map_only
 
-from .value_operators import PARTLY_KNOWN
+from vramledger.trace.value_operators import PARTLY_KNOWN
 
 aten = torch.ops.aten
 
