@@ -30,8 +30,8 @@ from benchkit import compare, provenance  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from vramledger.inputs.units import format_bytes  # noqa: E402
 from vramledger.measure import measure  # noqa: E402
-from vramledger.units import format_bytes  # noqa: E402
 
 HERE = Path(__file__).parent
 C = HERE / "configs"

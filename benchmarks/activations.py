@@ -46,7 +46,7 @@ s = h = 512, b = 1, a = 8 (so s^2 b = sbh):
   through softmax 2as^2b, attention-dropout mask as^2b and output 2as^2b, V 2sbh, output
   projection input 2sbh, its dropout mask sbh, LayerNorm inputs 4sbh, the MLP's 8sbh input to
   GELU, GELU output 8sbh, its dropout mask sbh (dropout runs CUDA's fused kernel with a 1-byte
-  mask, ``trace/cuda_policy.py``).
+  mask, ``trace/emulation/cuda_policy.py``).
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ def paper_bytes(kind: str, s: int, b: int, h: int, a: int, t: int) -> float:
 
 def traced_bytes(kind: str, t: int) -> tuple[int, float]:
     from vramledger import estimate
-    from vramledger.replay import replay
+    from vramledger.ledger.replay import replay
 
     layer = str(HERE / "gpt_layer.py")
     spec = dict(

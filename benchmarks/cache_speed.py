@@ -10,7 +10,7 @@ For each case, in a cache folder of its own (``VRAMLEDGER_CACHE_DIR``):
 - **warm**: the same command again: the answer is read from the cache (``answer_cache.py``)
   before torch is imported; its output must be the cold run's, byte for byte;
 - **other GPU**: the command for an H200 instead of an H100 (same compute capability): a new
-  question, whose traces are read from the trace cache (``trace/cache.py``);
+  question, whose traces are read from the trace cache (``trace/core/cache.py``);
 - **other GPU, --no-cache**: that question with no cache at all; its JSON must equal the
   cached one's field for field (timings aside).
 

@@ -37,7 +37,7 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from vramledger import Category, estimate  # noqa: E402
-from vramledger.units import format_bytes  # noqa: E402
+from vramledger.inputs.units import format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMA2 = ROOT / "examples" / "configs" / "llama-2-7b.json"

@@ -42,9 +42,11 @@ def main() -> None:
     )
     first, last = (int(n) for n in parser.parse_args().sizes.split("-"))
 
-    from vramledger import TrainingSpec, predict, training
+    from vramledger import TrainingSpec
+    from vramledger.inputs import training
     from vramledger.parallel import engines
-    from vramledger.trace.blocks import SMALL
+    from vramledger.predict.step import step as predict
+    from vramledger.trace.core.blocks import SMALL
 
     spent: collections.Counter[str] = collections.Counter()
 

@@ -31,10 +31,10 @@ from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from vramledger.gpus import resolve_gpu  # noqa: E402
+from vramledger.inputs.gpus import resolve_gpu  # noqa: E402
+from vramledger.inputs.spec import TrainingSpec  # noqa: E402
+from vramledger.inputs.units import format_bytes  # noqa: E402
 from vramledger.plan.fit import fit  # noqa: E402
-from vramledger.spec import TrainingSpec  # noqa: E402
-from vramledger.units import format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {

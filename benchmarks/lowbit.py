@@ -32,7 +32,7 @@ from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn  # noqa: E402
 
 from vramledger import TrainingSpec  # noqa: E402
-from vramledger.compare import compare  # noqa: E402
+from vramledger.measure.compare import compare  # noqa: E402
 from vramledger.render.plots import comparison_plot  # noqa: E402
 from vramledger.render.terminal import comparison_table  # noqa: E402
 

@@ -33,9 +33,9 @@ from benchkit import compare  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from vramledger.gpus import resolve_gpu  # noqa: E402
+from vramledger.inputs.gpus import resolve_gpu  # noqa: E402
+from vramledger.inputs.spec import TrainingSpec  # noqa: E402
 from vramledger.plan.search import plan  # noqa: E402
-from vramledger.spec import TrainingSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODELS = {

@@ -56,9 +56,9 @@ TARGET_RSS_BYTES = 2 * 1024**3
 
 FULL = """
 import sys
-import vramledger.predict_program as p
+import vramledger.predict.program as p
 from vramledger.cli import main
-from vramledger.trace.program_trace import trace_program
+from vramledger.trace.program.program_trace import trace_program
 p.trace_program_blocks = trace_program
 sys.exit(main(sys.argv[1:]))
 """

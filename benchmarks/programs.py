@@ -98,7 +98,7 @@ HOST = {
 NOT_TRACED = {
     "torchtitan_debugmodel_2ranks": "the RoPE table (freqs_cis, 256 x 8 complex64, 16,384 B) "
     "that torchtitan's init_weights remakes under `with torch.device(self.freqs_cis.device)`: "
-    "a device rebuilt from an emulated tensor's is the CPU to the trace (trace/cuda_emulation.py, "
+    "a device rebuilt from an emulated tensor's is the CPU to the trace (trace/emulation/cuda_emulation.py, "
     "FakeCuda.device), so the trace makes it in host memory, where a GPU run has it on the GPU; "
     "and on the host, the dataset's last sample (257 int64, 2,056 B); with both, the trace is "
     "1,204 B above the real run, not traced to its source",

@@ -72,12 +72,12 @@ def time_memtracker(layers: int) -> float:
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._tools.mem_tracker import MemTracker
 
-    from vramledger.recipe import resolve
-    from vramledger.sources import load_hf_config
-    from vramledger.spec import TrainingSpec
-    from vramledger.trace.cuda_policy import CudaPolicy
-    from vramledger.trace.fake import TRACE_DEVICE, fakeify
-    from vramledger.training import NullObserver, assemble
+    from vramledger.inputs.recipe import resolve
+    from vramledger.inputs.sources import load_hf_config
+    from vramledger.inputs.spec import TrainingSpec
+    from vramledger.inputs.training import NullObserver, assemble
+    from vramledger.trace.core.fake import TRACE_DEVICE, fakeify
+    from vramledger.trace.emulation.cuda_policy import CudaPolicy
 
     config = load_hf_config(CONFIG).to_dict()
     config["num_hidden_layers"] = layers
@@ -111,10 +111,10 @@ def time_memtracker(layers: int) -> float:
 
 
 def full_trace_equals_extended() -> tuple[bool, float, float]:
-    from vramledger.predict import policy_for
-    from vramledger.spec import TrainingSpec
-    from vramledger.trace.blocks import same_timeline
-    from vramledger.trace.fake import trace
+    from vramledger.inputs.spec import TrainingSpec
+    from vramledger.predict.step import policy_for
+    from vramledger.trace.core.blocks import same_timeline
+    from vramledger.trace.core.fake import trace
 
     spec = TrainingSpec(model=str(CONFIG), target="cuda", **ARGS)
     t0 = time.perf_counter()

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.retriage:
         out = args.out or args.retriage
         return retriage(args.retriage, out) or compare.after_run(args, out)
-    from vramledger.precision import PRECISIONS as KNOWN_PRECISIONS
+    from vramledger.inputs.precision import PRECISIONS as KNOWN_PRECISIONS
 
     tasks = set(_csv(args.tasks)) | {n.split(":", 1)[-1] for n in _csv(args.cases)}
     for option, given, known in (

@@ -32,7 +32,7 @@ bf16 loop, its 536,980-byte flat gradient buffer freed late, just before the opt
 from __future__ import annotations
 
 from vramledger import Ledger
-from vramledger.categories import Category
+from vramledger.inputs.categories import Category
 
 GLOO_WORKER_BYTES = 8_520
 """What gloo's collectives allocate on their worker threads, over a late free's buffers: the

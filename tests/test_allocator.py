@@ -3,7 +3,7 @@
 These check the model's rules one by one; its agreement with a real GPU's
 ``max_memory_allocated`` is measured by benchmarks/gpu_check.py."""
 
-from vramledger.allocator import CUDA_CACHING_ALLOCATOR, CudaCachingAllocatorSim, round_up
+from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR, CudaCachingAllocatorSim, round_up
 
 MIB = 1024**2
 

@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from vramledger import InputError, estimate
-from vramledger.attention import _FlashAttn2
+from vramledger.inputs.attention import _FlashAttn2
+from vramledger.ledger.replay import replay
 from vramledger.measure import measure
-from vramledger.replay import replay
 
 from .conftest import MODELS_PY, fixture
 
@@ -55,7 +55,7 @@ def test_flash_attention_2_backward_allocates_its_fp32_accumulator():
     """flash-attn's mha_bwd (flash_api.cpp): dq_accum [b, round128(s), h, round32(d)] and
     softmax_d [b, h, round128(s)], both fp32 — at s = 200, d = 16: [2, 256, 4, 32] and
     [2, 4, 256]."""
-    from vramledger.trace.tracker import StorageTracker
+    from vramledger.trace.core.tracker import StorageTracker
 
     b, s, h, d = 2, 200, 4, 16
     q = torch.randn(b, s, h, d, dtype=torch.bfloat16, requires_grad=True)

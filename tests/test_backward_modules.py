@@ -1,4 +1,4 @@
-"""Backward allocations belong to the module whose backward runs (``trace/backward_modules.py``),
+"""Backward allocations belong to the module whose backward runs (``trace/core/backward_modules.py``),
 recomputation under activation checkpointing to the module recomputed, and the attribution
 changes no allocation: the timeline's events are those of a trace that attributes nothing in
 backward, and what is live at the peak by module sums to the peak."""
@@ -11,16 +11,16 @@ from rich.console import Console
 from torch import nn
 
 from vramledger import TrainingSpec, estimate
-from vramledger.categories import Category, Phase
+from vramledger.inputs.categories import Category, Phase
+from vramledger.ledger.peak_modules import OTHER_MODULES, OUTSIDE
 from vramledger.measure import measure
-from vramledger.peak_modules import OTHER_MODULES, OUTSIDE
-from vramledger.predict import policy_for
+from vramledger.predict.step import policy_for
+from vramledger.record.timeline import Timeline
 from vramledger.render.html import ledger_html
 from vramledger.render.terminal import ledger_table
-from vramledger.timeline import Timeline
-from vramledger.trace.backward_modules import BackwardModules
-from vramledger.trace.fake import trace
-from vramledger.trace.tracker import StorageTracker
+from vramledger.trace.core.backward_modules import BackwardModules
+from vramledger.trace.core.fake import trace
+from vramledger.trace.core.tracker import StorageTracker
 
 from .conftest import MODELS_PY
 

@@ -3,10 +3,10 @@
 import pytest
 
 from vramledger import TrainingSpec
-from vramledger.predict import policy_for
-from vramledger.sources import load_hf_config
-from vramledger.trace.blocks import same_timeline
-from vramledger.trace.fake import trace
+from vramledger.inputs.sources import load_hf_config
+from vramledger.predict.step import policy_for
+from vramledger.trace.core.blocks import same_timeline
+from vramledger.trace.core.fake import trace
 
 from .conftest import MODELS_PY, fixture
 
@@ -97,7 +97,7 @@ def test_verified_extension_from_the_smaller_trace_equals_full_trace(name):
     """A plan's re-estimates that differ only in data-parallel or tensor-parallel degree or in
     offload skip the check once one of them passed it (``blocks_verified``) and extend the
     smaller trace: still the full trace."""
-    from vramledger.predict import _engine
+    from vramledger.predict.step import _engine
 
     spec = TrainingSpec(**VERIFIED_CASES[name])
     policy = policy_for(spec.target)
@@ -122,9 +122,9 @@ STEP_MEMO_CASES = {
 @pytest.mark.parametrize("name", list(STEP_MEMO_CASES))
 def test_replayed_optimizer_steps_equal_running_every_step(name, monkeypatch):
     """torchao's per-parameter steps are run once per argument layout and replayed after
-    (``trace/step_memo.py``): the timeline is the one running every step makes."""
-    from vramledger.predict import _engine
-    from vramledger.trace import step_memo
+    (``trace/core/step_memo.py``): the timeline is the one running every step makes."""
+    from vramledger.predict.step import _engine
+    from vramledger.trace.core import step_memo
 
     spec = TrainingSpec(**STEP_MEMO_CASES[name])
     policy = policy_for(spec.target)
@@ -169,7 +169,7 @@ def adapter_notes_of(result) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(ADAPTER_CASES))
 def test_adapters_and_frozen_parameters_extend_exactly(name):
-    from vramledger.predict import _engine
+    from vramledger.predict.step import _engine
 
     spec = llama_with(*ADAPTER_CASES[name][:1], **ADAPTER_CASES[name][1])
     policy = policy_for(spec.target)

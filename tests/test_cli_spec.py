@@ -9,13 +9,13 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
+from vramledger.cli.serve.worker import PLAN_SEARCHES
 
 from vramledger.cli import build_parser, spec_from_args
 from vramledger.cli.options import GPU_OPTIONS, PARALLEL_OPTIONS, PYTHON_ONLY, flag
-from vramledger.precision import PRECISIONS
-from vramledger.serve.worker import PLAN_SEARCHES
-from vramledger.spec import TrainingSpec
-from vramledger.spec_fields import cli_of, field_docs
+from vramledger.inputs.precision import PRECISIONS
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.spec_fields import cli_of, field_docs
 
 FIELDS = {f.name: f for f in fields(TrainingSpec)}
 SPEC_COMMANDS = ("estimate", "measure", "compare", "plan", "advise", "fit", "rehearse")

@@ -6,7 +6,7 @@ import pytest
 
 from vramledger import InputError, TrainingSpec
 from vramledger.cli import main
-from vramledger.compare import compare, gaps, parse_entry, verdict
+from vramledger.measure.compare import compare, gaps, parse_entry, verdict
 
 from .conftest import fixture
 

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from vramledger import compat
-from vramledger.adapters import _require
 from vramledger.cli import main
-from vramledger.errors import InputError
-from vramledger.optimizers import resolve_optimizer
+from vramledger.inputs import compat
+from vramledger.inputs.adapters import _require
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.optimizers import resolve_optimizer
 from vramledger.parallel.deepspeed_runtime import deepspeed_modules
 
 from .conftest import fixture

@@ -1,4 +1,4 @@
-"""Compiled regions (``trace/compiled.py``) against plain compiled CPU runs.
+"""Compiled regions (``trace/compile/compiled.py``) against plain compiled CPU runs.
 
 The truth is a plain training loop (``fixtures/compiled.py:plain_compiled_run``) whose compiled
 code Inductor builds with the system C++ compiler, counted by the CPU allocator
@@ -18,9 +18,9 @@ import pytest
 import torch
 
 from vramledger import TrainingSpec, estimate
-from vramledger.predict import policy_for
-from vramledger.trace.blocks import same_timeline
-from vramledger.trace.fake import trace
+from vramledger.predict.step import policy_for
+from vramledger.trace.core.blocks import same_timeline
+from vramledger.trace.core.fake import trace
 
 from .fixtures import compiled as fx
 from .fixtures import compiled_functions as fn

@@ -8,9 +8,9 @@ import textwrap
 import torch
 
 from vramledger import Category, estimate
-from vramledger.categories import Phase
-from vramledger.trace import autocast_cuda, sdpa_cuda
-from vramledger.trace.cuda_policy import CUBLAS_WORKSPACE_HOPPER
+from vramledger.inputs.categories import Phase
+from vramledger.trace.emulation import autocast_cuda, sdpa_cuda
+from vramledger.trace.emulation.cuda_policy import CUBLAS_WORKSPACE_HOPPER
 
 from .conftest import FIXTURES, fixture
 
@@ -28,8 +28,8 @@ ORACLE = textwrap.dedent(
     import torch.nn.functional as F
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils._python_dispatch import TorchDispatchMode
-    from vramledger.trace.autocast_cuda import CudaAutocast
-    from vramledger.trace.fake import fakeify
+    from vramledger.trace.emulation.autocast_cuda import CudaAutocast
+    from vramledger.trace.core.fake import fakeify
 
     class Zoo(nn.Module):
         def __init__(s):

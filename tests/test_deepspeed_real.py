@@ -15,8 +15,9 @@ import json
 
 import pytest
 
-from vramledger import TrainingSpec, cpu_allocator_count, estimate
-from vramledger.categories import Phase
+from vramledger import TrainingSpec, estimate
+from vramledger.inputs.categories import Phase
+from vramledger.measure import cpu_allocator_count
 from vramledger.measure.deepspeed import measure_deepspeed
 from vramledger.measure.local import run_on_local_gloo
 

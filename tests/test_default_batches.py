@@ -10,8 +10,8 @@ import pytest
 import torch
 import transformers
 
-from vramledger.sources import BatchShape
-from vramledger.tasks import KINDS, model_class
+from vramledger.inputs.sources import BatchShape
+from vramledger.inputs.tasks import KINDS, model_class
 
 SMALL = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
 CONFORMER = dict(**SMALL, subsampling_conv_channels=16)

@@ -6,7 +6,7 @@ from dataclasses import replace
 import pytest
 
 from vramledger import Category, InputError, TrainingSpec, estimate
-from vramledger.deepspeed_config import read_deepspeed_config
+from vramledger.inputs.deepspeed_config import read_deepspeed_config
 
 from .conftest import fixture
 
@@ -52,9 +52,9 @@ def test_zero_redundancy_optimizer_is_uneven_where_deepspeed_is_even():
     7.5B GPT over 64 ranks one rank steps far more than 1/64 of the parameters (the 206M
     embedding alone is 1.8/64); DeepSpeed's flat partition gives each 1/64 (issue 10)."""
     pytest.importorskip("deepspeed")
+    from vramledger.inputs.recipe import resolve
     from vramledger.parallel.deepspeed_layout import zero_partitions
     from vramledger.parallel.engines import zero1_partition
-    from vramledger.recipe import resolve
 
     model = resolve(TrainingSpec(model=GPT_7_5B)).build_model("meta")
     params = list(model.parameters())
@@ -71,8 +71,8 @@ def test_deepspeed_partition_is_deepspeeds_own():
     """The planner's restatement of the partition agrees with DeepSpeed's own code, and the
     partition is even: 1/N of the padded flat buffer on every rank."""
     pytest.importorskip("deepspeed")
+    from vramledger.inputs.recipe import resolve
     from vramledger.parallel.deepspeed_layout import even_partitions, zero_partitions
-    from vramledger.recipe import resolve
 
     model = resolve(TrainingSpec(model=GPT_7_5B)).build_model("meta")
     numels = [p.numel() for p in model.parameters()]

@@ -7,7 +7,7 @@ multi-process tests' (``tests/mesh_real.py``); each test makes one run, no retri
 import pytest
 
 from vramledger import estimate
-from vramledger.categories import Phase
+from vramledger.inputs.categories import Phase
 from vramledger.measure.local import free_port
 
 from .mesh_real import DATA_PARALLEL, check_against_real_runs, real_runs

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import _dispatch
 
 from vramledger import TrainingSpec, estimate
-from vramledger.cache import disabled
+from vramledger.inputs.cache import disabled
 from vramledger.parallel import fake_group
 from vramledger.parallel.engines import fake_world
 

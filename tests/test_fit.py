@@ -5,10 +5,10 @@ size up."""
 import pytest
 
 from vramledger import estimate
-from vramledger.gpus import resolve_gpu
+from vramledger.inputs.gpus import resolve_gpu
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.measure import measure
 from vramledger.plan.fit import fit, interpolate
-from vramledger.spec import TrainingSpec
 
 from .conftest import FIXTURES, MODELS_PY
 

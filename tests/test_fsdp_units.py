@@ -10,12 +10,12 @@ import pytest
 import torch
 
 from vramledger import estimate
-from vramledger.accelerate_config import apply_accelerate, read_accelerate_config
-from vramledger.errors import InputError
+from vramledger.inputs.accelerate_config import apply_accelerate, read_accelerate_config
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.fsdp_units import apply_fully_shard, check_units_are_blocks, shard_units
-from vramledger.recipe import resolve
-from vramledger.spec import TrainingSpec
-from vramledger.trace.blocks import NotExtensible
+from vramledger.trace.core.blocks import NotExtensible
 
 from .conftest import FIXTURES, MODELS_PY, fixture
 from .mesh_real import DATA_PARALLEL, LINEARS, check_against_real_runs

@@ -13,14 +13,14 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vramledger import estimate
 from vramledger.cli import build_parser, main
-from vramledger.errors import InputError
-from vramledger.gpus import CATALOGUE, resolve_gpu
-from vramledger.predict import policy_for
-from vramledger.spec import TrainingSpec
-from vramledger.trace import sdpa_cuda
-from vramledger.trace.cuda_policy import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_HOPPER
-from vramledger.units import MIB
-from vramledger.verdict import DEFAULT_MARGIN
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.gpus import CATALOGUE, resolve_gpu
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.units import MIB
+from vramledger.inputs.verdict import DEFAULT_MARGIN
+from vramledger.predict.step import policy_for
+from vramledger.trace.emulation import sdpa_cuda
+from vramledger.trace.emulation.cuda_policy import CUBLAS_WORKSPACE_DEFAULT, CUBLAS_WORKSPACE_HOPPER
 
 from .conftest import fixture
 

@@ -103,8 +103,8 @@ def test_fake_trace_records_the_same_storages_as_the_real_run(name):
     real run see identical storages, in the same order, with the same categories."""
     from vramledger import TrainingSpec
     from vramledger.measure import _run
-    from vramledger.trace.fake import trace
-    from vramledger.trace.policy import DevicePolicy
+    from vramledger.trace.core.fake import trace
+    from vramledger.trace.emulation.policy import DevicePolicy
 
     spec = TrainingSpec(target="cpu", **CASES[name])
     fake = trace(spec, DevicePolicy()).timeline

@@ -10,9 +10,9 @@ import pytest
 
 from vramledger import TrainingSpec, estimate
 from vramledger.cli import main
-from vramledger.errors import InputError
-from vramledger.gpus import resolve_gpu
-from vramledger.launch_configs import apply_configs
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.gpus import resolve_gpu
+from vramledger.inputs.launch_configs import apply_configs
 from vramledger.plan.fit import fit
 
 from .conftest import fixture

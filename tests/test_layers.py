@@ -1,5 +1,5 @@
-"""The floors of the package: every module sits on one floor, imports only from its own floor and
-those below, and no import cycle exists among modules.
+"""The floors of the package are its folders: every module sits in the folder of its floor,
+imports only from its own floor and those below, and no import cycle exists among modules.
 
 Every ``import`` counts, at module level or inside a function (``ast``, not the interpreter):
 a function-level import hides an upward import or a cycle from the interpreter, not from this
@@ -8,20 +8,27 @@ peft, torchao, ...), which are not vramledger modules and are not checked here.
 
 The floors, bottom to top (docs/how-it-works.md's "Layout of the code" section shows the same table):
 
-``inputs``    what to run: the spec, the readers of foreign configs (DeepSpeed, accelerate,
+``inputs/``   what to run: the spec, the readers of foreign configs (DeepSpeed, accelerate,
               Hub configs, users' programs), recipe, sources, GPUs, precision, optimizers, the
               training step, the category vocabulary, errors, units.
-``timeline``  the record of a run's allocations (``Timeline``) and the allocator models that
+``record/``   the record of a run's allocations (``Timeline``) and the allocator models that
               replay it. The tracer writes into a ``Timeline``, so the record sits below it.
-``trace``     fake-tensor tracing: the tracker, device policies, CUDA emulation.
-``ledger``    a timeline replayed into the ledger (peaks, categories).
-``engines``   ``parallel/``: how ranks share the work (sharding, meshes, pipeline stages,
+``trace/``    fake-tensor tracing: ``core/`` (the tracker and its fixes), ``emulation/`` (device
+              policies, the emulated GPU), ``compile/`` (compiled regions), ``program/`` (the
+              user's program under the trace).
+``ledger/``   a timeline replayed into the ledger (peaks, categories).
+``parallel/`` the engines: how ranks share the work (sharding, meshes, pipeline stages,
               DeepSpeed's engine) — no measuring.
-``run``       ``predict`` (fake runs) and ``measure`` (every real run: CPU, CUDA, local gloo,
-              DeepSpeed, pipeline stages), and what compares them.
-``plan``      ``plan/``: what would make a step fit.
-``render``    ``render/``: terminal, HTML, plots.
-``cli``       the command line, and ``serve/`` (its web page, beside it).
+``predict/``  fake runs: vramledger's step (``estimate``) and the user's program (``run``).
+``measure/``  every real run (CPU, CUDA, local gloo, DeepSpeed, pipeline stages, the user's
+              program) and what compares it with a prediction.
+``plan/``     what would make a step fit.
+``render/``   terminal, HTML, plots.
+``cli/``      the command line, and ``serve/`` (its web page) inside it.
+
+Above them, at the package's root, only its entry points: ``__init__`` (the public names),
+``__main__`` and ``answer_cache`` (the ``vramledger`` script, which answers a repeated question
+before the command line, and torch, are imported).
 """
 
 from __future__ import annotations
@@ -31,188 +38,23 @@ from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "src" / "vramledger"
 
-FLOORS = ["inputs", "timeline", "trace", "ledger", "engines", "run", "plan", "render", "cli"]
-"""Bottom to top: a module may import from its own floor and the floors before it."""
+FLOORS = [
+    "inputs",
+    "record",
+    "trace",
+    "ledger",
+    "parallel",
+    "predict",
+    "measure",
+    "plan",
+    "render",
+    "cli",
+]
+"""Bottom to top, each a folder of the package: a module may import from its own floor and the
+floors before it."""
 
-LAYERS: dict[str, list[str]] = {
-    "inputs": [
-        "accelerate_config",
-        "adapters",
-        "cache",
-        "attention",
-        "bnb_weights",
-        "categories",
-        "chatter",
-        "checkpoint_shapes",
-        "checkpointing",
-        "checks",
-        "compat",
-        "config_depth",
-        "config_flags",
-        "deepspeed_config",
-        "errors",
-        "gc_pause",
-        "gpus",
-        "import_hooks",
-        "jsonfile",
-        "launch_configs",
-        "offline_hub",
-        "optimizers",
-        "parallelism",
-        "precision",
-        "program",
-        "program_frames",
-        "recipe",
-        "saved_objects",
-        "sources",
-        "spec",
-        "spec_fields",
-        "tasks",
-        "torchrun_env",
-        "training",
-        "units",
-        "verdict",
-        "version",
-    ],
-    "timeline": ["allocator", "allocator_events", "event_totals", "timeline"],
-    "trace": [
-        "trace",
-        "trace.autocast_cuda",
-        "trace.backward_modules",
-        "trace.block_labels",
-        "trace.block_regions",
-        "trace.blocks",
-        "trace.cache",
-        "trace.compiled",
-        "trace.cpu_kernels",
-        "trace.cpu_scratch",
-        "trace.cuda_api",
-        "trace.cuda_calls",
-        "trace.cuda_emulation",
-        "trace.cuda_policy",
-        "trace.device_mappings",
-        "trace.dtensor_compat",
-        "trace.eager_regions",
-        "trace.engine",
-        "trace.fake",
-        "trace.trace_errors",
-        "trace.fake_corrections",
-        "trace.hf_compat",
-        "trace.inductor_stub",
-        "trace.module_attribution",
-        "trace.host_stand_ins",
-        "trace.host_tensors",
-        "trace.optimizer_stand_ins",
-        "trace.paged_states",
-        "trace.patched_functions",
-        "trace.plain_autograd",
-        "trace.plain_branches",
-        "trace.premul_sum",
-        "trace.policy",
-        "trace.program_blocks",
-        "trace.program_trace",
-        "trace.program_tracker",
-        "trace.recording",
-        "trace.sdpa_cuda",
-        "trace.step_memo",
-        "trace.storage_resize",
-        "trace.target_policy",
-        "trace.tracker",
-        "trace.triton_launches",
-        "trace.twin_folding",
-        "trace.value_operators",
-        "trace.value_stand_ins",
-        "trace.values",
-        "trace.wrapped_numbers",
-    ],
-    "ledger": ["ledger", "peak_modules", "replay"],
-    "engines": [
-        "parallel",
-        "parallel.context",
-        "parallel.deepspeed_engine",
-        "parallel.deepspeed_layout",
-        "parallel.deepspeed_runtime",
-        "parallel.dtensor_rng",
-        "parallel.engines",
-        "parallel.experts",
-        "parallel.fake_group",
-        "parallel.fsdp_chunks",
-        "parallel.fsdp_units",
-        "parallel.mesh",
-        "parallel.pipeline",
-        "parallel.pipeline_models",
-        "parallel.pipeline_rank",
-        "parallel.pipeline_stages",
-        "parallel.pipeline_step",
-        "parallel.program_deepspeed",
-        "parallel.program_pipeline",
-        "parallel.program_tp",
-        "parallel.program_world",
-        "parallel.real",
-        "parallel.strategy",
-        "parallel.tp_plans",
-    ],
-    "run": [
-        "",  # the package itself: estimate and the public names
-        "attribution",
-        "compare",
-        "cpu_allocator_count",
-        "measure",
-        "measure.counting",
-        "measure.deepspeed",
-        "measure.local",
-        "measure.pipeline",
-        "measure_program",
-        "predict",
-        "predict_program",
-        "windows",
-    ],
-    "plan": [
-        "plan",
-        "plan.advise",
-        "plan.candidates",
-        "plan.derive",
-        "plan.derived_peaks",
-        "plan.fit",
-        "plan.fit_estimates",
-        "plan.layouts",
-        "plan.narrow",
-        "plan.planner",
-        "plan.rehearse",
-        "plan.result",
-        "plan.runner",
-        "plan.search",
-        "plan.worker_preload",
-        "plan.workers",
-    ],
-    "render": [
-        "render",
-        "render.charts",
-        "render.html",
-        "render.planning",
-        "render.plots",
-        "render.program",
-        "render.snapshot",
-        "render.terminal",
-    ],
-    "cli": [
-        "__main__",
-        "answer_cache",
-        "cli",
-        "cli.__main__",
-        "cli.commands",
-        "cli.options",
-        "cli.parser",
-        "cli.report",
-        "serve",
-        "serve.app",
-        "serve.dispatch",
-        "serve.page",
-        "serve.question",
-        "serve.worker",
-    ],
-}
-"""Module (dotted, under ``vramledger``; ``""`` is the package's ``__init__``) by floor."""
+ENTRY_POINTS = ["", "__main__", "answer_cache"]
+"""The modules at the package's root (``""`` is its ``__init__``): above every floor."""
 
 
 def _modules() -> dict[str, Path]:
@@ -271,30 +113,36 @@ def _graph() -> dict[str, dict[str, int]]:
 
 
 def _floor_of() -> dict[str, int]:
-    return {m: FLOORS.index(floor) for floor, ms in LAYERS.items() for m in ms}
+    """Module -> index of its floor: the first folder of its path; the entry points above all."""
+    out = {}
+    for module in _modules():
+        if module in ENTRY_POINTS:
+            out[module] = len(FLOORS)
+        elif (folder := module.partition(".")[0]) in FLOORS:
+            out[module] = FLOORS.index(folder)
+    return out
 
 
 def _shown(module: str) -> str:
     return f"vramledger.{module}" if module else "vramledger"
 
 
-def test_every_module_has_a_floor():
+def test_every_module_sits_in_the_folder_of_a_floor():
     floor = _floor_of()
-    assert list(LAYERS) == FLOORS
-    missing = sorted(set(_modules()) - set(floor))
-    assert not missing, (
-        f"{', '.join(map(_shown, missing))}: not in tests/test_layers.py's LAYERS; add each to "
-        "the floor it belongs to (and to docs/how-it-works.md's 'Layout of the code' table if it starts a "
-        "new kind)"
+    stray = sorted(set(_modules()) - set(floor))
+    assert not stray, (
+        f"{', '.join(map(_shown, stray))}: not in a floor's folder; move each into the folder "
+        f"of its floor ({', '.join(FLOORS)}; docs/how-it-works.md's 'Layout of the code')"
     )
-    gone = sorted(set(floor) - set(_modules()))
-    assert not gone, f"LAYERS lists modules that no longer exist: {', '.join(map(_shown, gone))}"
+    folders = sorted(p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists())
+    assert folders == sorted(FLOORS), f"the package's folders {folders} are not the floors {FLOORS}"
 
 
 def test_no_module_imports_from_a_floor_above_its_own():
     floor = _floor_of()
+    names = [*FLOORS, "entry point"]
     upward = [
-        f"{_shown(m)} ({FLOORS[floor[m]]}) imports {_shown(t)} ({FLOORS[floor[t]]}), line {line}"
+        f"{_shown(m)} ({names[floor[m]]}) imports {_shown(t)} ({names[floor[t]]}), line {line}"
         for m, targets in _graph().items()
         if m in floor
         for t, line in targets.items()

@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramledger import TrainingSpec, cpu_allocator_count, estimate
-from vramledger.deepspeed_config import read_deepspeed_config
-from vramledger.measure import measure
+from vramledger import TrainingSpec, estimate
+from vramledger.inputs.deepspeed_config import read_deepspeed_config
+from vramledger.measure import cpu_allocator_count, measure
 from vramledger.measure.local import free_port
 from vramledger.parallel.deepspeed_engine import ALLREDUCE_BUCKET_ELEMENTS
 

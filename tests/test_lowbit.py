@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vramledger import Category, estimate
-from vramledger.optimizers import resolve_optimizer
-from vramledger.trace.tracker import storages_of
+from vramledger.inputs.optimizers import resolve_optimizer
+from vramledger.trace.core.tracker import storages_of
 
 from .conftest import MODELS_PY
 from .fixtures import compiled
@@ -25,7 +25,7 @@ TORCHAO_SPEC = dict(
 )
 """For torchao's optimizers: three bias-free 256 x 256 linears, every state quantized and one
 parameter layout, so their compiled step is one graph for Inductor to compile in the trace
-(``trace/compiled.py``; seconds each on a cold Inductor cache) instead of wide_mlp's seven."""
+(``trace/compile/compiled.py``; seconds each on a cold Inductor cache) instead of wide_mlp's seven."""
 TORCHAO = {"adamw8bit", "adamw4bit", "adamwfp8", "adam8bit"}
 
 

@@ -15,12 +15,18 @@ import pytest
 import torch
 
 from vramledger import TrainingSpec
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.sources import load_hf_config
 from vramledger.measure import measure
-from vramledger.predict import estimate, policy_for
-from vramledger.recipe import resolve
-from vramledger.sources import load_hf_config
-from vramledger.trace.blocks import MIN_BLOCKS, SMALL, find_block_stack, same_timeline, truncate
-from vramledger.trace.fake import trace
+from vramledger.predict.step import estimate, policy_for
+from vramledger.trace.core.blocks import (
+    MIN_BLOCKS,
+    SMALL,
+    find_block_stack,
+    same_timeline,
+    truncate,
+)
+from vramledger.trace.core.fake import trace
 
 from .conftest import fixture
 

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from vramledger import Category, estimate
+from vramledger.inputs.optimizers import resolve_optimizer
 from vramledger.measure import measure
-from vramledger.optimizers import resolve_optimizer
 
 from .conftest import MODELS_PY
 from .fixtures.models import MLP, mlp_inputs, mlp_loss
@@ -76,7 +76,7 @@ def test_adam_state_is_twice_the_parameters_on_cuda():
 def test_foreach_and_for_loop_temporaries_differ_as_the_real_implementations_do():
     """foreach allocates whole-group temporaries at once, the for-loop one parameter's worth; the
     estimate follows each real implementation on a real CPU run."""
-    from vramledger.categories import Phase
+    from vramledger.inputs.categories import Phase
 
     est, real = {}, {}
     for foreach in (True, False):

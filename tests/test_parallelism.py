@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.errors import InputError
-from vramledger.parallelism import STRATEGIES, Parallelism
-from vramledger.spec import TrainingSpec
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.parallelism import STRATEGIES, Parallelism
+from vramledger.inputs.spec import TrainingSpec
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "vramledger"
 
@@ -119,9 +119,9 @@ def test_spec_refuses_what_parallelism_says_is_not_modelled():
         TrainingSpec(model="gpt2", world_size=2, strategy="ddp", shard_min_params=10)
 
 
-DEFINED_IN = "parallelism.py"
+DEFINED_IN = "inputs/parallelism.py"
 """The one module that knows what each strategy name means."""
-VALIDATION = {("spec.py", "strategy not in STRATEGIES")}
+VALIDATION = {("inputs/spec.py", "strategy not in STRATEGIES")}
 """The one comparison elsewhere: ``spec.py`` checks the user's ``--strategy`` is a known name."""
 
 

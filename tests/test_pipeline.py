@@ -6,8 +6,8 @@ own count (``cpu_allocator_count``, every thread; ``tests/mesh_real.py``)."""
 import pytest
 
 from vramledger import TrainingSpec, estimate
-from vramledger.categories import Category
-from vramledger.errors import InputError
+from vramledger.inputs.categories import Category
+from vramledger.inputs.errors import InputError
 from vramledger.parallel.pipeline import rank_stage_plans, stage_layers
 
 from .conftest import FIXTURES

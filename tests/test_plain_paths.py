@@ -1,4 +1,4 @@
-"""Autograd's plain-run branches (trace/plain_autograd.py) against plain runs.
+"""Autograd's plain-run branches (trace/core/plain_autograd.py) against plain runs.
 
 Each case is a training step whose backward reaches one of autograd's
 ``isTensorSubclassLike`` branches. The truth is a plain loop written here, with nothing of
@@ -11,8 +11,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vramledger import cpu_allocator_count, estimate
-from vramledger.measure import PLAIN_RUN, measure
+from vramledger import estimate
+from vramledger.measure import PLAIN_RUN, cpu_allocator_count, measure
 
 from .conftest import fixture
 
@@ -103,7 +103,7 @@ def test_estimate_matches_plain_run(name):
 def test_without_the_plain_paths_the_estimate_is_the_moded_run(monkeypatch):
     """The boolean-mask loss and the scan, traced as the tracker used to (out-of-place
     branches kept), come out higher than the plain run: what the model corrects."""
-    import vramledger.trace.twin_folding as twin_folding
+    import vramledger.trace.core.twin_folding as twin_folding
 
     for name in ("boolean-mask-loss", "scan"):
         plain = _plain_peak(name)
@@ -145,7 +145,7 @@ def test_smoothed_weighted_cross_entropy_runs_the_plain_weight_sum(monkeypatch):
     """On the tagger the forward weight sum decides the peak: traced as the mode runs it
     (``masked_fill`` + ``gather``), the estimate comes out below the plain run, whose
     ``masked_select`` holds a long copy of the mask and its prefix sum."""
-    import vramledger.trace.plain_branches as plain_branches
+    import vramledger.trace.core.plain_branches as plain_branches
 
     name = "ce-smoothing-weight-tagger"
     plain = _plain_peak(name)

@@ -6,8 +6,12 @@ from typing import Any
 import pytest
 
 from vramledger import InputError, estimate
-from vramledger.allocator import CUDA_CACHING_ALLOCATOR
-from vramledger.gpus import CATALOGUE, resolve_gpu
+from vramledger.inputs.gpus import CATALOGUE, resolve_gpu
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.sources import load_hf_config
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.units import MIB
+from vramledger.ledger.replay import replay, steady_peak
 from vramledger.measure import measure
 from vramledger.plan.advise import advise
 from vramledger.plan.candidates import Configuration
@@ -15,13 +19,9 @@ from vramledger.plan.derive import derive
 from vramledger.plan.narrow import narrow_config
 from vramledger.plan.rehearse import rehearse
 from vramledger.plan.search import model_facts, plan
-from vramledger.recipe import resolve
-from vramledger.replay import replay, steady_peak
-from vramledger.sources import load_hf_config
-from vramledger.spec import TrainingSpec
-from vramledger.trace.cuda_policy import CudaPolicy
-from vramledger.trace.fake import trace
-from vramledger.units import MIB
+from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR
+from vramledger.trace.core.fake import trace
+from vramledger.trace.emulation.cuda_policy import CudaPolicy
 
 from .conftest import MODELS_PY, fixture
 
@@ -167,7 +167,7 @@ def test_derived_rank_peak_is_close_to_the_real_engines(strategy, offload, gpus,
 
 
 def test_plan_rejects_a_margin_larger_than_the_gpu():
-    from vramledger.errors import InputError
+    from vramledger.inputs.errors import InputError
 
     with pytest.raises(InputError, match="margin"):
         plan(SMALL, resolve_gpu(memory="1GiB"), optimizers=["adamw"], margin=2 * 1024**3)
@@ -435,8 +435,8 @@ def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
     bytes (of the tensors, not of allocator blocks: offload keeps them out of the allocator) —
     also as the search takes them (``DerivedPeaks``: one derivation resized per count, its
     events converted once; its host bytes were 0 when they came from the allocator replay)."""
+    from vramledger.ledger.replay import steady_peaks, steady_reserved_peak, steady_tensor_peak
     from vramledger.plan.search import DerivedPeaks
-    from vramledger.replay import steady_peaks, steady_reserved_peak, steady_tensor_peak
 
     spec = replace(SMALL, precision="bf16-master", target="cuda")
     timeline = trace(spec, CudaPolicy()).timeline

@@ -2,9 +2,9 @@
 
 import pytest
 
-from vramledger.errors import InputError
-from vramledger.precision import PRECISIONS, precision_policy
-from vramledger.spec import TrainingSpec
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.precision import PRECISIONS, precision_policy
+from vramledger.inputs.spec import TrainingSpec
 
 
 @pytest.mark.parametrize(

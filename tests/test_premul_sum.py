@@ -1,5 +1,5 @@
 """NCCL's PREMUL_SUM on the real CPU run's gloo group: a SUM, then the result scaled in place
-(``trace/premul_sum.py``; FSDP2 asks for it under ``set_gradient_divide_factor``)."""
+(``trace/core/premul_sum.py``; FSDP2 asks for it under ``set_gradient_divide_factor``)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from vramledger.trace.premul_sum import premul_factor, reduce_then_scale
+from vramledger.trace.core.premul_sum import premul_factor, reduce_then_scale
 
 
 def test_only_premul_sum_has_a_factor():

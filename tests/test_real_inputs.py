@@ -89,9 +89,9 @@ def test_lowbit_optimizer_under_zero3_on_a_bf16_config():
 
 @pytest.mark.slow
 def test_plan_answers_the_same_with_and_without_a_declared_dtype(tmp_path):
-    from vramledger.gpus import resolve_gpu
+    from vramledger.inputs.gpus import resolve_gpu
+    from vramledger.inputs.spec import TrainingSpec
     from vramledger.plan.search import plan
-    from vramledger.spec import TrainingSpec
 
     gpu = resolve_gpu(memory="40MiB")
     answers = []
@@ -230,8 +230,8 @@ def test_an_earlier_runs_garbage_freed_inside_the_step_is_not_subtracted(monkeyp
     import gc
 
     import vramledger.measure as vm
-    from vramledger.categories import Phase
-    from vramledger.trace.tracker import StorageTracker
+    from vramledger.inputs.categories import Phase
+    from vramledger.trace.core.tracker import StorageTracker
 
     spec = HELD_OUT["mamba-fp32-adamw"]
     assemble = vm.assemble

@@ -9,11 +9,11 @@ import pytest
 
 from vramledger import estimate
 from vramledger.cli import main
-from vramledger.gpus import resolve_gpu
+from vramledger.inputs.gpus import resolve_gpu
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.measure import measure
 from vramledger.plan.search import plan
 from vramledger.render.html import write_html
-from vramledger.spec import TrainingSpec
 
 from .conftest import fixture
 

@@ -1,6 +1,6 @@
 """`vramledger run` on programs whose model is large: built without data (host stand-ins,
-trace/host_stand_ins.py) and, where it has a list of identical blocks, traced at 4 and 5 blocks
-and extended (trace/program_blocks.py). The extended answer equals the full trace's, byte for
+trace/program/host_stand_ins.py) and, where it has a list of identical blocks, traced at 4 and 5 blocks
+and extended (trace/program/program_blocks.py). The extended answer equals the full trace's, byte for
 byte, on models small enough to trace in full, and what the program prints is printed once."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-import vramledger.predict_program as predict_program
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
-from vramledger.trace.blocks import same_timeline
-from vramledger.trace.program_trace import trace_program
+import vramledger.predict.program as predict_program
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
+from vramledger.trace.core.blocks import same_timeline
+from vramledger.trace.program.program_trace import trace_program
 
 PROGRAMS = Path(__file__).parent / "programs"
 

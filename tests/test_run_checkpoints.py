@@ -16,10 +16,10 @@ import pytest
 import torch
 from torch import nn
 
-from vramledger.errors import InputError
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 PROGRAMS = Path(__file__).parent / "programs"
 
@@ -143,8 +143,8 @@ def test_no_tensor_data_is_read(tmp_path):
         f.truncate(8 + len(header) + nbytes)
     script = (
         "import resource, sys\n"
-        "from vramledger.predict_program import run_program\n"
-        "from vramledger.program import ProgramSpec\n"
+        "from vramledger.predict.program import run_program\n"
+        "from vramledger.inputs.program import ProgramSpec\n"
         f"r = run_program(ProgramSpec(program={str(PROGRAMS / 'load_large_safetensors.py')!r}, "
         f"args=({str(path)!r},)))\n"
         "print('RESULT', r.peak_bytes, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
@@ -217,7 +217,7 @@ def test_from_pretrained_onto_the_device_in_bf16(tmp_path):
     device in bf16."""
     from transformers import LlamaForCausalLM
 
-    from vramledger.categories import Category
+    from vramledger.inputs.categories import Category
 
     weights = tmp_path / "llama"
     LlamaForCausalLM(_tiny_llama_config()).save_pretrained(weights)

@@ -17,9 +17,9 @@ import sys
 
 import pytest
 
+from vramledger.inputs.program import ProgramSpec
 from vramledger.parallel.deepspeed_engine import ALLREDUCE_BUCKET_ELEMENTS
 from vramledger.parallel.program_deepspeed import once_imported
-from vramledger.program import ProgramSpec
 
 from .gloo_noise import deepspeed_reduction_bytes
 from .test_run_ranks import PROGRAMS, assert_every_rank_equals_its_real_process
@@ -80,7 +80,7 @@ def test_fused_adam_kernel_stands_in():
     (checked against the real run: ``FUSED_ADAM``)."""
     pytest.importorskip("deepspeed")
     from vramledger.parallel.program_deepspeed import FUSED_ADAM_NOTE
-    from vramledger.predict_program import run_program
+    from vramledger.predict.program import run_program
 
     assert FUSED_ADAM_NOTE in run_program(_spec(FUSED_ADAM), target="cpu").notes
     assert_every_rank_equals_its_real_process(
@@ -94,7 +94,7 @@ def test_cuda_emulated_run_gives_zero2_ledgers_per_rank():
     categories, the model's parameters counted once (the flat buffer and the fp32 partition
     are not parameters)."""
     pytest.importorskip("deepspeed")
-    from vramledger.predict_program import run_program
+    from vramledger.predict.program import run_program
 
     data = run_program(_spec(CASES["zero2-bf16"]), gpu="h100-80gb").to_dict()
     assert data["world_size"] == 2 and data["strategy"] == "zero2"
@@ -116,7 +116,7 @@ def test_cuda_emulated_zero3_is_sharded():
     """ZeRO-3 under the CUDA emulation: the rank's flat shards of the parameters and gradients,
     its fp32 partition, and each module's gathered parameters as all-gather buffers."""
     pytest.importorskip("deepspeed")
-    from vramledger.predict_program import run_program
+    from vramledger.predict.program import run_program
 
     data = run_program(_spec(CASES["zero3-bf16"]), gpu="h100-80gb").to_dict()
     assert data["strategy"] == "zero3"

@@ -14,13 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.attribution import TraceFailed, run_program_checked
-from vramledger.categories import Category
 from vramledger.cli import main
-from vramledger.errors import InputError
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramFailed, ProgramSpec, parse_command
+from vramledger.inputs.categories import Category
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.program import ProgramFailed, ProgramSpec, parse_command
+from vramledger.measure.attribution import TraceFailed, run_program_checked
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 from .plain_run import assert_matches_plain_run
 
@@ -167,7 +167,7 @@ def test_a_program_that_picks_its_device_with_torch_accelerator(capsys):
 def test_a_failure_in_vramledgers_emulation_is_vramledgers(monkeypatch):
     """The plain run maps CUDA onto the CPU with the same ``torch.cuda`` answers as the trace: a
     missing method of an emulated object fails both runs alike, and is not the program's."""
-    from vramledger.trace import cuda_api
+    from vramledger.trace.emulation import cuda_api
 
     monkeypatch.delattr(cuda_api.EmulatedStream, "is_capturing")
     with pytest.raises(TraceFailed, match="failed the same way in vramledger's code"):
@@ -220,7 +220,7 @@ def test_a_loaded_copy_has_the_storages_torch_load_restores():
     import torch
     from torch import nn
 
-    from vramledger.saved_objects import fresh_copy
+    from vramledger.inputs.saved_objects import fresh_copy
 
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
     optimizer = torch.optim.AdamW(model.parameters())

@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.categories import Category
 from vramledger.cli import main
-from vramledger.errors import TraceError
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.categories import Category
+from vramledger.inputs.errors import TraceError
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 from .plain_run import assert_matches_plain_run
 

@@ -14,9 +14,9 @@ import torch
 from torch import nn
 
 from vramledger.cli import main
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramFailed, ProgramSpec
+from vramledger.inputs.program import ProgramFailed, ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 from .plain_run import assert_matches_plain_run
 
@@ -51,7 +51,7 @@ ONEDNN_BF16_SCRATCH = (
 here): the real run's steady steps count 256 bytes the prediction does not (485,072 vs 484,816,
 in a separate process and in the suite alike), with LayerNorm under bf16 autocast (without it,
 exact); under ``ONEDNN_MAX_CPU_ISA=AVX512_CORE`` or ``AVX2`` on the same machine both are
-455,112, exact. Scratch inside a oneDNN bf16 kernel that the probe (trace/cpu_scratch.py) does
+455,112, exact. Scratch inside a oneDNN bf16 kernel that the probe (trace/core/cpu_scratch.py) does
 not see; not traced to the kernel (docs/test-bounds.md). The last landed CI run passed with 0:
 oneDNN keeps scratch with its cached primitives, so whether a run allocates it depends on what
 ran before in the process; the test takes either, the same in every comparison. A CPU with AMX
@@ -60,7 +60,7 @@ is not measured."""
 
 HOST_DATASET = 128 * 64 * 4 + 128 * 8
 """data_loader.py's TensorDataset, in host memory: a GPU's allocator never sees it, the real CPU
-run's allocator counts it (measure_program.py)."""
+run's allocator counts it (measure/program.py)."""
 
 
 @pytest.mark.parametrize(
@@ -423,7 +423,7 @@ def test_naming_an_optimizer_keeps_no_local_alive():
     snapshot ``f_locals`` returns, holding the first step's batch through every later step)."""
     import weakref
 
-    from vramledger.program_frames import program_name_of
+    from vramledger.inputs.program_frames import program_name_of
 
     def loop() -> None:
         batch = torch.zeros(4)

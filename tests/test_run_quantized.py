@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from vramledger import Category, estimate
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")

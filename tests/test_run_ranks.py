@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 
 from vramledger.cli import main
-from vramledger.errors import InputError
-from vramledger.ledger import Ledger
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.program import ProgramSpec
+from vramledger.ledger.ledger import Ledger
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 from .gloo_noise import largest_transient_collective, late_free_window
 

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 sys.path.insert(0, str(Path(__file__).parent / "programs"))
 import torchtitan_tiny

@@ -19,10 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.categories import Category
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.categories import Category
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 PROGRAMS = Path(__file__).parent / "programs"
 STEPS = 3

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 from .plain_run import assert_matches_plain_run
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from vramledger.categories import Category
-from vramledger.predict_program import run_program
+from vramledger.inputs.categories import Category
+from vramledger.predict.program import run_program
 
 from .gloo_noise import largest_transient_collective
 from .test_run_ranks import _per_rank, _spec, assert_every_rank_equals_its_real_process

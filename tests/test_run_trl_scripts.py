@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from vramledger.measure_program import measure_program
-from vramledger.predict_program import run_program
-from vramledger.program import ProgramSpec
+from vramledger.inputs.program import ProgramSpec
+from vramledger.measure.program import measure_program
+from vramledger.predict.program import run_program
 
 from .plain_run import PLAIN_RUN_RELATIVE
 

@@ -16,10 +16,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from vramledger.cli.serve.question import PASTED, Sources, parse_question
 
 from vramledger.cli import main
-from vramledger.errors import InputError
-from vramledger.serve.question import PASTED, Sources, parse_question
+from vramledger.inputs.errors import InputError
 
 from .conftest import FIXTURES, fixture
 from .test_report import CHROMIUM, FLAGS, REQUIRED
@@ -367,7 +367,7 @@ def test_limits_refuse_in_json_when_full():
     a 503, past the questions a second a 429, each a JSON error with Retry-After."""
     import asyncio
 
-    from vramledger.serve.app import MAX_ASKS_PER_SECOND, MAX_IN_FLIGHT, Limits
+    from vramledger.cli.serve.app import MAX_ASKS_PER_SECOND, MAX_IN_FLIGHT, Limits
 
     async def app(scope, receive, send):
         await send({"type": "http.response.start", "status": 200, "headers": []})

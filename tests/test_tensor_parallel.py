@@ -10,8 +10,9 @@ import time
 import pytest
 
 from vramledger import TrainingSpec, estimate
-from vramledger.categories import Category, Phase
-from vramledger.errors import InputError
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.recipe import resolve
 from vramledger.parallel.mesh import (
     apply_inner_parallelism,
     fake_mesh,
@@ -19,7 +20,6 @@ from vramledger.parallel.mesh import (
     mesh_dims,
     mesh_rank_groups,
 )
-from vramledger.recipe import resolve
 
 from .conftest import FIXTURES, fixture
 from .mesh_real import TENSOR_PARALLEL, check_against_real_runs
@@ -114,11 +114,11 @@ def test_block_extension_is_exact_for_tensor_parallel_blocks():
     extended = estimate(spec)
     assert any("extended the timeline" in n for n in extended.notes)
     from vramledger.parallel.mesh import MeshParallel
-    from vramledger.predict import policy_for
-    from vramledger.trace.fake import trace
+    from vramledger.predict.step import policy_for
+    from vramledger.trace.core.fake import trace
 
     full = trace(spec, policy_for(spec), extend_blocks=False, engine=MeshParallel(spec))
-    from vramledger.replay import replay, steady_peak
+    from vramledger.ledger.replay import replay, steady_peak
 
     assert steady_peak(replay(full.timeline)).total == extended.peak_bytes
 
@@ -144,7 +144,7 @@ def test_llama_70b_shape_with_tp_8_estimates_in_seconds():
 def test_context_parallel_splits_the_sequence():
     """PyTorch's context_parallel (ring attention around CUDA's kernels): what a rank keeps for
     backward halves with each doubling of cp."""
-    from vramledger.replay import replay
+    from vramledger.ledger.replay import replay
 
     spec = dict(model=LLAMA, seq_len=256, batch_size=4, precision="bf16-master", target="cuda")
     saved = {}
@@ -189,7 +189,7 @@ def test_expert_parallel_gathers_only_the_local_experts():
     """ep borrowed from the cp ranks, FSDP2 over dp x cp (torchtitan's layout): a rank holds
     half the experts either way (FSDP shards them over the 2 ranks, or ep places 4 of 8 whole
     experts on each), but under ep a layer's forward gathers only its own 4 experts."""
-    from vramledger.replay import series
+    from vramledger.ledger.replay import series
 
     spec = dict(
         model=str(HUB / "qwen3-moe-tiny-bf16"),

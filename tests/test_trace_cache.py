@@ -1,4 +1,4 @@
-"""The trace cache (``trace/cache.py``) and the command line's answer cache (``answer_cache.py``):
+"""The trace cache (``trace/core/cache.py``) and the command line's answer cache (``answer_cache.py``):
 a cached answer is the uncached one, field for field; an entry from another version is never
 used; the key changes with everything that changes a trace."""
 
@@ -14,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import fixture
-from vramledger import cache
 from vramledger.cli import main
-from vramledger.predict import _engine, estimate, policy_for
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.trace import cache as trace_cache
+from vramledger.inputs import cache
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.predict.step import _engine, estimate, policy_for
+from vramledger.record.timeline import Timeline
+from vramledger.trace.core import cache as trace_cache
 
 TINY = fixture("tiny-llama.json")
 TIMINGS = {"seconds", "search_seconds", "workers"}

@@ -12,7 +12,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vramledger import cpu_allocator_count, estimate
+from vramledger import estimate
+from vramledger.measure import cpu_allocator_count
 
 from .conftest import fixture
 
@@ -99,11 +100,11 @@ def test_sdpa_math_mask_add_is_in_place_in_a_plain_run():
 
 def test_without_the_sdpa_rule_the_estimate_is_above(monkeypatch):
     """Traced as the mode runs it (the ``add`` kept), the estimate is above the plain run."""
-    from vramledger.trace.plain_autograd import CONFIRMED_TWINS
+    from vramledger.trace.core.plain_autograd import CONFIRMED_TWINS
 
     plain = _plain_peak("sdpa-math-mask")
-    monkeypatch.setattr("vramledger.trace.twin_folding.CONFIRMED_TWINS", {})
-    monkeypatch.setattr("vramledger.trace.plain_autograd.CONFIRMED_TWINS", {})
+    monkeypatch.setattr("vramledger.trace.core.twin_folding.CONFIRMED_TWINS", {})
+    monkeypatch.setattr("vramledger.trace.core.plain_autograd.CONFIRMED_TWINS", {})
     assert CONFIRMED_TWINS  # the rule exists; switched off only here
     assert _estimate("sdpa-math-mask").peak_bytes > plain * (1 + BOUND)
 
@@ -117,7 +118,7 @@ def test_without_the_sdpa_rule_the_estimate_is_above(monkeypatch):
 )
 def test_without_the_norm_correction_the_estimate_is_below(monkeypatch, name, op):
     """With the meta kernel's half-precision mean/rstd, the estimate is below the plain run."""
-    from vramledger.trace.fake_corrections import CORRECTIONS
+    from vramledger.trace.core.fake_corrections import CORRECTIONS
 
     plain = _plain_peak(name)
     monkeypatch.delitem(CORRECTIONS, op)
@@ -126,11 +127,11 @@ def test_without_the_norm_correction_the_estimate_is_below(monkeypatch, name, op
 
 def test_ctc_gradient_is_contiguous_as_the_kernel_makes_it():
     """The CPU kernel's gradient of a transposed log-probability tensor is contiguous in
-    (time, batch, labels); the trace's (trace/value_operators.py) has the same strides."""
+    (time, batch, labels); the trace's (trace/core/value_operators.py) has the same strides."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from vramledger.trace.value_operators import _ctc_loss
-    from vramledger.trace.values import KnownValues
+    from vramledger.trace.core.value_operators import _ctc_loss
+    from vramledger.trace.core.values import KnownValues
 
     aten = torch.ops.aten
     lp = torch.randn(2, 6, 5).log_softmax(-1).transpose(0, 1)
@@ -150,7 +151,7 @@ def test_ctc_gradient_is_contiguous_as_the_kernel_makes_it():
 def test_without_the_saved_numbers_the_estimate_is_below(monkeypatch):
     """Without registering the Python numbers autograd saves, the estimate is below."""
     plain = _plain_peak("saved-python-numbers")
-    monkeypatch.setattr("vramledger.trace.tracker.saved_wrapped_numbers", lambda *_: [])
+    monkeypatch.setattr("vramledger.trace.core.tracker.saved_wrapped_numbers", lambda *_: [])
     assert _estimate("saved-python-numbers").peak_bytes < plain * (1 - BOUND)
 
 

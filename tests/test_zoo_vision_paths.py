@@ -17,8 +17,8 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from vramledger import cpu_allocator_count, estimate
-from vramledger.measure import measure
+from vramledger import estimate
+from vramledger.measure import cpu_allocator_count, measure
 
 from .conftest import fixture
 
@@ -104,7 +104,7 @@ def test_measure_counts_a_plain_run():
 def test_linear_bias_add_is_in_place_only_in_a_plain_run(monkeypatch):
     """A do-nothing dispatch mode raises the count (``linear`` adds the bias out of place);
     traced without the rule (the bias add kept out of place) the estimate is that high."""
-    import vramledger.trace.plain_branches as plain_branches
+    import vramledger.trace.core.plain_branches as plain_branches
 
     name = "linear-bias-on-transposed-input"
     plain = _plain_peak(name)
@@ -119,7 +119,7 @@ def test_linear_bias_add_is_in_place_only_in_a_plain_run(monkeypatch):
 def test_layer_norm_statistics_of_a_mixed_dtype_are_float32(monkeypatch):
     """The same step under a dispatch mode counts the same (a fake-kernel dtype, not an
     autograd branch); without the correction the estimate comes out below the plain run."""
-    from vramledger.trace import fake_corrections
+    from vramledger.trace.core import fake_corrections
 
     name = "layer-norm-mixed-dtype"
     plain = _plain_peak(name)
@@ -127,7 +127,7 @@ def test_layer_norm_statistics_of_a_mixed_dtype_are_float32(monkeypatch):
     corrections = dict(fake_corrections.CORRECTIONS)
     del corrections[torch.ops.aten.native_layer_norm.default]
     monkeypatch.setattr(fake_corrections, "CORRECTIONS", corrections)
-    import vramledger.trace.fake as fake
+    import vramledger.trace.core.fake as fake
 
     monkeypatch.setattr(fake, "CORRECTIONS", corrections)
     before = estimate(**_spec(name)).peak_bytes

@@ -1,8 +1,8 @@
-"""Log every ``vramledger.predict.estimate`` a command makes, in every process it starts.
+"""Log every ``vramledger.predict.step.estimate`` a command makes, in every process it starts.
 
 Put this folder first on ``PYTHONPATH`` and name a file in ``VRAMLEDGER_ESTIMATE_LOG``: Python
 imports ``sitecustomize`` at start-up in the command and in each worker process (the fork server
-starts a fresh interpreter), and this one wraps ``estimate`` as ``vramledger.predict`` is loaded.
+starts a fresh interpreter), and this one wraps ``estimate`` as ``vramledger.predict.step`` is loaded.
 Each estimate appends one JSON line: process, wall-clock start, seconds, and what was estimated.
 Nothing changes what the command computes. Used by ``README-cache-speed.md`` to say where a cold
 ``fit`` or ``plan`` spends its time.
@@ -54,7 +54,7 @@ def _wrap(module):
 
 class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name != "vramledger.predict":
+        if name != "vramledger.predict.step":
             return None
         sys.meta_path.remove(self)
         spec = importlib.util.find_spec(name)

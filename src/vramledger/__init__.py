@@ -12,15 +12,15 @@ import functools
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from vramledger.categories import Category, Phase
-from vramledger.errors import InputError, TraceError, VramledgerError
-from vramledger.ledger import Ledger
-from vramledger.version import __version__
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.errors import InputError, TraceError, VramledgerError
+from vramledger.inputs.version import __version__
+from vramledger.ledger.ledger import Ledger
 
 if TYPE_CHECKING:
-    from vramledger.spec import TrainingSpec
+    from vramledger.inputs.spec import TrainingSpec
 
-_LAZY = {"TrainingSpec": "spec"}
+_LAZY = {"TrainingSpec": "inputs.spec"}
 """Public names whose modules import torch: imported when first asked for."""
 
 
@@ -36,13 +36,13 @@ def __getattr__(name: str) -> Any:
 
 
 def _quiet_estimate() -> Any:
-    from vramledger.chatter import library_chatter_quieted
-    from vramledger.predict import estimate as _estimate
+    from vramledger.inputs.chatter import library_chatter_quieted
+    from vramledger.predict.step import estimate as _estimate
 
     @functools.wraps(_estimate)
     def estimate(*args: Any, **kwargs: Any) -> Ledger:
         # the libraries' log lines and warnings, quiet while the call runs (chatter.py), as the
-        # CLI keeps them; vramledger.predict.estimate runs without this.
+        # CLI keeps them; vramledger.predict.step.estimate runs without this.
         with library_chatter_quieted():
             return _estimate(*args, **kwargs)
 

@@ -25,7 +25,13 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from vramledger.cache import CACHE_DIR_VARIABLE, NO_CACHE_VARIABLE, Store, enabled, path_fingerprint
+from vramledger.inputs.cache import (
+    CACHE_DIR_VARIABLE,
+    NO_CACHE_VARIABLE,
+    Store,
+    enabled,
+    path_fingerprint,
+)
 
 ANSWERED = ("estimate", "fit", "plan")
 """Commands whose answers are kept: predictions from the files and options given."""

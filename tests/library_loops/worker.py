@@ -3,7 +3,7 @@ CPU allocator's own count and nothing else.
 
     torchrun --nproc-per-node WORLD tests/library_loops/worker.py OUT_DIR CASE [CASE ...]
 
-No vramledger code runs here: the allocator counter (``vramledger.cpu_allocator_count``, a small
+No vramledger code runs here: the allocator counter (``vramledger.measure.cpu_allocator_count``, a small
 C++ wrapper around c10's CPU allocator) is loaded from the extension file the test built, named
 by ``VRAMLEDGER_COUNTER_SO``, without importing the package, and the script checks at the end
 that no ``vramledger`` module was imported. The model, batch and loss are the test fixtures'

@@ -46,7 +46,7 @@ def build_meta(case: Case, config: Any) -> tuple[int, str | None]:
     parameter count (tied weights once), and a note if only the head's class builds it."""
     import torch
 
-    from vramledger.sources import _hf_skip_init
+    from vramledger.inputs.sources import _hf_skip_init
 
     with torch.device("meta"), _hf_skip_init():
         model, note = _from_config(case, config)
@@ -58,7 +58,7 @@ PLAIN_TASKS = frozenset(
     {"causal-lm", "masked-lm", "seq2seq-lm", "image-classification", "sequence-classification"}
 )
 """Heads whose batch for the plain training step (``plain_step``) this script makes itself;
-other heads get vramledger's own default batch (``vramledger.tasks``)."""
+other heads get vramledger's own default batch (``vramledger.inputs.tasks``)."""
 
 
 def _config_value(config: Any, name: str) -> Any:
@@ -99,13 +99,13 @@ def plain_batch(case: Case, config: Any) -> dict[str, Any]:
 def _unusual_images(case: Case, config: Any) -> bool:
     """Image classifiers that take no image tensor of (batch, channels, height, width): patches
     cut by their processor (SigLIP 2) or one token per pixel (ImageGPT); vramledger's default
-    batch makes them (``vramledger.tasks.image_input``)."""
+    batch makes them (``vramledger.inputs.tasks.image_input``)."""
     if case.task != "image-classification":
         return False
     import transformers
 
     try:
-        from vramledger.tasks import image_input
+        from vramledger.inputs.tasks import image_input
     except ImportError:
         return False
     return image_input(config, getattr(transformers, case.class_name, None)) != "pixels"
@@ -116,7 +116,7 @@ def _can_feed(task: str) -> bool:
     if task in PLAIN_TASKS:
         return True
     try:
-        from vramledger.tasks import KINDS
+        from vramledger.inputs.tasks import KINDS
     except ImportError:
         return False
     return task in KINDS
@@ -126,8 +126,8 @@ def _vramledger_batch(case: Case, config: Any) -> dict[str, Any]:
     import torch
     import transformers
 
-    from vramledger.sources import BatchShape
-    from vramledger.tasks import KINDS, model_class
+    from vramledger.inputs.sources import BatchShape
+    from vramledger.inputs.tasks import KINDS, model_class
 
     shape = BatchShape(batch_size=BATCH_SIZE, seq_len=SEQ_LEN)
     cls = model_class(config, case.task) or getattr(transformers, case.class_name)
@@ -141,7 +141,7 @@ def plain_step(case: Case, config: Any) -> dict[str, Any] | None:
     of vramledger's."""
     import torch
 
-    from vramledger.errors import VramledgerError
+    from vramledger.inputs.errors import VramledgerError
 
     torch.manual_seed(0)
     try:

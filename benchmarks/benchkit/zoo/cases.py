@@ -121,10 +121,10 @@ def select_cases(
 
 
 def supported_tasks() -> tuple[str, ...]:
-    """vramledger's task names (``vramledger.tasks.TASKS``; older versions:
-    ``vramledger.sources.TASKS``)."""
+    """vramledger's task names (``vramledger.inputs.tasks.TASKS``; older versions:
+    ``vramledger.inputs.sources.TASKS``)."""
     try:
-        from vramledger.tasks import TASKS
+        from vramledger.inputs.tasks import TASKS
     except ImportError:
-        from vramledger.sources import TASKS
+        from vramledger.inputs.sources import TASKS
     return tuple(TASKS)

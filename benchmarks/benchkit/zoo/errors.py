@@ -12,7 +12,7 @@ from typing import Any
 def describe_error(exc: BaseException) -> dict[str, Any]:
     """The exception type, vramledger's one line and its message without the hint (operator
     and module parsed out of it), the underlying exception and the innermost frames."""
-    from vramledger.errors import VramledgerError
+    from vramledger.inputs.errors import VramledgerError
 
     cause = exc.__cause__ or exc.__context__
     is_ours = isinstance(exc, VramledgerError)

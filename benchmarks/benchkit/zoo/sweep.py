@@ -145,7 +145,7 @@ def run_case(case: Case, options: Options) -> list[dict[str, Any]]:
                 ]
             if not build["supported"]:
                 detail = (
-                    f"vramledger.sources.TASKS has no {case.task!r} "
+                    f"vramledger.inputs.sources.TASKS has no {case.task!r} "
                     f"(it has {', '.join(supported_tasks())})"
                 )
                 return [

@@ -14,11 +14,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 
-from vramledger import cache
-from vramledger.chatter import quiet_import_chatter
 from vramledger.cli.options import spec_from_args
 from vramledger.cli.parser import build_parser
-from vramledger.errors import VramledgerError
+from vramledger.inputs import cache
+from vramledger.inputs.chatter import quiet_import_chatter
+from vramledger.inputs.errors import VramledgerError
 
 __all__ = ["build_parser", "main", "spec_from_args"]
 

@@ -7,16 +7,16 @@ import json
 import sys
 from typing import Any
 
-from vramledger import cache
 from vramledger.cli.options import spec_from_args
 from vramledger.cli.report import report, report_program, with_progress
-from vramledger.errors import InputError
-from vramledger.precision import canonical_precision
-from vramledger.units import format_bytes
+from vramledger.inputs import cache
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.precision import canonical_precision
+from vramledger.inputs.units import format_bytes
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from vramledger.predict import estimate
+    from vramledger.predict.step import estimate
     from vramledger.render.terminal import ledger_table
 
     return report(args, estimate(spec_from_args(args)), ledger_table)
@@ -39,7 +39,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
-    from vramledger.compare import compare
+    from vramledger.measure.compare import compare
     from vramledger.render.plots import comparison_plot
     from vramledger.render.terminal import comparison_table
 
@@ -65,8 +65,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     its memory; the program's own exception is shown as the program's."""
     import contextlib
 
-    from vramledger.attribution import TraceFailed
-    from vramledger.program import ProgramFailed, ProgramSpec, children_note, parse_command
+    from vramledger.inputs.program import ProgramFailed, ProgramSpec, children_note, parse_command
+    from vramledger.measure.attribution import TraceFailed
 
     command = list(args.command)
     if command and command[0] == "--":
@@ -86,11 +86,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         with output:
             if args.measure:
-                from vramledger.measure_program import measure_program
+                from vramledger.measure.program import measure_program
 
                 result = measure_program(spec, gpu=args.gpu, quiet=args.json)
             else:
-                from vramledger.attribution import run_program_checked
+                from vramledger.measure.attribution import run_program_checked
 
                 result = run_program_checked(spec, target=args.target, gpu=args.gpu)
     except ProgramFailed as failed:
@@ -132,15 +132,15 @@ def _names(text: str, option: str) -> list[str]:
 
 
 def _gpu(args: argparse.Namespace) -> Any:
-    from vramledger.gpus import resolve_gpu
+    from vramledger.inputs.gpus import resolve_gpu
 
     return resolve_gpu(args.gpu, args.gpu_memory)
 
 
 def _margin(args: argparse.Namespace) -> tuple[int, str]:
     """The explicit margin, plus a rehearsal's residual when --margin-from gives one."""
-    from vramledger.units import format_bytes, parse_bytes
-    from vramledger.verdict import DEFAULT_MARGIN, MARGIN_SOURCE
+    from vramledger.inputs.units import format_bytes, parse_bytes
+    from vramledger.inputs.verdict import DEFAULT_MARGIN, MARGIN_SOURCE
 
     if args.margin is None:
         margin, source = DEFAULT_MARGIN, MARGIN_SOURCE
@@ -156,7 +156,7 @@ def _margin(args: argparse.Namespace) -> tuple[int, str]:
 
 def read_rehearsal_residual(path: str) -> int:
 
-    from vramledger.jsonfile import read_json_object
+    from vramledger.inputs.jsonfile import read_json_object
 
     hint = "write it with `vramledger rehearse ... --json > FILE`"
     data = read_json_object(path, "rehearsal file", hint=hint)
@@ -221,7 +221,7 @@ def _degrees(text: str, option: str, auto: bool = False) -> list[int] | None:
 
 
 def _host_memory(args: argparse.Namespace) -> int | None:
-    from vramledger.units import parse_bytes
+    from vramledger.inputs.units import parse_bytes
 
     return parse_bytes(args.host_memory, option="--host-memory") if args.host_memory else None
 
@@ -323,7 +323,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from vramledger.serve.app import serve
+    from vramledger.cli.serve.app import serve
 
     return serve(
         Path(args.dir) if args.dir else None,

@@ -14,8 +14,8 @@ import typing
 from dataclasses import MISSING, Field, fields
 from typing import Any
 
-from vramledger.spec import TrainingSpec
-from vramledger.spec_fields import SECTIONS, Cli, Section, cli_of, field_docs, option_flag
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.spec_fields import SECTIONS, Cli, Section, cli_of, field_docs, option_flag
 
 PYTHON_ONLY: dict[str, str] = {
     "configs_applied": "set by the entry points once --deepspeed / --accelerate-config are read "

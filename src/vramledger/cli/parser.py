@@ -21,12 +21,12 @@ from vramledger.cli.commands import (
     cmd_serve,
 )
 from vramledger.cli.options import GPU_OPTIONS, PARALLEL_OPTIONS, add_spec_options
+from vramledger.inputs.precision import PRECISIONS
+from vramledger.inputs.program import ProgramSpec
+from vramledger.inputs.spec import TARGETS
+from vramledger.inputs.spec_fields import field_docs, option_flag
+from vramledger.inputs.version import __version__
 from vramledger.plan.fit import MAXIMIZE, SEQ_STEP
-from vramledger.precision import PRECISIONS
-from vramledger.program import ProgramSpec
-from vramledger.spec import TARGETS
-from vramledger.spec_fields import field_docs, option_flag
-from vramledger.version import __version__
 
 
 def _add_output_options(

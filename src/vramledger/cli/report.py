@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.console import Console
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
 
 
 def with_progress(args: argparse.Namespace, run: Callable[[Any], Any]) -> Any:
@@ -94,7 +94,7 @@ def report_program(args: argparse.Namespace, result: Any) -> int:
         table = measured_program_table if args.measure else program_table
         print_renderable(table(result))
     if (host := getattr(result, "trained_on_host_bytes", 0)) and not args.allow_host_training:
-        from vramledger.predict_program import TRAINED_ON_HOST
+        from vramledger.predict.program import TRAINED_ON_HOST
 
         print(
             f"vramledger: warning: {TRAINED_ON_HOST.format(nbytes=host)} (exit status "

@@ -4,7 +4,7 @@ The step runs twice, and each run gives one thing:
 
 - the **plain run** gives the truth: the step with nothing of vramledger's around it, no
   dispatch mode and no tensor subclass active while it runs (a ``TorchDispatchMode``, the
-  tracker included, turns autograd onto its out-of-place branches: ``trace/plain_autograd.py``).
+  tracker included, turns autograd onto its out-of-place branches: ``trace/core/plain_autograd.py``).
   The allocator counts it: on CPU in one process, ``torch.profiler`` memory events
   (``profile_memory=True``; RecordFunction callbacks, not a dispatch mode; the profiler starts
   before the model is built, so nothing is missed on this thread); on CPU under several
@@ -15,7 +15,7 @@ The step runs twice, and each run gives one thing:
 - a **tracked run** of the same step (same seed, same batch) under the storage tracker (the one
   tracing uses) gives the Timeline, so the measured ledger has the same categories, phases and
   modules as a prediction. The tracker folds autograd's out-of-place buffers back into their
-  operands as the plain run writes them (``trace/plain_autograd.py``), so its totals equal the
+  operands as the plain run writes them (``trace/core/plain_autograd.py``), so its totals equal the
   plain run's except for memory that operators allocate inside their kernels, which no
   dispatch-level tracker sees (``untracked_bytes``).
 
@@ -41,24 +41,24 @@ import torch
 import torch.distributed as dist
 from torch.profiler import profile, record_function
 
-from vramledger import cpu_allocator_count
-from vramledger.allocator_events import memory_events, ranges, recording
-from vramledger.categories import CATEGORY_PRIORITY, Category, Phase
-from vramledger.errors import InputError
-from vramledger.launch_configs import apply_configs
-from vramledger.ledger import Ledger, build_ledger
+from vramledger.inputs.categories import CATEGORY_PRIORITY, Category, Phase
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.recipe import count_parameters, module_names, resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.training import NullObserver, assemble
+from vramledger.inputs.version import __version__
+from vramledger.ledger.ledger import Ledger, build_ledger
+from vramledger.measure import cpu_allocator_count
 from vramledger.measure.deepspeed import measure_deepspeed
 from vramledger.measure.pipeline import measure_pipeline
 from vramledger.parallel.engines import adapt_recipe
 from vramledger.parallel.real import in_step_context, real_optimizer, wrap_real
-from vramledger.predict import as_spec
-from vramledger.predict import estimate as predict
-from vramledger.recipe import count_parameters, module_names, resolve
-from vramledger.spec import TrainingSpec
-from vramledger.trace.target_policy import policy_for
-from vramledger.trace.tracker import StorageTracker, TrackerObserver
-from vramledger.training import NullObserver, assemble
-from vramledger.version import __version__
+from vramledger.predict.step import as_spec
+from vramledger.predict.step import estimate as predict
+from vramledger.record.allocator_events import memory_events, ranges, recording
+from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
+from vramledger.trace.emulation.target_policy import policy_for
 
 _STEP_LABEL = "vramledger.step{}"
 
@@ -268,7 +268,7 @@ EAGER_TORCHAO = "torchao's compiled optimizer step ran eagerly under the tracker
 PLAIN_RUN = "counted in a plain run (no dispatch mode, no tensor subclass active during the step)"
 TRACKED_RUN = (
     "categories from a separate tracked run of the same step (StorageTracker, a "
-    "TorchDispatchMode; autograd's out-of-place branches folded back as trace/plain_autograd.py "
+    "TorchDispatchMode; autograd's out-of-place branches folded back as trace/core/plain_autograd.py "
     "models them)"
 )
 

@@ -2,7 +2,7 @@
 
 A run that owns its step (DeepSpeed's engine, a pipeline schedule) is measured twice, as
 ``measure`` measures a single process: a plain run (no dispatch mode, no tensor subclass active:
-the tracker changes what autograd allocates, ``trace/plain_autograd.py``) whose allocations the
+the tracker changes what autograd allocates, ``trace/core/plain_autograd.py``) whose allocations the
 allocator counts (:func:`allocator_counter`, read per phase by :class:`PlainCountingObserver`),
 then a tracked run of the same step for the ledger (:func:`rank_measurement`).
 """
@@ -16,14 +16,14 @@ from typing import Any
 
 import torch
 
-from vramledger import cpu_allocator_count
-from vramledger.categories import Category, Phase
-from vramledger.ledger import Ledger, build_ledger
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.trace.target_policy import policy_for
-from vramledger.training import NullObserver
-from vramledger.version import __version__
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.training import NullObserver
+from vramledger.inputs.version import __version__
+from vramledger.ledger.ledger import Ledger, build_ledger
+from vramledger.measure import cpu_allocator_count
+from vramledger.record.timeline import Timeline
+from vramledger.trace.emulation.target_policy import policy_for
 
 
 def allocator_counter(cuda: bool) -> tuple[Callable[[], None], Callable[[], int]]:

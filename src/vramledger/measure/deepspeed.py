@@ -14,8 +14,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vramledger.errors import InputError
-from vramledger.launch_configs import apply_configs
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.recipe import count_parameters, module_names, resolve
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.measure.counting import (
     PlainCountingObserver,
     RankMeasurement,
@@ -26,15 +28,13 @@ from vramledger.parallel.deepspeed_engine import build_run
 from vramledger.parallel.deepspeed_runtime import deepspeed_modules, deepspeed_state, real_deepspeed
 from vramledger.parallel.fake_group import forget_sharding_propagation
 from vramledger.parallel.real import shut_down_group
-from vramledger.recipe import count_parameters, module_names, resolve
-from vramledger.spec import TrainingSpec
-from vramledger.trace.tracker import StorageTracker, TrackerObserver
+from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
 
 
 def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:
     """Run ``spec`` (``zero0``/``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
         process group, twice: a plain run (no dispatch mode, no tensor subclass active: the
-        tracker changes what autograd allocates, ``trace/plain_autograd.py``) counted by the
+        tracker changes what autograd allocates, ``trace/core/plain_autograd.py``) counted by the
         allocator, then a tracked run of the same step for the ledger's categories.
 
         On CPU the allocator count is ``cpu_allocator_count`` (installed here, so it counts from

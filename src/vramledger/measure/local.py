@@ -22,8 +22,7 @@ from typing import Any
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from vramledger import cpu_allocator_count
-from vramledger.measure import measure
+from vramledger.measure import cpu_allocator_count, measure
 from vramledger.parallel.real import shut_down_group
 
 RESULT_TIMEOUT_S = 900

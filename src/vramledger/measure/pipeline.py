@@ -12,7 +12,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.recipe import count_parameters, module_names, resolve
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.measure.counting import (
     PlainCountingObserver,
     RankMeasurement,
@@ -21,16 +23,14 @@ from vramledger.measure.counting import (
 )
 from vramledger.parallel.mesh import build_mesh, mesh_coords
 from vramledger.parallel.pipeline import PipelineParallel, PipelineRank
-from vramledger.recipe import count_parameters, module_names, resolve
-from vramledger.spec import TrainingSpec
-from vramledger.trace.tracker import StorageTracker, TrackerObserver
+from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
 
 
 def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:
     """Run ``spec`` for real as this rank of the process group: the same stages, schedule and
     step as the estimate's (:class:`PipelineRank`, the warm-up vote included), twice: a plain
     run (no dispatch mode, no tensor subclass active: the tracker changes what autograd
-    allocates, ``trace/plain_autograd.py``) counted by the allocator (``cpu_allocator_count`` on
+    allocates, ``trace/core/plain_autograd.py``) counted by the allocator (``cpu_allocator_count`` on
     CPU, installed before the model is built; ``max_memory_allocated`` on CUDA), then a tracked
     run of the same step for the ledger."""
     if not dist.is_initialized() or dist.get_world_size() != spec.world_size:

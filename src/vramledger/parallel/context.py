@@ -10,7 +10,7 @@ method) and merged in fp32 (``_SDPAMerger``, ``convert_to_f32``).
 Ring attention is implemented only around CUDA's fused kernels (flash, memory-efficient,
 cuDNN; ``_sdpa_handler`` raises "CP only supports flash attention and memory efficient
 attention now" for any other): a CUDA estimate traces it (the trace calls the CUDA kernel a GPU
-would pick, ``trace/sdpa_cuda.py``, and CP's handler runs the ring around it on fake tensors);
+would pick, ``trace/emulation/sdpa_cuda.py``, and CP's handler runs the ring around it on fake tensors);
 a CPU target, and so a real gloo run on CPU, cannot run it.
 
 A Hugging Face decoder derives its positions from the length it sees, which under CP is the
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
 
 SEQ_BUFFERS = ("input_ids", "labels", "position_ids", "attention_mask", "token_type_ids")
 """Batch entries whose dimension 1 is the sequence."""

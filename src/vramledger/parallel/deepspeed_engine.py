@@ -22,7 +22,7 @@ what DeepSpeed cannot do by itself, each the least that lets its code run:
 2. DeepSpeed's global state for a fake process group (``deepspeed_runtime.py``): its CPU
    accelerator standing for the GPU, ``LOCAL_RANK``, fresh caches of process groups;
 3. values read with ``.item()`` (the overflow check, the gradient norm) answered 0: no
-   overflow, the step every run takes when it does not skip (``trace/tracker.py``).
+   overflow, the step every run takes when it does not skip (``trace/core/tracker.py``).
 
 Categories: the flat half-precision buffer (every parameter is a view of it) is
 ``parameters``; the fp32 partition ``master_weights``; the wrapped optimizer's state
@@ -47,11 +47,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramledger.categories import Category, Phase
-from vramledger.deepspeed_config import DEEPSPEED_HINT
-from vramledger.errors import InputError
-from vramledger.jsonfile import read_json_object
-from vramledger.optimizers import OptimizerChoice
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.deepspeed_config import DEEPSPEED_HINT
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.jsonfile import read_json_object
+from vramledger.inputs.optimizers import OptimizerChoice
+from vramledger.inputs.precision import PrecisionPolicy
+from vramledger.inputs.recipe import Recipe
+from vramledger.inputs.sources import LossFn, tensor_leaves
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.training import MASTER_GRADIENT, StepObserver, cast_floating
 from vramledger.parallel.deepspeed_runtime import (
     deepspeed_modules,
     fake_deepspeed_world,
@@ -59,12 +64,7 @@ from vramledger.parallel.deepspeed_runtime import (
     version,
 )
 from vramledger.parallel.engines import DataParallel, fake_world
-from vramledger.precision import PrecisionPolicy
-from vramledger.recipe import Recipe
-from vramledger.sources import LossFn, tensor_leaves
-from vramledger.spec import TrainingSpec
-from vramledger.trace.program_trace import STANDS_FOR
-from vramledger.training import MASTER_GRADIENT, StepObserver, cast_floating
+from vramledger.trace.program.program_trace import STANDS_FOR
 
 DEEPSPEED_PRECISIONS = {
     "fp32": {},

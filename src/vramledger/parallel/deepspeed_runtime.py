@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from vramledger.compat import check_tested
-from vramledger.errors import InputError
+from vramledger.inputs.compat import check_tested
+from vramledger.inputs.errors import InputError
 
 INSTALL_HINT = (
     "pip install 'deepspeed>=0.19' (with your torch pinned, e.g. -c <(echo torch==2.13.0))"

@@ -14,8 +14,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vramledger.categories import Category
-from vramledger.errors import InputError
+from vramledger.inputs.categories import Category
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.parallelism import Parallelism
+from vramledger.inputs.precision import PrecisionPolicy
+from vramledger.inputs.recipe import Recipe
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.fake_group import fake_process_group
 from vramledger.parallel.fsdp_units import apply_fully_shard
 from vramledger.parallel.strategy import (
@@ -23,11 +27,7 @@ from vramledger.parallel.strategy import (
     apply_offload,
     master_shard_fraction,
 )
-from vramledger.parallelism import Parallelism
-from vramledger.precision import PrecisionPolicy
-from vramledger.recipe import Recipe
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
+from vramledger.record.timeline import Timeline
 
 DDP_FIRST_BUCKET_BYTES = 1024**2
 """``dist._DEFAULT_FIRST_BUCKET_BYTES``: DDP's first bucket is capped at 1 MiB."""

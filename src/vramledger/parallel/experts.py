@@ -14,7 +14,7 @@ borrowed from the data-parallel x context-parallel ranks as torchtitan does
 
 What a fake process group cannot give: the counts every rank sends to this one (the first
 all-to-all). They are answered from this rank's own counts — every rank of the group routes
-its batch with the same policy (``trace/values.py``: balanced, first or last), so each sends
+its batch with the same policy (``trace/core/values.py``: balanced, first or last), so each sends
 this rank what this rank sends itself. Under ``balanced`` routing every rank receives the same;
 under ``first`` the rank owning the first experts (rank 0, the one traced) receives the most.
 """
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
 
 
 def ep_plan(model: nn.Module) -> dict[str, str]:

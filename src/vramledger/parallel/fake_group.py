@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
 
 _kept: int | None = None
 """The rank of the last fake process group that made no other group: its DTensor

@@ -22,7 +22,7 @@ from typing import Any, overload
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
 
-from vramledger.trace.patched_functions import patched_functions
+from vramledger.trace.core.patched_functions import patched_functions
 
 CHUNK_FUNCTION = ("torch.distributed.fsdp._fully_shard._fsdp_param", "_chunk_with_empty")
 """FSDP2's chunking helper, looked up by name in the module that calls it (torch 2.13)."""

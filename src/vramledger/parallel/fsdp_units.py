@@ -38,10 +38,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.fsdp_chunks import lazy_chunks
-from vramledger.spec import TrainingSpec
-from vramledger.trace.blocks import NotExtensible, find_block_stack
+from vramledger.trace.core.blocks import NotExtensible, find_block_stack
 
 
 @dataclass(frozen=True)

@@ -30,20 +30,20 @@ from typing import Any
 
 from torch import nn
 
-from vramledger.categories import Category
-from vramledger.config_depth import config_depth
-from vramledger.errors import InputError
+from vramledger.inputs.categories import Category
+from vramledger.inputs.config_depth import config_depth
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.recipe import Recipe, resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.training import assemble
 from vramledger.parallel.context import check_context_parallel, context_parallel_step
 from vramledger.parallel.engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
 from vramledger.parallel.experts import apply_expert_parallel, symmetric_count_exchange
 from vramledger.parallel.fake_group import fake_process_group
 from vramledger.parallel.fsdp_units import apply_fully_shard, mixed_precision_policy
 from vramledger.parallel.tp_plans import tp_plan
-from vramledger.recipe import Recipe, resolve
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.trace.engine import Track
-from vramledger.training import assemble
+from vramledger.record.timeline import Timeline
+from vramledger.trace.core.engine import Track
 
 MESH_ORDER: tuple[str, ...] = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """torchtitan's order of mesh dimensions, outermost first."""
@@ -275,7 +275,7 @@ def in_step_context(run: Any, model: nn.Module) -> Any:
     return _InContext(run, lambda: step_context(model, run.batch))
 
 
-# -- the engine the tracer runs under (trace/engine.py) ---------------------------------------
+# -- the engine the tracer runs under (trace/core/engine.py) ---------------------------------------
 COLLECTIVE_OP_CATEGORIES: dict[str, Category] = {
     f"_c10d_functional.{op}.default": Category.COMM_BUFFERS
     for op in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce", "all_to_all_single")

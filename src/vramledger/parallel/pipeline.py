@@ -60,8 +60,10 @@ from dataclasses import replace
 
 from torch import nn
 
-from vramledger.config_depth import config_depth
-from vramledger.errors import InputError
+from vramledger.inputs.config_depth import config_depth
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.recipe import Recipe
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.engines import DataParallel, adapt_recipe
 from vramledger.parallel.mesh import fake_mesh, fsdp_degree
 from vramledger.parallel.pipeline_models import decoder_parts, stage_source
@@ -75,9 +77,7 @@ from vramledger.parallel.pipeline_stages import (
     stage_layers,
 )
 from vramledger.parallel.pipeline_step import PipelineRun
-from vramledger.recipe import Recipe
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
+from vramledger.record.timeline import Timeline
 
 
 class PipelineParallel:

@@ -12,12 +12,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.precision import PrecisionPolicy, autocast
+from vramledger.inputs.sources import ModelSource
 from vramledger.parallel.pipeline_stages import StagePlan
 from vramledger.parallel.tp_plans import SEQUENCE_DIM
-from vramledger.precision import PrecisionPolicy, autocast
-from vramledger.sources import ModelSource
-from vramledger.trace.blocks import find_block_stack
+from vramledger.trace.core.blocks import find_block_stack
 
 FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
 """Attribute names of a Hugging Face base model's final norm."""

@@ -11,8 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramledger.categories import Category, Phase
-from vramledger.errors import InputError
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.precision import autocast
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.training import TrainingRun, assemble
 from vramledger.parallel.mesh import (
     MeshRankEngine,
     applied,
@@ -23,9 +26,6 @@ from vramledger.parallel.mesh import (
 )
 from vramledger.parallel.pipeline_stages import StagePlan, microbatches
 from vramledger.parallel.pipeline_step import PipelineRun, unsharded_gradients
-from vramledger.precision import autocast
-from vramledger.spec import TrainingSpec
-from vramledger.training import TrainingRun, assemble
 
 SCHEDULE_CLASSES: dict[str, str] = {
     "gpipe": "ScheduleGPipe",

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.mesh import check_even_tp, mesh_coords
-from vramledger.spec import TrainingSpec
 
 STAGES_PER_RANK: dict[str, int] = {"gpipe": 1, "1f1b": 1, "interleaved-1f1b": 2}
 """Stages a rank holds: one for single-stage schedules, two for interleaved ones (torchtitan's

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramledger.categories import Category, Phase
-from vramledger.training import TrainingRun, grad_category, track_by_kind
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.training import TrainingRun, grad_category, track_by_kind
 
 
 @dataclass(kw_only=True)

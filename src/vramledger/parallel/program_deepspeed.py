@@ -12,7 +12,7 @@ collectives refused (a C++ extension DeepSpeed compiles at ``init_distributed``;
 ``inference_all_reduce`` uses them). In a trace the accelerator names the emulated GPU as its
 device (``cpu_accelerator(device_name="cuda")``): DeepSpeed's ``module.to(engine.device)``,
 its flat buffers and the program's ``.to(model_engine.device)`` land on the emulated GPU, fake,
-where a real GPU run has them. A real CPU run (``measure_program.py``) gets the plain CPU
+where a real GPU run has them. A real CPU run (``measure/program.py``) gets the plain CPU
 accelerator (:func:`real_program_deepspeed`), which is what DeepSpeed picks there by itself.
 
 Categories are the estimate's (``deepspeed_engine._Labels.watch``): the flat bf16 buffer
@@ -45,8 +45,8 @@ from unittest import mock
 
 import torch
 
-from vramledger.categories import Category
-from vramledger.import_hooks import when_imported
+from vramledger.inputs.categories import Category
+from vramledger.inputs.import_hooks import when_imported
 from vramledger.parallel.deepspeed_engine import tag_optimizer_buffers
 from vramledger.parallel.deepspeed_runtime import (
     FAKE_RUN_WARNINGS,
@@ -97,7 +97,7 @@ def program_deepspeed(
 
 @contextlib.contextmanager
 def real_program_deepspeed() -> Iterator[None]:
-    """DeepSpeed for a program run for real on CPU as one rank (``measure_program.py``): a
+    """DeepSpeed for a program run for real on CPU as one rank (``measure/program.py``): a
     fresh state with DeepSpeed's CPU accelerator (the CUDA emulation must not make it pick its
     CUDA one), the shared-memory collectives not compiled."""
 

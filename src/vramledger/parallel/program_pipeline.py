@@ -38,8 +38,8 @@ from unittest import mock
 
 import torch
 
-from vramledger.categories import Category
-from vramledger.errors import InputError
+from vramledger.inputs.categories import Category
+from vramledger.inputs.errors import InputError
 from vramledger.parallel.pipeline_step import receive_buffers, works_hold_tensors
 
 Register = Callable[[list[torch.Tensor], Category], None]

@@ -4,7 +4,7 @@ program run as several ranks (``program_world.py``).
 ``parallelize_module`` runs as it is, on the rank's fake process group and the program's own
 device mesh (``init_device_mesh("cuda", ...)`` on the emulated GPU: DTensor's random operators
 draw as on a CPU mesh, ``dtensor_rng.py``; its sharding propagation runs outside the trace,
-``trace/dtensor_compat.py``), as the estimate's tensor-parallel engine runs it (``mesh.py``,
+``trace/core/dtensor_compat.py``), as the estimate's tensor-parallel engine runs it (``mesh.py``,
 ``tp_plans.py``). What the trace is told besides:
 
 - **which parameters were replaced**: each ``ParallelStyle`` registers the rank's
@@ -26,7 +26,7 @@ from unittest import mock
 import torch
 from torch import nn
 
-from vramledger.categories import Category
+from vramledger.inputs.categories import Category
 from vramledger.parallel.mesh import COLLECTIVE_OP_CATEGORIES
 
 Replaced = Callable[[torch.Tensor, torch.Tensor], None]

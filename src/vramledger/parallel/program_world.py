@@ -1,5 +1,5 @@
 """A user's program as one rank of a ``torchrun`` launch, traced in this process on fake tensors
-(``predict_program.py`` runs it once per rank; ``trace/program_trace.py`` enters this around it).
+(``predict/program.py`` runs it once per rank; ``trace/program/program_trace.py`` enters this around it).
 
 What the program's own distributed code meets:
 
@@ -37,7 +37,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from vramledger.categories import Category
+from vramledger.inputs.categories import Category
+from vramledger.inputs.torchrun_env import TorchrunRank, as_rank
 from vramledger.parallel.dtensor_rng import host_rng_on_emulated_mesh
 from vramledger.parallel.engines import (
     DDP_BUCKET_CAP_BYTES,
@@ -49,7 +50,6 @@ from vramledger.parallel.fake_group import fake_process_group
 from vramledger.parallel.program_deepspeed import program_deepspeed
 from vramledger.parallel.program_pipeline import StageMail, program_pipelines
 from vramledger.parallel.program_tp import program_tensor_parallel
-from vramledger.torchrun_env import TorchrunRank, as_rank
 
 Register = Callable[[list[torch.Tensor], Category], None]
 """Tags tensors with a category in the trace (``program_trace._Phases.register``)."""

@@ -27,13 +27,13 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
-from vramledger.errors import InputError
-from vramledger.optimizers import OptimizerChoice
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.optimizers import OptimizerChoice
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.fake_group import forget_sharding_propagation
 from vramledger.parallel.fsdp_units import apply_fully_shard
 from vramledger.parallel.mesh import applied, apply_inner_parallelism, build_mesh, uses_mesh
 from vramledger.parallel.mesh import in_step_context as mesh_step_context
-from vramledger.spec import TrainingSpec
 
 
 def wrap_real(model: nn.Module, spec: TrainingSpec, precision_name: str) -> nn.Module:

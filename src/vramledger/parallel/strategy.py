@@ -44,10 +44,10 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from vramledger.categories import Category, Phase
-from vramledger.parallelism import Parallelism
-from vramledger.precision import PrecisionPolicy
-from vramledger.timeline import Timeline
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.parallelism import Parallelism
+from vramledger.inputs.precision import PrecisionPolicy
+from vramledger.record.timeline import Timeline
 
 FP32_ITEMSIZE = 4
 

@@ -43,8 +43,8 @@ from typing import Any
 
 from torch import nn
 
-from vramledger.errors import InputError
-from vramledger.sources import load_callable
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.sources import load_callable
 
 SEQUENCE_DIM = 1
 """The sequence dimension of a decoder's hidden states (batch, sequence, hidden)."""

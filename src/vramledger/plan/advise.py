@@ -19,22 +19,22 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import Any
 
-from vramledger.categories import MODEL_STATE_CATEGORIES, Category, Phase
-from vramledger.event_totals import live_at
-from vramledger.gpus import Gpu
-from vramledger.launch_configs import apply_configs
-from vramledger.ledger import Ledger
-from vramledger.optimizers import resolve_optimizer
+from vramledger.inputs.categories import MODEL_STATE_CATEGORIES, Category, Phase
+from vramledger.inputs.gpus import Gpu
+from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.optimizers import resolve_optimizer
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.verdict import DEFAULT_MARGIN, check_margin, verdict
+from vramledger.inputs.version import PACKAGE_DIR
+from vramledger.ledger.ledger import Ledger
 from vramledger.plan.candidates import DEFAULT_GPUS_PER_NODE
-from vramledger.predict import estimate
-from vramledger.recipe import resolve
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.trace.blocks import find_block_stack
-from vramledger.verdict import DEFAULT_MARGIN, check_margin, verdict
+from vramledger.predict.step import estimate
+from vramledger.record.event_totals import live_at
+from vramledger.record.timeline import Timeline
+from vramledger.trace.core.blocks import find_block_stack
 
 TOP_TEMPORARIES = 5
 MIN_SAVING = 0.005
@@ -42,7 +42,7 @@ MIN_SAVING = 0.005
 original peak (a change that saves a few MiB of 180 GiB is not worth its cost)."""
 MAX_GPUS = 1024
 """Largest world size ``advise`` tries when it looks for more GPUs."""
-EVIDENCE_FILE = Path(__file__).parent.parent / "data" / "optimizer_evidence.json"
+EVIDENCE_FILE = PACKAGE_DIR / "data" / "optimizer_evidence.json"
 EVIDENCE: dict[str, Any] = json.loads(EVIDENCE_FILE.read_text())
 """Measured loss gaps of optimizers against AdamW, with their source."""
 STATE_ONLY = frozenset({Category.INPUTS, Category.BUFFERS, *MODEL_STATE_CATEGORIES})

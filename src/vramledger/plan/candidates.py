@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vramledger.parallelism import Parallelism
-from vramledger.spec import TrainingSpec
+from vramledger.inputs.parallelism import Parallelism
+from vramledger.inputs.spec import TrainingSpec
 
 DEFAULT_GPUS_PER_NODE = 8
 """GPUs sharing one host's memory when offloading (an 8-GPU node: DGX/HGX)."""

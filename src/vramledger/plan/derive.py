@@ -38,7 +38,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from vramledger.categories import Category, Phase
+from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.parallelism import Parallelism
+from vramledger.inputs.training import MASTER_GRADIENT
 from vramledger.parallel.deepspeed_layout import (
     REDUCE_BUCKET_ELEMENTS,
     RankPartition,
@@ -47,9 +49,7 @@ from vramledger.parallel.deepspeed_layout import (
     reduction_order,
 )
 from vramledger.parallel.strategy import FP32_ITEMSIZE, apply_offload, half_shard_fraction
-from vramledger.parallelism import Parallelism
-from vramledger.timeline import Timeline
-from vramledger.training import MASTER_GRADIENT
+from vramledger.record.timeline import Timeline
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -6,15 +6,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from vramledger.allocator import CUDA_CACHING_ALLOCATOR
-from vramledger.event_totals import EventTotals
-from vramledger.parallelism import Parallelism
+from vramledger.inputs.parallelism import Parallelism
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.ledger.replay import steady_peaks, steady_tensor_peak
 from vramledger.plan.derive import DerivedLayout, ModelFacts, derive, derive_layout
-from vramledger.recipe import resolve
-from vramledger.replay import steady_peaks, steady_tensor_peak
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.trace.blocks import find_block_stack
+from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR
+from vramledger.record.event_totals import EventTotals
+from vramledger.record.timeline import Timeline
+from vramledger.trace.core.blocks import find_block_stack
 
 
 def model_facts(spec: TrainingSpec) -> ModelFacts:

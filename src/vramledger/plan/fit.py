@@ -23,16 +23,16 @@ from dataclasses import asdict, dataclass, field, replace
 from fractions import Fraction
 from typing import Any, Literal
 
-from vramledger.allocator import CUDA_CACHING_ALLOCATOR
-from vramledger.errors import InputError
-from vramledger.gpus import Gpu
-from vramledger.launch_configs import apply_configs
-from vramledger.ledger import Ledger
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.gpus import Gpu
+from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.verdict import DEFAULT_MARGIN, check_margin, verdict
+from vramledger.ledger.ledger import Ledger
+from vramledger.ledger.replay import steady_peaks, steady_tensor_peak
 from vramledger.plan.fit_estimates import FitEstimates, workers_for
-from vramledger.replay import steady_peaks, steady_tensor_peak
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.verdict import DEFAULT_MARGIN, check_margin, verdict
+from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR
+from vramledger.record.timeline import Timeline
 
 Maximize = Literal["batch-size", "seq-len", "both"]
 MAXIMIZE: tuple[str, ...] = Maximize.__args__  # type: ignore[attr-defined]

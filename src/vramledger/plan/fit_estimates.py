@@ -8,7 +8,7 @@ alongside the first; the answers are the same with or without workers, only the 
 changes.
 
 The sizes of one configuration (optimizer, checkpointing) are the same run at other shapes:
-once one of them has verified that its identical blocks extend exactly (``trace/blocks.py``),
+once one of them has verified that its identical blocks extend exactly (``trace/core/blocks.py``),
 the others trace only the smaller of the two shallow models (``runner.extension_family`` with
 ``sizes_alike``), as the planner's re-estimates at other data-parallel degrees do. The first
 pair's second estimate is handed to the worker before the first (made here) has checked it:
@@ -21,12 +21,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 
-from vramledger.ledger import Ledger
+from vramledger.inputs.recipe import count_parameters, resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.ledger.ledger import Ledger
 from vramledger.plan.runner import extension_family, verifies_extension
 from vramledger.plan.workers import WORKERS_AT_ONCE_PARAMETERS, available_cpus, start_pool
-from vramledger.predict import estimate
-from vramledger.recipe import count_parameters, resolve
-from vramledger.spec import TrainingSpec
+from vramledger.predict.step import estimate
 
 
 def workers_for(spec: TrainingSpec) -> tuple[int, tuple[str, ...]]:

@@ -21,9 +21,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from vramledger.errors import VramledgerError
+from vramledger.inputs.errors import VramledgerError
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.plan.candidates import RECOMPUTE_FRACTION, RUN_FIELDS, Configuration, planned_spec
-from vramledger.spec import TrainingSpec
 
 VERIFY_TRIES = 4
 """Re-estimates allowed per layout when moving its data-parallel degree."""

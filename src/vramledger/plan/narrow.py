@@ -14,7 +14,7 @@ import copy
 from fractions import Fraction
 from typing import Any
 
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
 
 WIDTH_ATTRS = ("hidden_size", "n_embd", "d_model", "dim")
 """Model width, by the names Hugging Face configs use for it."""

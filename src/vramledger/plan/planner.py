@@ -7,7 +7,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from vramledger.gpus import Gpu
+from vramledger.inputs.gpus import Gpu
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.units import GIB, format_bytes
 from vramledger.plan.candidates import (
     DERIVED,
     ESTIMATED,
@@ -22,9 +24,7 @@ from vramledger.plan.candidates import (
 from vramledger.plan.derive import ModelFacts
 from vramledger.plan.derived_peaks import DerivedPeaks, fewest
 from vramledger.plan.runner import Runner
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.units import GIB, format_bytes
+from vramledger.record.timeline import Timeline
 
 VERIFY_TRIES = 4
 """Re-estimates allowed per answer when moving its GPU count."""

@@ -20,16 +20,16 @@ from typing import Any
 
 import torch
 
-from vramledger.categories import STEP_PHASES, Category, Phase
-from vramledger.config_depth import config_depth, shallow_config
-from vramledger.errors import InputError
+from vramledger.inputs.categories import STEP_PHASES, Category, Phase
+from vramledger.inputs.config_depth import config_depth, shallow_config
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.ledger.replay import breakdown_at, replay, steady_phase_point
 from vramledger.measure import measure
 from vramledger.plan.narrow import narrow_config
-from vramledger.predict import estimate
-from vramledger.recipe import resolve
-from vramledger.replay import breakdown_at, replay, steady_phase_point
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
+from vramledger.predict.step import estimate
+from vramledger.record.timeline import Timeline
 
 Progress = Callable[[str, int, int], None]
 

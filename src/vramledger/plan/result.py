@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vramledger.gpus import Gpu
+from vramledger.inputs.gpus import Gpu
 from vramledger.plan.candidates import DEFAULT_GPUS_PER_NODE, Candidate
 from vramledger.plan.layouts import LayoutResult
 

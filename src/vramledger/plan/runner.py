@@ -13,7 +13,7 @@ Re-estimates that differ only in their data-parallel or tensor-parallel degree (
 ``n`` GPUs and at ``n - 1``, a layout at ``dp`` and ``dp - 1``, at tp 2 and tp 8) are the same run
 with other shard sizes, and those that differ only in their offload the same trace with other
 storages marked as host memory afterwards: once one of them has verified that its identical
-blocks extend exactly (``trace/blocks.py``), the others trace only the smaller of the two shallow
+blocks extend exactly (``trace/core/blocks.py``), the others trace only the smaller of the two shallow
 models (``blocks_verified``; about half the tracing). Such
 re-estimates are handed to the workers one at a time, at most one per worker, so each can use
 what those before it verified: the first of a family waits for no one, and a second of a family
@@ -29,13 +29,13 @@ from concurrent.futures import Future, ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import fields
 from typing import Any
 
-from vramledger.ledger import Ledger
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.ledger.ledger import Ledger
 from vramledger.plan.workers import available_cpus, start_pool
-from vramledger.predict import estimate
-from vramledger.spec import TrainingSpec
-from vramledger.timeline import Timeline
-from vramledger.trace.fake import trace
-from vramledger.trace.target_policy import policy_for
+from vramledger.predict.step import estimate
+from vramledger.record.timeline import Timeline
+from vramledger.trace.core.fake import trace
+from vramledger.trace.emulation.target_policy import policy_for
 
 WORKER_MIN_TRACE_SECONDS = 1.0
 """Workers start only when the first trace took at least this long: starting them costs the

@@ -34,11 +34,14 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
-from vramledger.config_depth import config_depth
-from vramledger.errors import InputError
-from vramledger.gpus import Gpu
-from vramledger.launch_configs import apply_configs
-from vramledger.optimizers import resolve_optimizer
+from vramledger.inputs.config_depth import config_depth
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.gpus import Gpu
+from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.optimizers import resolve_optimizer
+from vramledger.inputs.recipe import resolve
+from vramledger.inputs.spec import TrainingSpec
+from vramledger.inputs.verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
 from vramledger.plan.candidates import (
     DEFAULT_GPUS_PER_NODE,
     ESTIMATED,
@@ -63,9 +66,6 @@ from vramledger.plan.planner import Planner
 from vramledger.plan.result import Plan
 from vramledger.plan.runner import Runner
 from vramledger.plan.workers import WORKERS_AT_ONCE_PARAMETERS
-from vramledger.recipe import resolve
-from vramledger.spec import TrainingSpec
-from vramledger.verdict import DEFAULT_MARGIN, MARGIN_SOURCE, check_margin
 
 Progress = Callable[[str, int, int], None]
 

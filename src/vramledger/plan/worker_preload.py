@@ -14,11 +14,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 
-from vramledger.chatter import quiet_import_chatter
+from vramledger.inputs.chatter import quiet_import_chatter
 
 PRELOADED = (
-    "vramledger.predict",
-    "vramledger.trace.fake",
+    "vramledger.predict.step",
+    "vramledger.trace.core.fake",
     "vramledger.parallel.engines",
     "vramledger.parallel.mesh",
     "vramledger.parallel.pipeline",

@@ -8,12 +8,12 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from vramledger.categories import CATEGORY_PRIORITY, Category
-from vramledger.ledger import Ledger
+from vramledger.inputs.categories import CATEGORY_PRIORITY, Category
+from vramledger.inputs.units import format_bytes
+from vramledger.ledger.ledger import Ledger
+from vramledger.ledger.replay import series
 from vramledger.plan.candidates import DERIVED
 from vramledger.plan.search import Plan
-from vramledger.replay import series
-from vramledger.units import format_bytes
 
 COLOURS = {
     Category.PARAMETERS: "#4e79a7",

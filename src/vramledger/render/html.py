@@ -13,18 +13,18 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from vramledger.categories import CATEGORY_PRIORITY, STEP_PHASES
-from vramledger.compare import Comparison
-from vramledger.errors import InputError
-from vramledger.ledger import TOP_MODULES, Ledger
+from vramledger.inputs.categories import CATEGORY_PRIORITY, STEP_PHASES
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.units import format_bytes
+from vramledger.ledger.ledger import TOP_MODULES, Ledger
+from vramledger.ledger.peak_modules import PASS_NAMES, passes_used, top_modules
 from vramledger.measure import Measurement
-from vramledger.peak_modules import PASS_NAMES, passes_used, top_modules
+from vramledger.measure.compare import Comparison
 from vramledger.plan.advise import Advice
 from vramledger.plan.fit import Fit, NoFit
 from vramledger.plan.search import Plan
 from vramledger.render.charts import COLOURS, escape, front_svg, timeline_svg
 from vramledger.render.planning import FIT_COLUMNS
-from vramledger.units import format_bytes
 
 _e = escape
 

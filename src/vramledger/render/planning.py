@@ -9,12 +9,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from vramledger.inputs.units import format_bytes
 from vramledger.plan.advise import Advice
 from vramledger.plan.candidates import DERIVED, Candidate
 from vramledger.plan.fit import Fit, NoFit
 from vramledger.plan.rehearse import Rehearsal
 from vramledger.plan.search import Plan
-from vramledger.units import format_bytes
 
 FRONT_ROWS = 25
 """Rows of the Pareto front shown in the terminal (``--json`` has all of them)."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from vramledger.compare import Comparison, smooth
-from vramledger.errors import InputError
+from vramledger.inputs.errors import InputError
+from vramledger.inputs.units import MIB
+from vramledger.measure.compare import Comparison, smooth
 from vramledger.plan.rehearse import Rehearsal
-from vramledger.units import MIB
 
 
 def _pyplot():

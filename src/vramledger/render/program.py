@@ -7,12 +7,12 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
-from vramledger.categories import Category
-from vramledger.measure_program import ProgramMeasurement
-from vramledger.predict_program import ProgramReport
+from vramledger.inputs.categories import Category
+from vramledger.inputs.units import format_bytes
+from vramledger.measure.program import ProgramMeasurement
+from vramledger.predict.program import ProgramReport
+from vramledger.predict.windows import OptimizerWindow
 from vramledger.render.terminal import ledger_table
-from vramledger.units import format_bytes
-from vramledger.windows import OptimizerWindow
 
 
 def _title(program: str, target: str, ending: str, steps: int, label: str) -> Text:

@@ -20,12 +20,12 @@ import pickle
 from pathlib import Path
 from typing import Any
 
-from vramledger.allocator import CUDA_CACHING_ALLOCATOR, Blocks
-from vramledger.errors import InputError
-from vramledger.event_totals import live_at
-from vramledger.ledger import Ledger
-from vramledger.replay import replay, steady_peak
-from vramledger.timeline import Timeline
+from vramledger.inputs.errors import InputError
+from vramledger.ledger.ledger import Ledger
+from vramledger.ledger.replay import replay, steady_peak
+from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR, Blocks
+from vramledger.record.event_totals import live_at
+from vramledger.record.timeline import Timeline
 
 DEVICE = 0
 STREAM = 0

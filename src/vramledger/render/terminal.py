@@ -8,13 +8,13 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from vramledger.categories import STEP_PHASES, Category
-from vramledger.compare import Comparison
-from vramledger.ledger import TOP_MODULES, Ledger
+from vramledger.inputs.categories import STEP_PHASES, Category
+from vramledger.inputs.units import format_bytes
+from vramledger.inputs.verdict import Verdict
+from vramledger.ledger.ledger import TOP_MODULES, Ledger
+from vramledger.ledger.peak_modules import PASS_NAMES, passes_used, top_modules
 from vramledger.measure import Measurement
-from vramledger.peak_modules import PASS_NAMES, passes_used, top_modules
-from vramledger.units import format_bytes
-from vramledger.verdict import Verdict
+from vramledger.measure.compare import Comparison
 
 
 def _pct(part: int, whole: int) -> str:

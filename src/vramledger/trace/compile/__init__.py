@@ -1,0 +1,2 @@
+"""Compiled regions (``torch.compile``): traced as Inductor runs them, or eagerly where that cannot
+be modelled."""

@@ -1,6 +1,0 @@
-from importlib.metadata import PackageNotFoundError, version
-
-try:
-    __version__ = version("vramledger")
-except PackageNotFoundError:  # running from a source tree without installing
-    __version__ = "0.0.0+unknown"
