@@ -34,6 +34,8 @@ ANSWERS_DIFFER = 3
 PROVENANCE: dict[str, str] = {
     "commit": "the code the result was made with: the point of comparing two",
     "commit_note": "a word on that commit",
+    "commit_in_this_repository": "the commit that stands for a recorded one not in the "
+    "repository (a branch's before its rebase; tests/test_results_files.py)",
     "git_head": "the commit (zoo's name for it)",
     "git_dirty_files": "files changed from that commit",
     "vramledger_path": "where the package was imported from (a checkout's path)",
