@@ -49,7 +49,7 @@ from benchkit import compare, provenance  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from vramledger.units import format_bytes  # noqa: E402
+from vramledger.inputs.units import format_bytes  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 HUB = ROOT / "tests" / "fixtures" / "hub"
@@ -156,7 +156,8 @@ def _stage(name: str, stage: str, work: Callable[[], Any]) -> Any:
 def estimate_case(name: str, kwargs: dict[str, Any]) -> Any:
     """The estimate half of a case: the Ledger the installed vramledger predicts for it on a
     CUDA GPU, traced now (the cache off), on whatever machine this is."""
-    from vramledger import cache, estimate
+    from vramledger import estimate
+    from vramledger.inputs import cache
 
     if missing := missing_files(kwargs):
         raise CaseFailed(name, "files", "missing " + ", ".join(missing))

@@ -90,7 +90,7 @@ def test_measure_estimates_every_case_and_names_each_failure(
     gpu_check, monkeypatch, tmp_path, capsys
 ):
     import vramledger.measure
-    from vramledger.categories import Category
+    from vramledger.inputs.categories import Category
 
     def real_run(**fields):
         if fields.get("seed") == 1:

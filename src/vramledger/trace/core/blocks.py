@@ -349,3 +349,33 @@ RECORDED_COLUMNS = (
 
 def same_timeline(a: Timeline, b: Timeline) -> bool:
     return a.same_as(b, RECORDED_COLUMNS)
+
+
+def extended_counts(
+    small: tuple[int, int], following: tuple[int, int], length: int
+) -> tuple[int, int]:
+    """(parameters, trainable parameters) of the model at ``length`` blocks, from its counts at
+    ``SMALL`` and ``SMALL + 1``: identical blocks each add what the one beyond ``SMALL`` did."""
+    extra = length - (SMALL + 1)
+    return (
+        following[0] + extra * (following[0] - small[0]),
+        following[1] + extra * (following[1] - small[1]),
+    )
+
+
+def extension_note(fqn: str, length: int, *, verified_elsewhere: bool = False) -> str:
+    """What an extended trace says of how it was made, the estimate's and a program's alike.
+    ``verified_elsewhere``: only ``SMALL`` blocks were traced, the extension having been shown
+    exact on the same run at another data-parallel or tensor-parallel degree, offload setting,
+    micro-batch or sequence length."""
+    if verified_elsewhere:
+        return (
+            f"traced {SMALL} of the {length} identical blocks in {fqn} and extended "
+            "the timeline to all of them (the extension was verified exact on this run at another "
+            "data-parallel or tensor-parallel degree, offload setting, micro-batch or sequence "
+            f"length: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
+        )
+    return (
+        f"traced {SMALL} and {SMALL + 1} of the {length} identical blocks in {fqn} and "
+        "extended the timeline to all of them (verified exact on the smaller pair)"
+    )

@@ -24,7 +24,6 @@ from vramledger.inputs.sources import map_tensors
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.training import assemble
 from vramledger.record.timeline import Timeline
-from vramledger.trace.compile.compiled import compiled_regions
 from vramledger.trace.core.blocks import (
     HEAD,
     MIN_BLOCKS,
@@ -32,6 +31,8 @@ from vramledger.trace.core.blocks import (
     BlockStack,
     NotExtensible,
     extend,
+    extended_counts,
+    extension_note,
     find_block_stack,
     same_timeline,
     truncate,
@@ -39,9 +40,7 @@ from vramledger.trace.core.blocks import (
 from vramledger.trace.core.cache import load as load_trace
 from vramledger.trace.core.cache import save as save_trace
 from vramledger.trace.core.cache import trace_key
-from vramledger.trace.core.dtensor_compat import untracked_sharding_propagation
 from vramledger.trace.core.engine import Engine, RankEngine, SingleDevice
-from vramledger.trace.core.fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from vramledger.trace.core.hf_compat import hf_known_values, ordinary_batches
 from vramledger.trace.core.optimizer_stand_ins import TORCHAO_NOTE, stand_in, warm_library_caches
 from vramledger.trace.core.step_memo import repeated_steps
@@ -49,6 +48,7 @@ from vramledger.trace.core.trace_errors import trace_error
 from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
 from vramledger.trace.core.values import CONCRETE_ROUTINGS, KnownValues
 from vramledger.trace.emulation.policy import DevicePolicy
+from vramledger.trace.session import trace_session, tracker_notes, tracker_options
 
 TRACE_DEVICE = torch.device("cpu")
 """Fake tensors carry the CPU device: CPU-only PyTorch cannot run autograd on fake CUDA tensors
@@ -277,28 +277,8 @@ def _extended(
     except NotExtensible as exc:
         log.notes.append(f"traced every block of {stack.fqn} ({exc})")
         return None
-    log.notes.append(_extension_note(stack, verified))
-    # Identical blocks: each adds the same parameters.
-    extra = stack.length - (SMALL + 1)
-    totals = tuple(
-        counts[SMALL + 1][i] + extra * (counts[SMALL + 1][i] - counts[SMALL][i]) for i in (0, 1)
-    )
-    return full_timeline, totals
-
-
-def _extension_note(stack: BlockStack, verified: bool) -> str:
-    """What an extended trace says of how it was made (``_extended``)."""
-    if verified:
-        return (
-            f"traced {SMALL} of the {stack.length} identical blocks in {stack.fqn} and extended "
-            "the timeline to all of them (the extension was verified exact on this run at another "
-            "data-parallel or tensor-parallel degree, offload setting, micro-batch or sequence "
-            f"length: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
-        )
-    return (
-        f"traced {SMALL} and {SMALL + 1} of the {stack.length} identical blocks in "
-        f"{stack.fqn} and extended the timeline to all of them (verified exact on the smaller pair)"
-    )
+    log.notes.append(extension_note(stack.fqn, stack.length, verified_elsewhere=verified))
+    return full_timeline, extended_counts(counts[SMALL], counts[SMALL + 1], stack.length)
 
 
 def _run(
@@ -340,22 +320,13 @@ def _run_rank(
         model = engine.wrap(model, blocks, recipe.precision.name)
     tracker = _tracker(names, policy, engine, blocks, values)
     observer = TrackerObserver(tracker, policy.host_resident)
-    # torch.compile'd code runs eagerly, except the regions trace/compile/compiled.py compiles
-    # (torchao's steps, through step_memo).
-    eager = torch.compiler.set_stance("force_eager")
+    attention = AttentionCalls()
+    # the session every trace runs in (trace/session.py), with this driver's own patches inside
+    inner = (ordinary_batches(notes), hf_known_values(values), values.formatting(), attention)
     with (
         mode,
-        policy.context(),
-        ordinary_batches(notes),
-        hf_known_values(values),
-        values.formatting(),
-        noop_conversions(),
-        untracked_sharding_propagation(),
-        eager,
-        AttentionCalls() as attention,
-        tracker,
+        trace_session(policy, tracker, notes, inner=inner),
         # torchao's per-parameter steps: each argument layout traced once, then replayed
-        compiled_regions(tracker, notes, policy.name),
         repeated_steps(tracker),
     ):
         tracker.label_blocks(blocks)
@@ -399,10 +370,6 @@ def _tracker(
     categories, the repeated blocks and their tensors labelled."""
     return StorageTracker(
         module_names=names,
-        op_observer=policy.op_observer(),
-        corrections=CORRECTIONS,
-        substitutes=SUBSTITUTES,
-        answer_optimizer_scalars=True,
         scalar_answer=getattr(engine, "scalar_answer", 1),
         blocks={id(b): k for k, b in enumerate(blocks)},
         tensor_blocks={
@@ -410,9 +377,12 @@ def _tracker(
             for k, b in enumerate(blocks)
             for t in (*b.parameters(), *quantization_state(b.parameters()))
         },
-        op_categories=engine.op_categories,
-        resize_category=engine.resize_category,
-        values=values,
+        **tracker_options(
+            policy,
+            values,
+            op_categories=engine.op_categories,
+            resize_category=engine.resize_category,
+        ),
     )
 
 
@@ -438,12 +408,7 @@ def _add_run_notes(
             "value-dependent operator read it)"
         )
     notes.extend(n for n in engine.notes if n not in notes)
-    notes.extend(tracker.plain_branches.notes())
-    if tracker.scalars_answered:
-        notes.append(
-            "optimizer.step() read scalar values with .item(); fake tensors have none, so "
-            f"{tracker.scalar_answer} was used (scalars never change memory)"
-        )
+    notes.extend(tracker_notes(tracker))
 
 
 def fake_batch(batch: Any, mode: FakeTensorMode, values: KnownValues) -> Any:

@@ -40,6 +40,8 @@ from vramledger.trace.core.blocks import (
     SMALL,
     NotExtensible,
     extend,
+    extended_counts,
+    extension_note,
     find_block_stack,
     same_timeline,
 )
@@ -220,16 +222,6 @@ def _index(small: list[tuple[int, int]], full: list[tuple[int, int]], depth: int
         raise NotExtensible(f"no place in the extended timeline for event {exc}") from None
 
 
-def _scaled_counts(a: ProgramTrace, b: ProgramTrace, length: int) -> tuple[int, int]:
-    """Parameters of the full model: each block beyond ``SMALL + 1`` adds what the one
-    beyond ``SMALL`` did."""
-    extra = length - (SMALL + 1)
-    return (
-        b.parameters + extra * (b.parameters - a.parameters),
-        b.trainable_parameters + extra * (b.trainable_parameters - a.trainable_parameters),
-    )
-
-
 def trace_program_blocks(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedGpu) -> ProgramTrace:
     """Trace the program, extending its model's blocks where it has a list of identical ones
     (module docstring); else as ``trace_program``."""
@@ -273,12 +265,12 @@ def trace_program_blocks(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedG
             spec, policy, gpu, length, "the extended trace differs from the traced one"
         )
     gates.release()
-    parameters, trainable = _scaled_counts(a, b, length)
+    parameters, trainable = extended_counts(
+        (a.parameters, a.trainable_parameters), (b.parameters, b.trainable_parameters), length
+    )
     note = (
-        f"traced {SMALL} and {SMALL + 1} of the {length} identical blocks in {prefix} and "
-        "extended the timeline to all of them (verified exact on the smaller pair); what the "
-        "program printed from torch.cuda is the extended run's; the host tensors listed are "
-        f"the {SMALL + 1}-block run's"
+        f"{extension_note(prefix, length)}; what the program printed from torch.cuda is the "
+        f"extended run's; the host tensors listed are the {SMALL + 1}-block run's"
     )
     return replace(
         b,

@@ -53,10 +53,7 @@ from vramledger.inputs.program import (
 from vramledger.inputs.training import grad_category, param_category
 from vramledger.record.allocator import AllocatorModel
 from vramledger.record.timeline import Timeline
-from vramledger.trace.compile.compiled import compiled_regions
 from vramledger.trace.core.cpu_kernels import CpuKernels
-from vramledger.trace.core.dtensor_compat import untracked_sharding_propagation
-from vramledger.trace.core.fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from vramledger.trace.core.hf_compat import hf_known_values_once_imported
 from vramledger.trace.core.trace_errors import FAKE_LIMITS
 from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
@@ -71,6 +68,7 @@ from vramledger.trace.emulation.triton_launches import TritonLaunches
 from vramledger.trace.program.host_stand_ins import HostStandIns
 from vramledger.trace.program.host_tensors import HostTensor, HostTensors
 from vramledger.trace.program.program_tracker import ProgramTracker, TimelineCounter, emulated
+from vramledger.trace.session import trace_session, tracker_notes, tracker_options
 
 
 @dataclass(kw_only=True)
@@ -354,10 +352,10 @@ def trace_program(
     foreach = cuda_default_foreach() if policy.name == "cuda" else contextlib.nullcontext([])
     try:
         with (
-            _fake_environment(policy),
-            tracker,
-            # the program's torch.compile'd modules and functions run as Inductor runs them
-            compiled_regions(tracker, notes, policy.name),
+            _warnings_kept(),
+            # the session every trace runs in (trace/session.py): the program's
+            # torch.compile'd modules and functions run as Inductor runs them
+            trace_session(policy, tracker, notes),
             phases.hooks(),
             emulation,
             foreach as decided,
@@ -412,18 +410,11 @@ def trace_program(
 
 
 @contextlib.contextmanager
-def _fake_environment(policy: DevicePolicy) -> Iterator[None]:
-    """What a program's run on fake tensors needs around it, before the tracker."""
-    with (
-        warnings.catch_warnings(),
-        policy.context(),
-        noop_conversions(),
-        # DTensor's first propagation of an operator (torchtitan's fused AdamW on FSDP2's
-        # shards at step 1) makes global-shape tensors under the step's fake mode
-        untracked_sharding_propagation(),
-        torch.compiler.set_stance("force_eager"),
-    ):
-        # Tensor.__deepcopy__ asks a fake tensor for its data pointer (copy.deepcopy(model))
+def _warnings_kept() -> Iterator[None]:
+    """The program's warnings filters, restored after its run; one of fake tensors' own is
+    silenced: Tensor.__deepcopy__ asks a fake tensor for its data pointer
+    (``copy.deepcopy(model)``)."""
+    with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
         yield
 
@@ -440,13 +431,12 @@ def _tracker(
         mode,
         host,
         host_numbers=policy.name == "cpu",
-        op_observer=policy.op_observer(),
-        corrections=CORRECTIONS,
-        substitutes=SUBSTITUTES,
-        answer_optimizer_scalars=True,
-        values=values,
-        op_categories=world.op_categories if world is not None else None,
-        resize_category=world.resize_category if world is not None else None,
+        **tracker_options(
+            policy,
+            values,
+            op_categories=world.op_categories if world is not None else None,
+            resize_category=world.resize_category if world is not None else None,
+        ),
     )
 
 
@@ -560,9 +550,4 @@ def _notes(
         notes.append(skipped_saves_note(run.skipped_saves))
     if run.children:
         notes.insert(0, children_note(run.children))
-    if tracker.scalars_answered:
-        notes.append(
-            "optimizer.step() read scalar values with .item(); fake tensors have none, so "
-            f"{tracker.scalar_answer} was used (scalars never change memory)"
-        )
-    return notes
+    return notes + tracker_notes(tracker)

@@ -1,0 +1,89 @@
+"""One trace session: what every fake run enters, vramledger's own step (``core/fake.py``) and the
+user's program (``program/program_trace.py``) alike.
+
+Both drivers run their code under the same environment, in the same order:
+
+1. the target's device policy (``emulation/policy.py``: CUDA's decisions on a GPU target);
+2. the conversions a fake parameter needs (``module.to(dtype)`` that changes nothing leaves it
+   alone: ``core/fake_corrections.py``) and DTensor's sharding propagation kept out of the
+   trace (``core/dtensor_compat.py``);
+3. ``torch.compile``'d code run eagerly (``set_stance("force_eager")``) except
+4. the regions ``compile/compiled.py`` models as Inductor runs them;
+5. the storage tracker, built from the same options (:func:`tracker_options`).
+
+What differs is only the driver's own: the estimate's batch and Hugging Face value patches and
+its attention record (``inner``, entered between 3 and 5), the program's CUDA emulation and
+phase hooks (entered by it inside the session). The notes of what the tracker answered are
+written once (:func:`tracker_notes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from vramledger.trace.compile.compiled import compiled_regions
+from vramledger.trace.core.dtensor_compat import untracked_sharding_propagation
+from vramledger.trace.core.fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
+from vramledger.trace.core.tracker import StorageTracker
+from vramledger.trace.core.values import KnownValues
+from vramledger.trace.emulation.policy import DevicePolicy
+
+
+@contextlib.contextmanager
+def trace_session(
+    policy: DevicePolicy,
+    tracker: StorageTracker,
+    notes: list[str],
+    *,
+    inner: Iterable[AbstractContextManager[Any]] = (),
+) -> Iterator[None]:
+    """The environment of a traced run (module docstring): ``inner`` is entered inside the
+    policy and the eager stance, just before the tracker."""
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(policy.context())
+        stack.enter_context(noop_conversions())
+        stack.enter_context(untracked_sharding_propagation())
+        stack.enter_context(torch.compiler.set_stance("force_eager"))
+        for manager in inner:
+            stack.enter_context(manager)
+        stack.enter_context(tracker)
+        stack.enter_context(compiled_regions(tracker, notes, policy.name))
+        yield
+
+
+def tracker_options(
+    policy: DevicePolicy,
+    values: KnownValues,
+    *,
+    op_categories: Any = None,
+    resize_category: Any = None,
+) -> dict[str, Any]:
+    """The keyword arguments every trace's tracker takes alike: the policy's scratch probe, the
+    fake kernels' corrections and substitutes, the optimizer's scalars answered, the known
+    values, and the engine's categories (None: a single device's)."""
+    return {
+        "op_observer": policy.op_observer(),
+        "corrections": CORRECTIONS,
+        "substitutes": SUBSTITUTES,
+        "answer_optimizer_scalars": True,
+        "values": values,
+        "op_categories": op_categories,
+        "resize_category": resize_category,
+    }
+
+
+def tracker_notes(tracker: StorageTracker) -> list[str]:
+    """What the tracker answered in place of values a fake tensor lacks, and the plain-run
+    branches of autograd it took (``core/plain_branches.py``)."""
+    notes = list(tracker.plain_branches.notes())
+    if tracker.scalars_answered:
+        notes.append(
+            "optimizer.step() read scalar values with .item(); fake tensors have none, so "
+            f"{tracker.scalar_answer} was used (scalars never change memory)"
+        )
+    return notes
