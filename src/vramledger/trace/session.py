@@ -22,16 +22,38 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from vramledger.record.timeline import Timeline
 from vramledger.trace.compile.compiled import compiled_regions
 from vramledger.trace.core.dtensor_compat import untracked_sharding_propagation
 from vramledger.trace.core.fake_corrections import CORRECTIONS, SUBSTITUTES, noop_conversions
 from vramledger.trace.core.tracker import StorageTracker
 from vramledger.trace.core.values import KnownValues
 from vramledger.trace.emulation.policy import DevicePolicy
+
+
+@dataclass(frozen=True, kw_only=True)
+class Traced:
+    """What every trace gives, vramledger's step (``core/fake.py``'s ``TraceResult``) and a
+    program (``program/program_trace.py``'s ``ProgramTrace``) alike."""
+
+    timeline: Timeline
+    """Every storage of the run, with its category, phase, module and lifetime."""
+    parameters: int
+    """Parameters of the model, counted once where tied; ``trainable_parameters``: those
+    that train."""
+    trainable_parameters: int
+    seconds: float
+    """Wall time of the trace."""
+    notes: list[str] = field(default_factory=list)
+    """What the trace assumed and did."""
+    extended: bool = False
+    """The timeline was extended from a few of the model's identical blocks
+    (``core/blocks.py``), not traced in full."""
 
 
 @contextlib.contextmanager

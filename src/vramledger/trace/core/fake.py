@@ -48,7 +48,7 @@ from vramledger.trace.core.trace_errors import trace_error
 from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
 from vramledger.trace.core.values import CONCRETE_ROUTINGS, KnownValues
 from vramledger.trace.emulation.policy import DevicePolicy
-from vramledger.trace.session import trace_session, tracker_notes, tracker_options
+from vramledger.trace.session import Traced, trace_session, tracker_notes, tracker_options
 
 TRACE_DEVICE = torch.device("cpu")
 """Fake tensors carry the CPU device: CPU-only PyTorch cannot run autograd on fake CUDA tensors
@@ -56,29 +56,17 @@ TRACE_DEVICE = torch.device("cpu")
 
 
 @dataclass(frozen=True, kw_only=True)
-class TraceResult:
-    """One traced step: its timeline and what the ledger says beside it."""
+class TraceResult(Traced):
+    """One traced step of vramledger's own: its timeline and what the ledger says beside it."""
 
-    timeline: Timeline
-    """Every storage of the step, with its category, phase, module and lifetime."""
     model_name: str
-    parameters: int
-    """Parameters of the model, counted once where tied; ``trainable_parameters``: those
-    that train."""
-    trainable_parameters: int
     optimizer_state_bytes: int
     """Bytes of ``optimizer.state`` after the last step, and how they were found
     (``optimizer_state_method``)."""
     optimizer_state_method: str
-    seconds: float
-    """Wall time of the trace."""
-    notes: list[str] = field(default_factory=list)
     routing_dependent: dict[str, str] = field(default_factory=dict)
     """Value-dependent operators that read MoE routing values (operator -> module): the memory
     depends on the routing policy (``trace/core/values.py``)."""
-    extended: bool = False
-    """The timeline was extended from a few identical blocks (``blocks.py``), not traced in
-    full."""
 
 
 @dataclass(kw_only=True)

@@ -68,27 +68,19 @@ from vramledger.trace.emulation.triton_launches import TritonLaunches
 from vramledger.trace.program.host_stand_ins import HostStandIns
 from vramledger.trace.program.host_tensors import HostTensor, HostTensors
 from vramledger.trace.program.program_tracker import ProgramTracker, TimelineCounter, emulated
-from vramledger.trace.session import trace_session, tracker_notes, tracker_options
+from vramledger.trace.session import Traced, trace_session, tracker_notes, tracker_options
 
 
-@dataclass(kw_only=True)
-class ProgramTrace:
+@dataclass(frozen=True, kw_only=True)
+class ProgramTrace(Traced):
     """What tracing a program gives: its timeline, how it ran, and what was noted."""
 
-    timeline: Timeline
     run: ProgramRun
-    parameters: int
-    trainable_parameters: int
-    notes: list[str] = field(default_factory=list)
-    seconds: float = 0.0
     host_tensors: list[HostTensor] = field(default_factory=list)
     """The host tensors the program kept after its last step (``host_tensors.py``)."""
     unified_memory_bytes: int = 0
     """Paged optimizer states in CUDA unified memory, outside the allocator's count
     (``paged_states.py``)."""
-    extended: bool = False
-    """The timeline was extended from a few of the model's identical blocks
-    (``program_blocks.py``), not traced in full."""
     trained_on_host_bytes: int = 0
     """Bytes of the parameters the program trained on the host, where it trained none on the
     emulated GPU and ran no forward or backward there (:func:`_trained_on_host`)."""
