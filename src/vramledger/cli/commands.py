@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from vramledger.cli.options import spec_from_args
-from vramledger.cli.report import report, report_program, with_progress
+from vramledger.cli.report import PATCH_MISSING_EXIT, report, report_program, with_progress
 from vramledger.inputs import cache
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.precision import canonical_precision
@@ -332,3 +332,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
         code=Path(args.allow_code) if args.allow_code else None,
         debug=args.debug,
     )
+
+
+def cmd_compat(args: argparse.Namespace) -> int:
+    """The patch registry checked against the installed libraries; exit status
+    ``PATCH_MISSING_EXIT`` when a target of an installed package in its tested range is
+    missing."""
+    import functools
+
+    from vramledger.inputs.patch_check import check_patches
+    from vramledger.render.patches import patch_table
+
+    result = check_patches()
+    report(args, result, functools.partial(patch_table, every=args.every))
+    return PATCH_MISSING_EXIT if result.failed else 0

@@ -12,6 +12,7 @@ from vramledger.cli.commands import (
     cmd_advise,
     cmd_cache,
     cmd_compare,
+    cmd_compat,
     cmd_estimate,
     cmd_fit,
     cmd_measure,
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         _add_rehearse,
         _add_serve,
         _add_cache,
+        _add_compat,
     ):
         add(sub)
     return parser
@@ -139,6 +141,10 @@ COMMANDS: dict[str, dict[str, str]] = {
     },
     "cache": {
         "help": "where the cache of traces and answers is and what it holds; clear it",
+    },
+    "compat": {
+        "help": "check that what vramledger patches in torch and the other libraries is still "
+        "there in the installed versions",
     },
 }
 """Each subcommand's ``add_parser`` arguments: its one-line help (and usage)."""
@@ -430,3 +436,14 @@ def _add_cache(sub: Any) -> None:
         default="info",
     )
     p.add_argument("--json", action="store_true", help="print JSON instead of lines")
+
+
+def _add_compat(sub: Any) -> None:
+    p = _command(sub, cmd_compat)
+    p.add_argument(
+        "--all",
+        dest="every",
+        action="store_true",
+        help="list every patch (default: the packages, and the patches not present)",
+    )
+    p.add_argument("--json", action="store_true", help="print JSON instead of tables")

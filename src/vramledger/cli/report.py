@@ -56,6 +56,9 @@ def report(
 TRAINED_ON_HOST_EXIT = 4
 """`vramledger run`'s exit status where the program trained on the CPU, nothing on the GPU (3 is
 a --timeout stop)."""
+PATCH_MISSING_EXIT = 4
+"""`vramledger compat`'s exit status where a patched target of an installed package in its
+tested range is missing (the check ran; what it checked failed)."""
 
 
 def report_program(args: argparse.Namespace, result: Any) -> int:

@@ -8,7 +8,8 @@ optimizer ``init_state`` and its quantized layers' storage, peft's LoRA layer cl
 accelerate's FSDP2 wrapping (mirrored from ``accelerate.utils.fsdp_utils``). Those parts change
 between releases without notice, so each library is used only within the range that was tested
 (the same ranges as the extras in ``pyproject.toml``; ``tests/test_compat.py`` keeps the two
-equal). Outside it, the first use refuses in one line, naming the range.
+equal). Outside it, the first use refuses in one line, naming the range. What vramledger
+replaces in these libraries and in torch is listed in ``patches.py`` (``vramledger compat``).
 """
 
 from __future__ import annotations
