@@ -266,7 +266,10 @@ def test_a_repeated_question_is_answered_before_torch_is_imported(cache_on):
     args = ["estimate", TINY, "--seq-len", "32", "--json"]
     first, second = run(args, env), run(args, env)
     assert first.returncode == 0 and second.returncode == 0
-    assert second.stdout == first.stdout
+    made, replay = json.loads(first.stdout), json.loads(second.stdout)
+    assert "answer_cache" not in made
+    assert replay.pop("answer_cache")["original_timings"] == {"seconds": made["seconds"]}
+    assert without_timings(replay) == without_timings(made)
     imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines()}
     assert "torch" not in imported and "transformers" not in imported
     assert entries("answers") == 1
@@ -290,3 +293,57 @@ def test_the_answer_key_sees_the_files_and_refuses_code(tmp_path):
     assert answer_key(["estimate", fixture("models.py") + ":tiny_mlp"]) is None
     assert answer_key(["estimate", str(config), "--html", "x.html"]) is None
     assert answer_key(["measure", str(config)]) is None
+
+
+def test_a_replayed_answer_says_so_and_gives_this_calls_time(cache_on, capsys):
+    """The replay's timings are this call's (issue 32: it showed the earlier run's as its own);
+    the answer is the earlier one's, every other field and line."""
+    from vramledger.answer_cache import main as cached_main
+
+    args = ["estimate", TINY, "--seq-len", "32", "--gpu", "h100-80gb"]
+    outputs = []
+    for extra in ([], [], ["--json"], ["--json"]):
+        assert cached_main([*args, *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    made, replay = outputs[0].splitlines(), outputs[1].splitlines()
+    took = [line for line in made if line.startswith("took ")]
+    assert len(took) == 1
+    said = [line for line in replay if line.startswith("answered from the cache in ")]
+    assert len(said) == 1 and said[0].endswith(f"({took[0]})")
+    assert "the answer was made 20" in said[0] and " UTC " in said[0]
+    assert [x for x in replay if x not in said] == [x for x in made if x not in took]
+    made_json, replay_json = json.loads(outputs[2]), json.loads(outputs[3])
+    about = replay_json.pop("answer_cache")
+    assert about["answered_from_cache"] is True
+    assert about["made_at"].startswith("20") and about["made_in_seconds"] > 0
+    assert about["original_timings"] == {"seconds": made_json["seconds"]}
+    # every timing field is this call's: the top level's and each rank's alike
+    assert {r["seconds"] for r in replay_json["ranks"]} == {replay_json["seconds"]}
+    assert without_timings(replay_json) == without_timings(made_json)
+
+
+def test_a_replay_rewrites_every_timing_and_says_where_a_wrapped_line_was():
+    from vramledger.answer_cache import replayed
+
+    plan = {"seconds": 101.2, "search_seconds": 12.1, "workers": 2, "front": [{"gpus": 8}]}
+    stored = {"stdout": json.dumps(plan), "json": True, "made_at": "2026-12-07T00:20:25+00:00"}
+    out = json.loads(replayed({**stored, "seconds": 103.0}, 0.0412))
+    assert out["answer_cache"] == {
+        "answered_from_cache": True,
+        "made_at": "2026-12-07T00:20:25+00:00",
+        "made_in_seconds": 103.0,
+        "original_timings": {"seconds": 101.2, "search_seconds": 12.1},
+    }
+    assert (out["seconds"], out["search_seconds"]) == (0.041, 0.0)
+    assert out["workers"] == 2 and out["front"] == plan["front"]
+    line = "4 estimates in 15.2 s"
+    table = {"stdout": f"micro-batch 4\n{line}; sequence lengths in steps of 256\n"}
+    text = replayed({**table, "timings": [line], "made_at": stored["made_at"]}, 0.05)
+    assert text == (
+        "micro-batch 4\nanswered from the cache in 0.05 s; the answer was made 2026-12-07 "
+        "00:20 UTC (4 estimates in 15.2 s); sequence lengths in steps of 256\n"
+    )
+    wrapped = {"stdout": "micro-batch 4\n4 estimates\nin 15.2 s\n", "timings": [line]}
+    assert replayed(wrapped, 0.05).endswith(
+        "(4 estimates in 15.2 s); the timings above are that run's\n"
+    )

@@ -8,7 +8,14 @@ names (the model's config.json among them), the environment variables that chang
 or its look (:data:`ENVIRONMENT`) and whether standard output is a terminal and how wide. When
 the cache holds an answer for that key, made by this version (``cache.fingerprint``), it writes
 it and stops; else it runs the command (``cli/``) and keeps what it wrote to standard output.
-The answer written is the earlier run's output byte for byte, its timings included.
+
+A replayed answer is the earlier run's output but for its timings, which are this call's and
+say that it is a replay (:func:`replayed`). In JSON every ``seconds`` field is this call's time
+(``search_seconds`` 0: nothing was searched) and an ``answer_cache`` field says when the answer
+was made and what its timings were then. In the tables, the line that said how long the answer
+took (``ledger_timing``, ``fit_timing``, ``plan_timing`` in ``render/``, handed over by
+``cli/report.py``) says instead that it was answered from the cache, in how long, and when the
+answer was made and what that line said then.
 
 Questions that are not answered from here (the command runs as usual, and the trace cache
 still applies): other commands, ``--no-cache``, options that write files or logs
@@ -18,10 +25,13 @@ name Python code (``FILE.py:FUNCTION``: code can change under the same name).
 
 from __future__ import annotations
 
+import datetime
 import gc
+import json
 import os
 import shutil
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -105,18 +115,103 @@ class _Tee:
         return getattr(self._stream, name)
 
 
+class _Kept:
+    """What the command's ``report`` hands over (``cli.main``'s ``keep``): its answer and the
+    lines of its table that say how long it took."""
+
+    def __init__(self) -> None:
+        self.result: Any = None
+        self.timings: list[str] = []
+
+    def __call__(self, result: Any, timings: list[str]) -> None:
+        self.result, self.timings = result, list(timings)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def _when(made_at: str) -> str:
+    """``2026-12-07 00:20 UTC`` for a stored ISO time."""
+    try:
+        moment = datetime.datetime.fromisoformat(made_at)
+    except (TypeError, ValueError):
+        return str(made_at)
+    return moment.astimezone(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def replayed(stored: dict[str, Any], seconds: float) -> str:
+    """The stored answer's output as this call writes it, ``seconds`` after it started: its
+    timings this call's, and said to come from the cache (module docstring)."""
+    text = stored["stdout"]
+    made_at = stored.get("made_at", "")
+    answer = None
+    if stored.get("json"):
+        try:
+            answer = json.loads(text)
+        except ValueError:
+            pass
+    if isinstance(answer, dict):
+        answer["answer_cache"] = {
+            "answered_from_cache": True,
+            "made_at": made_at,
+            "made_in_seconds": stored.get("seconds"),
+            "original_timings": {k: answer[k] for k in TIMINGS if k in answer},
+        }
+        _this_call(answer, seconds)
+        return json.dumps(answer, indent=2) + "\n"
+    for line in stored.get("timings", []):
+        said = cache_line(seconds, made_at, line)
+        if line in text:
+            text = text.replace(line, said, 1)
+        else:  # rich wrapped the line on a narrow terminal: say it after the answer
+            text += f"{said}; the timings above are that run's\n"
+    return text
+
+
+TIMINGS = ("seconds", "search_seconds")
+"""JSON fields that say how long an answer took; a replay writes this call's."""
+
+
+def _this_call(value: Any, seconds: float) -> None:
+    """Every timing field of a JSON answer, at any depth (a ledger's ranks have their own), set
+    to what this call spent on it; the ``answer_cache`` field keeps the stored ones."""
+    if isinstance(value, dict):
+        for key in value:
+            if key == "answer_cache":
+                continue
+            if key == "seconds":
+                value[key] = round(seconds, 3)
+            elif key == "search_seconds":
+                value[key] = 0.0
+            else:
+                _this_call(value[key], seconds)
+    elif isinstance(value, list):
+        for item in value:
+            _this_call(item, seconds)
+
+
+def cache_line(seconds: float, made_at: str, original: str) -> str:
+    """What a replayed table says instead of its line ``original`` of how long it took."""
+    return (
+        f"answered from the cache in {seconds:.2f} s; the answer was made {_when(made_at)} "
+        f"({original})"
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``vramledger`` command: a stored answer to this question, else ``cli.main``'s."""
+    start = time.perf_counter()
     args = list(sys.argv[1:] if argv is None else argv)
     key = answer_key(args) if enabled() and NO_CACHE not in args else None
     if key is not None:
         stored = ANSWERS.get(key)
         if stored is not None:
-            sys.stdout.write(stored["stdout"])
+            sys.stdout.write(replayed(stored, time.perf_counter() - start))
             sys.stdout.flush()
             if sys.stderr.isatty():
                 print(
-                    "vramledger: answered from the cache (the earlier run's output; "
+                    "vramledger: answered from the cache (the earlier run's answer; "
                     f"{NO_CACHE} recomputes it)",
                     file=sys.stderr,
                 )
@@ -125,14 +220,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if key is None:
         return cli_main(args)
+    made_at = _now()
+    kept = _Kept()
     tee = _Tee(sys.stdout)
     sys.stdout = tee  # type: ignore[assignment]
     try:
-        code = cli_main(args)
+        code = cli_main(args, keep=kept)
     finally:
         sys.stdout = tee._stream
     if code == 0:
-        ANSWERS.put(key, {"stdout": "".join(tee.parts)})
+        ANSWERS.put(
+            key,
+            {
+                "stdout": "".join(tee.parts),
+                "json": "--json" in args,
+                "timings": kept.timings,
+                "made_at": made_at,
+                "seconds": round(time.perf_counter() - start, 3),
+            },
+        )
     return code
 
 

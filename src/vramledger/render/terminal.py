@@ -41,6 +41,12 @@ def _title(ledger: Ledger) -> str:
     return " · ".join(parts)
 
 
+def ledger_timing(ledger: Ledger) -> str:
+    """The table's line of how long the ledger took (the answer cache replaces it in a stored
+    answer: ``answer_cache.py``)."""
+    return f"took {ledger.seconds:.2f} s"
+
+
 def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     breakdown = Table(
         title=f"{label}: peak of a steady-state step on {ledger.target}", title_justify="left"
@@ -115,7 +121,7 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     if ledger.host_bytes:
         facts.append(f"host memory (not on the device): {format_bytes(ledger.host_bytes)}")
     facts.extend(f"note: {n}" for n in ledger.notes)
-    facts.append(f"took {ledger.seconds:.2f} s")
+    facts.append(ledger_timing(ledger))
     parts.append(Text("\n".join(facts), style="dim"))
     return Group(*parts)
 
