@@ -125,7 +125,7 @@ LAYERS: dict[str, list[str]] = {
         "trace.values",
         "trace.wrapped_numbers",
     ],
-    "ledger": ["ledger", "peak_modules", "replay"],
+    "ledger": ["ledger", "ledger_record", "peak_modules", "replay"],
     "engines": [
         "parallel",
         "parallel.context",
@@ -163,6 +163,7 @@ LAYERS: dict[str, list[str]] = {
         "measure.local",
         "measure.pipeline",
         "measure_program",
+        "other_gpu",
         "predict",
         "predict_program",
         "windows",

@@ -272,12 +272,12 @@ def test_a_repeated_question_is_answered_before_torch_is_imported(cache_on):
     assert without_timings(replay) == without_timings(made)
     imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines()}
     assert "torch" not in imported and "transformers" not in imported
-    assert entries("answers") == 1
+    assert entries("answers") == 2  # the output, and the ledger for other GPUs (other_gpu.py)
     # another question, --no-cache and a file-writing option all run the command
     again = run([*args, "--no-cache"], env)
     assert "torch" in {line.split("|")[-1].strip() for line in again.stderr.splitlines()}
     assert json.loads(again.stdout)["peak_bytes"] == json.loads(first.stdout)["peak_bytes"]
-    assert entries("answers") == 1
+    assert entries("answers") == 2
 
 
 def test_the_answer_key_sees_the_files_and_refuses_code(tmp_path):
@@ -347,3 +347,124 @@ def test_a_replay_rewrites_every_timing_and_says_where_a_wrapped_line_was():
     assert replayed(wrapped, 0.05).endswith(
         "(4 estimates in 15.2 s); the timings above are that run's\n"
     )
+
+
+# -- an estimate for another GPU or margin, from the answer cache ----------------------------
+OTHER_GPU_CASES = {
+    "h100 to h200": (["--gpu", "h100-80gb"], ["--gpu", "h200"]),
+    "another margin and memory": (
+        ["--gpu", "h100-80gb"],
+        ["--gpu", "h100-80gb", "--margin", "1GiB", "--gpu-memory", "40GiB"],
+    ),
+    "no GPU to a memory": ([], ["--gpu-memory=24GiB", "--margin", "0"]),
+    "fsdp ranks": (
+        ["--world-size", "4", "--strategy", "fsdp", "--gpu", "h200"],
+        ["--world-size", "4", "--strategy", "fsdp", "--gpu", "h100-94gb"],
+    ),
+    "zero1 ranks differ": (
+        ["--world-size", "3", "--strategy", "zero1-torch"],
+        ["--world-size", "3", "--strategy", "zero1-torch", "--gpu", "h100-80gb"],
+    ),
+    "sm70 bf16: two notes, a warning": (
+        ["--precision", "bf16-mixed", "--gpu", "v100-32gb"],
+        ["--precision", "bf16-mixed", "--gpu", "v100-16gb", "--margin", "512MiB"],
+    ),
+    "cpu target, another margin": (["--target", "cpu"], ["--target", "cpu", "--margin", "3GiB"]),
+}
+"""(first question, second question) beyond ``estimate TINY --seq-len 32``: the second differs
+only in its GPU options, on a GPU of the same compute capability."""
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_GPU_CASES))
+def test_an_estimate_for_another_gpu_or_margin_is_estimates_answer(cache_on, capsys, name):
+    """The answer made from the kept ledger of an earlier question (other_gpu.py) is the one
+    estimate makes, field for field and line for line, timings aside."""
+    from vramledger.answer_cache import main as cached_main
+
+    first, second = OTHER_GPU_CASES[name]
+    base = ["estimate", TINY, "--seq-len", "32"]
+    for extra in (["--json"], []):
+        assert cached_main([*base, *first, *extra]) == 0
+        made = capsys.readouterr().out
+        assert cached_main([*base, *second, *extra, "--no-cache"]) == 0
+        fresh = capsys.readouterr().out
+        os.environ.pop(cache.NO_CACHE_VARIABLE, None)  # --no-cache set it for the workers
+        assert cached_main([*base, *second, *extra]) == 0
+        derived = capsys.readouterr().out
+        if extra:
+            answer, expected = json.loads(derived), json.loads(fresh)
+            about = answer.pop("answer_cache")
+            assert about["made_for"] == {
+                k: json.loads(made)["spec"][k] for k in ("gpu", "gpu_memory", "margin")
+            }
+            assert about["original_timings"] == {"seconds": json.loads(made)["seconds"]}
+            assert without_timings(answer) == without_timings(expected)
+            assert {r["seconds"] for r in answer["ranks"]} == {answer["seconds"]}
+        else:
+            lines, expected = derived.splitlines(), fresh.splitlines()
+            said = [x for x in lines if x.startswith("answered from the cache in ")]
+            assert len(said) == 1 and " for the same question with" in said[0]
+            assert [x for x in lines if x not in said] == [
+                x for x in expected if not x.startswith("took ")
+            ]
+
+
+def test_a_question_for_another_gpu_imports_neither_torch_nor_transformers(cache_on, monkeypatch):
+    """A question that needs only traces kept already (another GPU of the same compute capability,
+    another margin) is answered before torch is imported (issue 32: it spent 8 s importing
+    transformers and torch to read its traces)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the command sets it: the same key below
+    env = {k: v for k, v in os.environ.items() if k != cache.NO_CACHE_VARIABLE}
+    args = ["estimate", TINY, "--seq-len", "32", "--gpu", "h100-80gb", "--json"]
+    assert run(args, env).returncode == 0
+    for other in (["--gpu", "h200"], ["--gpu", "h100-80gb", "--margin", "4GiB"]):
+        done = run([*args[:4], *other, "--json"], env)
+        assert done.returncode == 0, done.stderr
+        imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+        assert "vramledger.other_gpu" in imported
+        assert not {"torch", "transformers", "vramledger.predict"} & imported
+        assert json.loads(done.stdout)["answer_cache"]["answered_from_cache"] is True
+
+
+def test_gpu_options_the_command_line_would_refuse_are_not_answered_from_the_cache(
+    cache_on, capsys
+):
+    from vramledger.answer_cache import derived, other_gpu_key
+    from vramledger.answer_cache import main as cached_main
+
+    base = ["estimate", TINY, "--seq-len", "32"]
+    assert cached_main([*base, "--gpu", "h100-80gb", "--json"]) == 0
+    capsys.readouterr()
+    assert derived([*base, "--gpu", "h200", "--json"], 0.0) is not None
+    # between an option and its value, twice, without a value, another compute capability
+    assert derived(["estimate", TINY, "--seq-len", "--gpu", "h200", "32", "--json"], 0.0) is None
+    assert other_gpu_key([*base, "--gpu", "h200", "--gpu", "h100-80gb"]) is None
+    assert other_gpu_key([*base, "--json", "--margin"]) is None
+    assert derived([*base, "--gpu", "a100-80gb", "--json"], 0.0) is None
+    # a margin that leaves nothing: the command's own error
+    assert derived([*base, "--gpu", "h200", "--margin", "200GiB", "--json"], 0.0) is None
+    assert cached_main([*base, "--gpu", "h200", "--margin", "200GiB", "--json"]) == 2
+    assert "leaves nothing" in capsys.readouterr().err
+
+
+def test_a_ledger_is_read_back_whole_and_policy_notes_are_the_policys():
+    from vramledger.ledger import Ledger
+    from vramledger.ledger_record import CODECS, ledger_from_record, ledger_record
+    from vramledger.other_gpu import policy_notes
+
+    assert {f.name for f in fields(Ledger)} == set(CODECS)
+    spec = TrainingSpec(model=TINY, seq_len=32, world_size=3, strategy="zero1-torch", gpu="h200")
+    with cache.disabled():
+        ledger = estimate(spec)
+    assert len(ledger.ranks) > 1 and ledger.verdict is not None
+    back = ledger_from_record(json.loads(json.dumps(ledger_record(ledger))))
+    assert back == ledger and back.timeline is None
+    assert [(ids, one) for ids, one in back.ranks] == list(ledger.ranks)
+    assert back.to_dict() == ledger.to_dict()
+    for other in (
+        TrainingSpec(model=TINY),
+        TrainingSpec(model=TINY, gpu="v100-16gb"),
+        TrainingSpec(model=TINY, gpu_memory="24GiB"),
+        TrainingSpec(model=TINY, target="cpu"),
+    ):
+        assert policy_notes(other.target, other.gpu_kind()) == policy_for(other).notes()

@@ -17,6 +17,14 @@ took (``ledger_timing``, ``fit_timing``, ``plan_timing`` in ``render/``, handed 
 ``cli/report.py``) says instead that it was answered from the cache, in how long, and when the
 answer was made and what that line said then.
 
+An ``estimate`` question that differs from an earlier one only in ``--gpu``, ``--gpu-memory``
+or ``--margin`` (:data:`GPU_OPTIONS`), on a GPU of the same compute capability, needs the same
+traces; it is answered here too, without torch (:func:`derived`): beside each estimate's output
+the cache keeps its ledger (``ledger_record.py``), and ``other_gpu.py`` makes from it the
+ledger estimate makes for the GPU and margin asked (their notes, warnings and verdict; every
+other field is the same). Its timings are this call's, and its ``answer_cache`` field (JSON) or
+its line of how long it took (tables) says which question's answer it was made from.
+
 Questions that are not answered from here (the command runs as usual, and the trace cache
 still applies): other commands, ``--no-cache``, options that write files or logs
 (:data:`SIDE_EFFECTS`), a model that is not a local file or folder (a Hub name), and words that
@@ -33,9 +41,16 @@ import shutil
 import sys
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from .cache import CACHE_DIR_VARIABLE, NO_CACHE_VARIABLE, Store, enabled, path_fingerprint
+from .errors import InputError
+from .gpus import asked_gpu
+from .ledger import Ledger
+from .ledger_record import ledger_from_record, ledger_record
+from .other_gpu import compute_capability, for_gpu
+from .verdict import check_gpu_options
 
 ANSWERED = ("estimate", "fit", "plan")
 """Commands whose answers are kept: predictions from the files and options given."""
@@ -160,8 +175,12 @@ def replayed(stored: dict[str, Any], seconds: float) -> str:
         }
         _this_call(answer, seconds)
         return json.dumps(answer, indent=2) + "\n"
-    for line in stored.get("timings", []):
-        said = cache_line(seconds, made_at, line)
+    return _said(text, [(line, cache_line(seconds, made_at, line)) for line in stored["timings"]])
+
+
+def _said(text: str, lines: list[tuple[str, str]]) -> str:
+    """The table ``text`` with each line of how long it took replaced by what the cache says."""
+    for line, said in lines:
         if line in text:
             text = text.replace(line, said, 1)
         else:  # rich wrapped the line on a narrow terminal: say it after the answer
@@ -191,12 +210,158 @@ def _this_call(value: Any, seconds: float) -> None:
             _this_call(item, seconds)
 
 
-def cache_line(seconds: float, made_at: str, original: str) -> str:
-    """What a replayed table says instead of its line ``original`` of how long it took."""
+def cache_line(seconds: float, made_at: str, original: str, made_for: str = "") -> str:
+    """What a replayed table says instead of its line ``original`` of how long it took;
+    ``made_for``: the question the answer was made for, where it was another."""
+    where = f" for {made_for}" if made_for else ""
     return (
-        f"answered from the cache in {seconds:.2f} s; the answer was made {_when(made_at)} "
-        f"({original})"
+        f"answered from the cache in {seconds:.2f} s; the answer was made {_when(made_at)}"
+        f"{where} ({original})"
     )
+
+
+# -- another GPU, another margin ------------------------------------------------------------
+GPU_OPTIONS = ("--gpu", "--gpu-memory", "--margin")
+"""``estimate``'s options that change its traces only through the GPU's compute capability
+(``trace/cache.py``'s ``NOT_IN_KEY``): a question that differs from an earlier one only in these,
+on a GPU of the same compute capability, is answered from the earlier answer's ledger
+(``other_gpu.py``), kept beside it."""
+
+
+def _without_gpu_options(argv: Sequence[str]) -> tuple[list[str], dict[str, str], list[int]]:
+    """``argv`` without its GPU options; their values; and where each stood (the index, in the
+    words left, of the word it came before). ValueError when one is given twice or without a
+    value, or after ``--``."""
+    rest: list[str] = []
+    values: dict[str, str] = {}
+    slots: list[int] = []
+    words = iter(argv)
+    for word in words:
+        if word == "--":
+            raise ValueError("positional words follow")
+        option, equals, value = word.partition("=")
+        if option not in GPU_OPTIONS:
+            rest.append(word)
+            continue
+        if not equals:
+            value = next(words, "")
+        if not value or value.startswith("-") or option in values:
+            raise ValueError(f"{option} without one value")
+        values[option] = value
+        slots.append(len(rest))
+    return rest, values, slots
+
+
+def other_gpu_key(
+    argv: Sequence[str],
+) -> tuple[dict[str, Any], list[str], dict[str, str], list[int]] | None:
+    """The key of the ``estimate`` question ``argv`` asks, its GPU options aside (the GPU's
+    compute capability in their place), and :func:`_without_gpu_options`' parts; None when it
+    is not answered from the cache."""
+    if not argv or argv[0] != "estimate":
+        return None
+    try:
+        rest, values, slots = _without_gpu_options(argv)
+        base = answer_key(rest)
+        cc = compute_capability(asked_gpu(values.get("--gpu"), values.get("--gpu-memory")))
+    except (InputError, ValueError):
+        return None
+    if base is None:
+        return None
+    return {"estimate, any GPU": base, "compute_capability": list(cc)}, rest, values, slots
+
+
+def _placed_as_before(rest: list[str], slots: list[int], before: list[int]) -> bool:
+    """Whether the GPU options stand where the command line reads them as it did the earlier
+    question's: where that question had one, at the end, or after a word that is no option (the
+    command, the model, a value); never between an option and its value. (Every ``estimate``
+    option takes at most one value, and the model is its one positional word.)"""
+    for slot in slots:
+        if slot in before or slot == len(rest):
+            continue
+        if slot > 0 and (not rest[slot - 1].startswith("-") or "=" in rest[slot - 1]):
+            continue
+        return False
+    return True
+
+
+def derived(argv: Sequence[str], start: float) -> str | None:
+    """The output of the ``estimate`` question ``argv`` made from the kept ledger of an earlier
+    one that differs only in its GPU options, on a GPU of the same compute capability
+    (``other_gpu.py``); None when there is none (or it cannot answer this question: then the
+    command runs). ``start``: when this call started."""
+    found = other_gpu_key(argv)
+    if found is None:
+        return None
+    key, rest, values, slots = found
+    stored = ANSWERS.get(key)
+    if stored is None or not _placed_as_before(rest, slots, stored.get("slots", [])):
+        return None
+    gpu, memory = values.get("--gpu"), values.get("--gpu-memory")
+    try:
+        made = ledger_from_record(stored["ledger"])
+        margin = check_gpu_options(made.spec["target"], gpu, memory, values.get("--margin"))
+        answer = for_gpu(made, gpu=gpu, gpu_memory=memory, margin=margin)
+    except (InputError, KeyError, TypeError, ValueError):
+        return None
+    if answer is None:
+        return None
+    seconds = time.perf_counter() - start
+    answer = replace(
+        answer,
+        seconds=seconds,
+        ranks=[(ids, replace(one, seconds=seconds)) for ids, one in answer.ranks],
+    )
+    if "--json" in rest:
+        out = answer.to_dict()
+        out["answer_cache"] = {
+            "answered_from_cache": True,
+            "made_at": stored.get("made_at", ""),
+            "made_in_seconds": stored.get("seconds"),
+            "original_timings": {"seconds": round(made.seconds, 3)},
+            "made_for": {name: made.spec.get(name) for name in ("gpu", "gpu_memory", "margin")},
+        }
+        return json.dumps(out, indent=2) + "\n"
+    from .render.terminal import ledger_table, ledger_timing, output_console
+
+    table = ledger_table(answer)
+    console = output_console(table)
+    with console.capture() as captured:
+        console.print(table)
+    options = stored.get("gpu_options", {})
+    made_for = " ".join(f"{option} {value}" for option, value in options.items())
+    said = cache_line(
+        seconds,
+        stored.get("made_at", ""),
+        ledger_timing(made),
+        f"the same question with {made_for}"
+        if made_for
+        else "the same question without " + ", ".join(GPU_OPTIONS),
+    )
+    return _said(captured.get(), [(ledger_timing(answer), said)])
+
+
+def _keep_for_other_gpus(
+    found: tuple[dict[str, Any], list[str], dict[str, str], list[int]],
+    ledger: Ledger,
+    made_at: str,
+    seconds: float,
+) -> None:
+    """Keep the ledger ``estimate`` answered with, for :func:`derived`; ``found``: the
+    question's :func:`other_gpu_key`, made before the command ran (it sets environment
+    variables of the key)."""
+    key, _, values, slots = found
+    entry = {
+        "ledger": ledger_record(ledger),
+        "slots": slots,
+        "gpu_options": values,
+        "made_at": made_at,
+        "seconds": seconds,
+    }
+    try:
+        ANSWERS.put(key, entry)
+    except (TypeError, ValueError):  # a spec value JSON cannot hold: answered by the command
+        pass
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -216,11 +381,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     file=sys.stderr,
                 )
             return 0
+        text = derived(args, start)
+        if text is not None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+            if sys.stderr.isatty():
+                print(
+                    "vramledger: answered from the cache (an earlier answer's ledger for "
+                    f"another GPU or margin; {NO_CACHE} recomputes it)",
+                    file=sys.stderr,
+                )
+            return 0
     from .cli import main as cli_main
 
     if key is None:
         return cli_main(args)
     made_at = _now()
+    other_gpus = other_gpu_key(args)  # before the command sets HF_HUB_OFFLINE (cli.main)
     kept = _Kept()
     tee = _Tee(sys.stdout)
     sys.stdout = tee  # type: ignore[assignment]
@@ -229,6 +406,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         sys.stdout = tee._stream
     if code == 0:
+        seconds = round(time.perf_counter() - start, 3)
         ANSWERS.put(
             key,
             {
@@ -236,9 +414,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "json": "--json" in args,
                 "timings": kept.timings,
                 "made_at": made_at,
-                "seconds": round(time.perf_counter() - start, 3),
+                "seconds": seconds,
             },
         )
+        if other_gpus is not None and isinstance(kept.result, Ledger):
+            _keep_for_other_gpus(other_gpus, kept.result, made_at, seconds)
     return code
 
 

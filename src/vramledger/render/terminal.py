@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
 from ..categories import STEP_PHASES, Category
-from ..compare import Comparison
 from ..ledger import TOP_MODULES, Ledger
-from ..measure import Measurement
 from ..peak_modules import PASS_NAMES, passes_used, top_modules
 from ..units import format_bytes
 from ..verdict import Verdict
+
+if TYPE_CHECKING:  # both import torch; a ledger's table does not (answer_cache.py draws one)
+    from ..compare import Comparison
+    from ..measure import Measurement
 
 
 def _pct(part: int, whole: int) -> str:
