@@ -266,15 +266,18 @@ def test_a_repeated_question_is_answered_before_torch_is_imported(cache_on):
     args = ["estimate", TINY, "--seq-len", "32", "--json"]
     first, second = run(args, env), run(args, env)
     assert first.returncode == 0 and second.returncode == 0
-    assert second.stdout == first.stdout
+    made, replay = json.loads(first.stdout), json.loads(second.stdout)
+    assert "answer_cache" not in made
+    assert replay.pop("answer_cache")["original_timings"] == {"seconds": made["seconds"]}
+    assert without_timings(replay) == without_timings(made)
     imported = {line.split("|")[-1].strip() for line in second.stderr.splitlines()}
     assert "torch" not in imported and "transformers" not in imported
-    assert entries("answers") == 1
+    assert entries("answers") == 2  # the output, and the ledger for other GPUs (other_gpu.py)
     # another question, --no-cache and a file-writing option all run the command
     again = run([*args, "--no-cache"], env)
     assert "torch" in {line.split("|")[-1].strip() for line in again.stderr.splitlines()}
     assert json.loads(again.stdout)["peak_bytes"] == json.loads(first.stdout)["peak_bytes"]
-    assert entries("answers") == 1
+    assert entries("answers") == 2
 
 
 def test_the_answer_key_sees_the_files_and_refuses_code(tmp_path):
@@ -290,3 +293,178 @@ def test_the_answer_key_sees_the_files_and_refuses_code(tmp_path):
     assert answer_key(["estimate", fixture("models.py") + ":tiny_mlp"]) is None
     assert answer_key(["estimate", str(config), "--html", "x.html"]) is None
     assert answer_key(["measure", str(config)]) is None
+
+
+def test_a_replayed_answer_says_so_and_gives_this_calls_time(cache_on, capsys):
+    """The replay's timings are this call's (issue 32: it showed the earlier run's as its own);
+    the answer is the earlier one's, every other field and line."""
+    from vramledger.answer_cache import main as cached_main
+
+    args = ["estimate", TINY, "--seq-len", "32", "--gpu", "h100-80gb"]
+    outputs = []
+    for extra in ([], [], ["--json"], ["--json"]):
+        assert cached_main([*args, *extra]) == 0
+        outputs.append(capsys.readouterr().out)
+    made, replay = outputs[0].splitlines(), outputs[1].splitlines()
+    took = [line for line in made if line.startswith("took ")]
+    assert len(took) == 1
+    said = [line for line in replay if line.startswith("answered from the cache in ")]
+    assert len(said) == 1 and said[0].endswith(f"({took[0]})")
+    assert "the answer was made 20" in said[0] and " UTC " in said[0]
+    assert [x for x in replay if x not in said] == [x for x in made if x not in took]
+    made_json, replay_json = json.loads(outputs[2]), json.loads(outputs[3])
+    about = replay_json.pop("answer_cache")
+    assert about["answered_from_cache"] is True
+    assert about["made_at"].startswith("20") and about["made_in_seconds"] > 0
+    assert about["original_timings"] == {"seconds": made_json["seconds"]}
+    # every timing field is this call's: the top level's and each rank's alike
+    assert {r["seconds"] for r in replay_json["ranks"]} == {replay_json["seconds"]}
+    assert without_timings(replay_json) == without_timings(made_json)
+
+
+def test_a_replay_rewrites_every_timing_and_says_where_a_wrapped_line_was():
+    from vramledger.answer_cache import replayed
+
+    plan = {"seconds": 101.2, "search_seconds": 12.1, "workers": 2, "front": [{"gpus": 8}]}
+    stored = {"stdout": json.dumps(plan), "json": True, "made_at": "2026-12-07T00:20:25+00:00"}
+    out = json.loads(replayed({**stored, "seconds": 103.0}, 0.0412))
+    assert out["answer_cache"] == {
+        "answered_from_cache": True,
+        "made_at": "2026-12-07T00:20:25+00:00",
+        "made_in_seconds": 103.0,
+        "original_timings": {"seconds": 101.2, "search_seconds": 12.1},
+    }
+    assert (out["seconds"], out["search_seconds"]) == (0.041, 0.0)
+    assert out["workers"] == 2 and out["front"] == plan["front"]
+    line = "4 estimates in 15.2 s"
+    table = {"stdout": f"micro-batch 4\n{line}; sequence lengths in steps of 256\n"}
+    text = replayed({**table, "timings": [line], "made_at": stored["made_at"]}, 0.05)
+    assert text == (
+        "micro-batch 4\nanswered from the cache in 0.05 s; the answer was made 2026-12-07 "
+        "00:20 UTC (4 estimates in 15.2 s); sequence lengths in steps of 256\n"
+    )
+    wrapped = {"stdout": "micro-batch 4\n4 estimates\nin 15.2 s\n", "timings": [line]}
+    assert replayed(wrapped, 0.05).endswith(
+        "(4 estimates in 15.2 s); the timings above are that run's\n"
+    )
+
+
+# -- an estimate for another GPU or margin, from the answer cache ----------------------------
+OTHER_GPU_CASES = {
+    "h100 to h200": (["--gpu", "h100-80gb"], ["--gpu", "h200"]),
+    "another margin and memory": (
+        ["--gpu", "h100-80gb"],
+        ["--gpu", "h100-80gb", "--margin", "1GiB", "--gpu-memory", "40GiB"],
+    ),
+    "no GPU to a memory": ([], ["--gpu-memory=24GiB", "--margin", "0"]),
+    "fsdp ranks": (
+        ["--world-size", "4", "--strategy", "fsdp", "--gpu", "h200"],
+        ["--world-size", "4", "--strategy", "fsdp", "--gpu", "h100-94gb"],
+    ),
+    "zero1 ranks differ": (
+        ["--world-size", "3", "--strategy", "zero1-torch"],
+        ["--world-size", "3", "--strategy", "zero1-torch", "--gpu", "h100-80gb"],
+    ),
+    "sm70 bf16: two notes, a warning": (
+        ["--precision", "bf16-mixed", "--gpu", "v100-32gb"],
+        ["--precision", "bf16-mixed", "--gpu", "v100-16gb", "--margin", "512MiB"],
+    ),
+    "cpu target, another margin": (["--target", "cpu"], ["--target", "cpu", "--margin", "3GiB"]),
+}
+"""(first question, second question) beyond ``estimate TINY --seq-len 32``: the second differs
+only in its GPU options, on a GPU of the same compute capability."""
+
+
+@pytest.mark.parametrize("name", sorted(OTHER_GPU_CASES))
+def test_an_estimate_for_another_gpu_or_margin_is_estimates_answer(cache_on, capsys, name):
+    """The answer made from the kept ledger of an earlier question (other_gpu.py) is the one
+    estimate makes, field for field and line for line, timings aside."""
+    from vramledger.answer_cache import main as cached_main
+
+    first, second = OTHER_GPU_CASES[name]
+    base = ["estimate", TINY, "--seq-len", "32"]
+    for extra in (["--json"], []):
+        assert cached_main([*base, *first, *extra]) == 0
+        made = capsys.readouterr().out
+        assert cached_main([*base, *second, *extra, "--no-cache"]) == 0
+        fresh = capsys.readouterr().out
+        os.environ.pop(cache.NO_CACHE_VARIABLE, None)  # --no-cache set it for the workers
+        assert cached_main([*base, *second, *extra]) == 0
+        derived = capsys.readouterr().out
+        if extra:
+            answer, expected = json.loads(derived), json.loads(fresh)
+            about = answer.pop("answer_cache")
+            assert about["made_for"] == {
+                k: json.loads(made)["spec"][k] for k in ("gpu", "gpu_memory", "margin")
+            }
+            assert about["original_timings"] == {"seconds": json.loads(made)["seconds"]}
+            assert without_timings(answer) == without_timings(expected)
+            assert {r["seconds"] for r in answer["ranks"]} == {answer["seconds"]}
+        else:
+            lines, expected = derived.splitlines(), fresh.splitlines()
+            said = [x for x in lines if x.startswith("answered from the cache in ")]
+            assert len(said) == 1 and " for the same question with" in said[0]
+            assert [x for x in lines if x not in said] == [
+                x for x in expected if not x.startswith("took ")
+            ]
+
+
+def test_a_question_for_another_gpu_imports_neither_torch_nor_transformers(cache_on, monkeypatch):
+    """A question that needs only traces kept already (another GPU of the same compute capability,
+    another margin) is answered before torch is imported (issue 32: it spent 8 s importing
+    transformers and torch to read its traces)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # as the command sets it: the same key below
+    env = {k: v for k, v in os.environ.items() if k != cache.NO_CACHE_VARIABLE}
+    args = ["estimate", TINY, "--seq-len", "32", "--gpu", "h100-80gb", "--json"]
+    assert run(args, env).returncode == 0
+    for other in (["--gpu", "h200"], ["--gpu", "h100-80gb", "--margin", "4GiB"]):
+        done = run([*args[:4], *other, "--json"], env)
+        assert done.returncode == 0, done.stderr
+        imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines()}
+        assert "vramledger.ledger.other_gpu" in imported
+        assert not {"torch", "transformers", "vramledger.predict.step"} & imported
+        assert json.loads(done.stdout)["answer_cache"]["answered_from_cache"] is True
+
+
+def test_gpu_options_the_command_line_would_refuse_are_not_answered_from_the_cache(
+    cache_on, capsys
+):
+    from vramledger.answer_cache import derived, other_gpu_key
+    from vramledger.answer_cache import main as cached_main
+
+    base = ["estimate", TINY, "--seq-len", "32"]
+    assert cached_main([*base, "--gpu", "h100-80gb", "--json"]) == 0
+    capsys.readouterr()
+    assert derived([*base, "--gpu", "h200", "--json"], 0.0) is not None
+    # between an option and its value, twice, without a value, another compute capability
+    assert derived(["estimate", TINY, "--seq-len", "--gpu", "h200", "32", "--json"], 0.0) is None
+    assert other_gpu_key([*base, "--gpu", "h200", "--gpu", "h100-80gb"]) is None
+    assert other_gpu_key([*base, "--json", "--margin"]) is None
+    assert derived([*base, "--gpu", "a100-80gb", "--json"], 0.0) is None
+    # a margin that leaves nothing: the command's own error
+    assert derived([*base, "--gpu", "h200", "--margin", "200GiB", "--json"], 0.0) is None
+    assert cached_main([*base, "--gpu", "h200", "--margin", "200GiB", "--json"]) == 2
+    assert "leaves nothing" in capsys.readouterr().err
+
+
+def test_a_ledger_is_read_back_whole_and_policy_notes_are_the_policys():
+    from vramledger.ledger.ledger import Ledger
+    from vramledger.ledger.ledger_record import CODECS, ledger_from_record, ledger_record
+    from vramledger.ledger.other_gpu import policy_notes
+
+    assert {f.name for f in fields(Ledger)} == set(CODECS)
+    spec = TrainingSpec(model=TINY, seq_len=32, world_size=3, strategy="zero1-torch", gpu="h200")
+    with cache.disabled():
+        ledger = estimate(spec)
+    assert len(ledger.ranks) > 1 and ledger.verdict is not None
+    back = ledger_from_record(json.loads(json.dumps(ledger_record(ledger))))
+    assert back == ledger and back.timeline is None
+    assert [(ids, one) for ids, one in back.ranks] == list(ledger.ranks)
+    assert back.to_dict() == ledger.to_dict()
+    for other in (
+        TrainingSpec(model=TINY),
+        TrainingSpec(model=TINY, gpu="v100-16gb"),
+        TrainingSpec(model=TINY, gpu_memory="24GiB"),
+        TrainingSpec(model=TINY, target="cpu"),
+    ):
+        assert policy_notes(other.target, other.gpu_kind()) == policy_for(other).notes()

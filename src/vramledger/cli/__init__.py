@@ -36,9 +36,14 @@ def _quiet_libraries(debug: bool) -> None:
     quiet_import_chatter()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(
+    argv: Sequence[str] | None = None, *, keep: Callable[[object, list[str]], None] | None = None
+) -> int:
+    """Run the command ``argv`` asks. ``keep``: called with the answer and the lines of its
+    table that say how long it took (``report.py``), for the answer cache (``answer_cache.py``)."""
     parser = build_parser()
     args = parser.parse_args(argv)
+    args.keep_answer = keep
     debug = getattr(args, "debug", False)
     if getattr(args, "no_cache", False):  # the planner's workers inherit it
         os.environ[cache.NO_CACHE_VARIABLE] = "1"

@@ -17,9 +17,9 @@ from vramledger.inputs.units import format_bytes
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from vramledger.predict.step import estimate
-    from vramledger.render.terminal import ledger_table
+    from vramledger.render.terminal import ledger_table, ledger_timing
 
-    return report(args, estimate(spec_from_args(args)), ledger_table)
+    return report(args, estimate(spec_from_args(args)), ledger_table, timing=ledger_timing)
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -172,7 +172,7 @@ def read_rehearsal_residual(path: str) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     from vramledger.plan.search import plan
     from vramledger.plan.workers import start_fork_server
-    from vramledger.render.planning import plan_table
+    from vramledger.render.planning import plan_table, plan_timing
 
     if args.workers is None or args.workers > 1:
         start_fork_server()  # its imports overlap this process's own (as fit's)
@@ -200,7 +200,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             pp_degrees=_degrees(args.pp_degrees, "--pp-degrees") or (),
         ),
     )
-    return report(args, result, plan_table)
+    return report(args, result, plan_table, timing=plan_timing)
 
 
 def _degrees(text: str, option: str, auto: bool = False) -> list[int] | None:
@@ -245,7 +245,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
 def cmd_fit(args: argparse.Namespace) -> int:
     from vramledger.plan.fit import fit
     from vramledger.plan.workers import start_fork_server
-    from vramledger.render.planning import fit_table
+    from vramledger.render.planning import fit_table, fit_timing
 
     if args.workers is None or args.workers > 1:
         start_fork_server()
@@ -265,7 +265,7 @@ def cmd_fit(args: argparse.Namespace) -> int:
         seq_step=args.seq_step,
         workers=args.workers,
     )
-    return report(args, result, fit_table)
+    return report(args, result, fit_table, timing=fit_timing)
 
 
 def cmd_cache(args: argparse.Namespace) -> int:

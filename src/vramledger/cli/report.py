@@ -28,9 +28,12 @@ def report(
     result: Any,
     table: Callable[[Any], Any],
     plot: Callable[[Any, str], Any] | None = None,
+    timing: Callable[[Any], str] | None = None,
 ) -> int:
     """Write the plot, HTML report and memory snapshot if asked, then print JSON or the
-    terminal table."""
+    terminal table. ``timing``: the table's line of how long the answer took, handed with the
+    answer to the answer cache (``args.keep_answer``, set by ``cli.main``) so that a replay
+    can say it is one."""
     plotted = plot is not None and getattr(args, "plot", None)
     if plotted:
         plot(result, args.plot)
@@ -50,6 +53,9 @@ def report(
         print_renderable(table(result))
         if plotted:
             print(f"plot: {args.plot}")
+    keep = getattr(args, "keep_answer", None)
+    if keep is not None:
+        keep(result, [timing(result)] if timing is not None and not args.json else [])
     return 0
 
 

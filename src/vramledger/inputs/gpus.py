@@ -12,7 +12,7 @@ AMD rows are refused for estimates (``modelled_compute_capability``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,9 @@ CATALOGUE_FILE = PACKAGE_DIR / "data" / "gpus.json"
 
 DEFAULT_COMPUTE_CAPABILITY: tuple[int, int] = (9, 0)
 """Assumed when no GPU is given (and for ``--gpu-memory`` alone): Hopper, an H100/H200."""
+WHEEL_MIN_SM: tuple[int, int] = (7, 5)
+"""PyPI's torch 2.13.0 wheel (CUDA 13.0) carries kernels for sm75, 80, 86, 90, 100 and 120
+(the ``-gencode`` list in its libtorch_cuda.so): CUDA 13 dropped Volta."""
 BF16_TENSOR_CORES: tuple[int, int] = (8, 0)
 """bf16 tensor cores from Ampere on: ``torch.cuda.is_bf16_supported(including_emulation=False)``
 is ``major >= 8`` (torch/cuda/__init__.py); the default ``including_emulation=True`` also
@@ -92,6 +95,19 @@ def resolve_gpu(name: str | None = None, memory: str | int | None = None) -> Gpu
     return _lookup(name)
 
 
+def asked_gpu(gpu: str | Gpu | None, memory: str | int | None) -> Gpu | None:
+    """The GPU a question predicts for (``TrainingSpec.gpu``/``gpu_memory``, the command line's
+    ``--gpu``/``--gpu-memory``): a catalogue GPU, a ``Gpu``, or one of ``memory``; with a GPU and
+    a memory, that GPU with this memory; None when neither is given."""
+    if isinstance(gpu, Gpu):
+        if memory is None:
+            return gpu
+        return replace(gpu, memory_bytes=resolve_gpu(memory=memory).memory_bytes)
+    if gpu is None and memory is None:
+        return None
+    return resolve_gpu(gpu, memory)
+
+
 def _lookup(name: str) -> Gpu:
     key = name.strip().lower()
     if key not in CATALOGUE:
@@ -129,3 +145,23 @@ def precision_warnings(gpu: Gpu, precision: str) -> list[str]:
             "fp16-master) is what this GPU computes natively"
         ]
     return []
+
+
+def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
+    """What the CUDA policy of this compute capability says before a trace
+    (``trace/emulation/cuda_policy.py``, one note per decision): the GPU and its compute capability, and
+    a torch wheel without its kernels. Kept here, without torch, so that the answer cache
+    rewrites them for another GPU (``other_gpu.py``)."""
+    sm = _cc(cc)
+    if gpu is not None:
+        notes = [f"CUDA behaviour of {gpu}: compute capability {sm}"]
+    elif cc == DEFAULT_COMPUTE_CAPABILITY:
+        notes = [f"no --gpu given: CUDA behaviour of compute capability {sm} (H100/H200) assumed"]
+    else:
+        notes = [f"CUDA behaviour of compute capability {sm}"]
+    if cc < WHEEL_MIN_SM:
+        notes.append(
+            f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
+            "needs a torch build for CUDA 12.x"
+        )
+    return notes

@@ -7,19 +7,18 @@ the ``cli(...)`` metadata of spec_fields.py) by cli/options.py.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 from vramledger.inputs.adapters import QUANTIZE, parse_lora
 from vramledger.inputs.attention import IMPLEMENTATIONS, check_implementation
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.gpus import Gpu, modelled_compute_capability, resolve_gpu
+from vramledger.inputs.gpus import Gpu, asked_gpu
 from vramledger.inputs.parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
 from vramledger.inputs.precision import PRECISIONS, Precision, canonical_precision
 from vramledger.inputs.spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
 from vramledger.inputs.tasks import TASKS
-from vramledger.inputs.units import parse_bytes
-from vramledger.inputs.verdict import DEFAULT_MARGIN, check_margin
+from vramledger.inputs.verdict import DEFAULT_MARGIN, check_gpu_options
 
 ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 """MoE routing policies (trace/core/values.py answers router choices by them)."""
@@ -398,35 +397,13 @@ class TrainingSpec:
 
     def _check_gpu(self) -> None:
         """Sizes to bytes; a GPU needs the CUDA target, a modelled (NVIDIA) kind and a margin
-        that leaves some of its memory."""
-        for name, option in (("gpu_memory", "--gpu-memory"), ("margin", "--margin")):
-            value = getattr(self, name)
-            if isinstance(value, str):
-                value = parse_bytes(value, allow_zero=name == "margin", option=option)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
-                raise InputError(f"{option} must be a size like 24GiB, not {value!r}")
-        if isinstance(self.margin, str):
-            object.__setattr__(self, "margin", parse_bytes(self.margin, allow_zero=True))
-        gpu = self.gpu_kind()
-        if gpu is None:
-            return
-        if self.target != "cuda":
-            raise InputError(
-                f"--gpu {gpu.name} predicts a CUDA GPU, and the target is {self.target}",
-                hint="drop --target cpu",
-            )
-        modelled_compute_capability(gpu)
-        check_margin(gpu, self.margin_bytes)
+        that leaves some of its memory (``verdict.check_gpu_options``)."""
+        margin = check_gpu_options(self.target, self.gpu, self.gpu_memory, self.margin)
+        object.__setattr__(self, "margin", margin)
 
     def gpu_kind(self) -> Gpu | None:
         """The GPU the step is predicted for (``gpu``/``gpu_memory``), None when not given."""
-        if isinstance(self.gpu, Gpu):
-            if self.gpu_memory is None:
-                return self.gpu
-            return replace(self.gpu, memory_bytes=resolve_gpu(memory=self.gpu_memory).memory_bytes)
-        if self.gpu is None and self.gpu_memory is None:
-            return None
-        return resolve_gpu(self.gpu, self.gpu_memory)
+        return asked_gpu(self.gpu, self.gpu_memory)
 
     @property
     def margin_bytes(self) -> int:

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.gpus import Gpu
-from vramledger.inputs.units import GIB, format_bytes
+from vramledger.inputs.gpus import Gpu, asked_gpu, modelled_compute_capability
+from vramledger.inputs.units import GIB, format_bytes, parse_bytes
 
 DEFAULT_MARGIN = 2 * GIB
 """Kept back when no ``--margin`` is given (the planner's default since it was written)."""
@@ -63,6 +63,34 @@ def check_margin(gpu: Gpu, margin_bytes: int) -> None:
             f"{format_bytes(gpu.memory_bytes)}",
             hint="pass a smaller --margin",
         )
+
+
+def check_gpu_options(
+    target: str, gpu: str | Gpu | None, gpu_memory: str | int | None, margin: str | int | None
+) -> int | None:
+    """A question's GPU, its memory and the margin checked (``TrainingSpec``'s ``gpu``,
+    ``gpu_memory``, ``margin``): sizes that parse, a GPU only for the CUDA target, a modelled
+    (NVIDIA) kind, a margin that leaves some of its memory. Returns the margin in bytes (None
+    when not given). Without torch: the answer cache checks a question's GPU options so
+    (``answer_cache.py``)."""
+    for value, option in ((gpu_memory, "--gpu-memory"), (margin, "--margin")):
+        if isinstance(value, str):
+            value = parse_bytes(value, allow_zero=option == "--margin", option=option)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+            raise InputError(f"{option} must be a size like 24GiB, not {value!r}")
+    if isinstance(margin, str):
+        margin = parse_bytes(margin, allow_zero=True)
+    kind = asked_gpu(gpu, gpu_memory)
+    if kind is None:
+        return margin
+    if target != "cuda":
+        raise InputError(
+            f"--gpu {kind.name} predicts a CUDA GPU, and the target is {target}",
+            hint="drop --target cpu",
+        )
+    modelled_compute_capability(kind)
+    check_margin(kind, DEFAULT_MARGIN if margin is None else int(margin))
+    return margin
 
 
 def verdict(gpu: Gpu, peak_bytes: int, margin_bytes: int = DEFAULT_MARGIN) -> Verdict:

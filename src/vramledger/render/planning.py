@@ -83,6 +83,16 @@ def _how(c: Candidate) -> str:
     return "derived*" if c.method == DERIVED else "re-estimated"
 
 
+def plan_timing(p: Plan) -> str:
+    """The table's line of what the search made and how long it took (the answer cache replaces
+    it in a stored answer: ``answer_cache.py``)."""
+    return (
+        f"searched {p.configurations} configurations from {p.traces} traces in "
+        f"{p.search_seconds:.1f} s; {p.estimates} re-estimates with the real engines; "
+        f"{p.seconds:.1f} s in all"
+    )
+
+
 def plan_table(p: Plan) -> Group:
     budget = p.gpu.memory_bytes - p.margin_bytes
     head = Text(
@@ -140,9 +150,7 @@ def plan_table(p: Plan) -> Group:
             _how(c),
         )
     facts = [
-        f"searched {p.configurations} configurations from {p.traces} traces in "
-        f"{p.search_seconds:.1f} s; {p.estimates} re-estimates with the real engines; "
-        f"{p.seconds:.1f} s in all",
+        plan_timing(p),
         "peaks: what the caching allocator reserves on the worst GPU; re-estimated = what "
         "`vramledger estimate` says for that configuration",
         f"margin: {p.margin_source}",
@@ -305,6 +313,12 @@ def rehearsal_table(r: Rehearsal) -> Group:
     return Group(runs, fits, summary)
 
 
+def fit_timing(f: Fit) -> str:
+    """How many estimates the answer took and how long (the answer cache replaces it in a stored
+    answer: ``answer_cache.py``)."""
+    return f"{f.estimates} estimates in {f.seconds:.1f} s"
+
+
 def fit_table(f: Fit) -> Group:
     head = Text(
         f"{f.gpu.name}: {format_bytes(f.gpu.memory_bytes)}, margin {format_bytes(f.margin_bytes)}"
@@ -341,7 +355,7 @@ def fit_table(f: Fit) -> Group:
             + ("fits" if a.fits_next else "does not fit"),
         )
     facts = [
-        f"{f.estimates} estimates in {f.seconds:.1f} s; sequence lengths in steps of {f.seq_step}",
+        f"{fit_timing(f)}; sequence lengths in steps of {f.seq_step}",
         *(f"note: {n}" for n in f.notes),
     ]
     return Group(head, table, Text("\n".join(facts), style="dim"))

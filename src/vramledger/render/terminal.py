@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from rich.console import Console, Group
 from rich.table import Table
@@ -13,8 +14,10 @@ from vramledger.inputs.units import format_bytes
 from vramledger.inputs.verdict import Verdict
 from vramledger.ledger.ledger import TOP_MODULES, Ledger
 from vramledger.ledger.peak_modules import PASS_NAMES, passes_used, top_modules
-from vramledger.measure import Measurement
-from vramledger.measure.compare import Comparison
+
+if TYPE_CHECKING:  # both import torch; a ledger's table does not (answer_cache.py draws one)
+    from vramledger.measure import Measurement
+    from vramledger.measure.compare import Comparison
 
 
 def _pct(part: int, whole: int) -> str:
@@ -39,6 +42,12 @@ def _title(ledger: Ledger) -> str:
     if spec.get("grad_accum", 1) > 1:
         parts.append(f"grad-accum {spec['grad_accum']}")
     return " · ".join(parts)
+
+
+def ledger_timing(ledger: Ledger) -> str:
+    """The table's line of how long the ledger took (the answer cache replaces it in a stored
+    answer: ``answer_cache.py``)."""
+    return f"took {ledger.seconds:.2f} s"
 
 
 def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
@@ -115,7 +124,7 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     if ledger.host_bytes:
         facts.append(f"host memory (not on the device): {format_bytes(ledger.host_bytes)}")
     facts.extend(f"note: {n}" for n in ledger.notes)
-    facts.append(f"took {ledger.seconds:.2f} s")
+    facts.append(ledger_timing(ledger))
     parts.append(Text("\n".join(facts), style="dim"))
     return Group(*parts)
 

@@ -49,7 +49,7 @@ from typing import Any
 import torch
 
 from vramledger.inputs.categories import Category, Phase
-from vramledger.inputs.gpus import DEFAULT_COMPUTE_CAPABILITY
+from vramledger.inputs.gpus import DEFAULT_COMPUTE_CAPABILITY, architecture_notes
 from vramledger.inputs.optimizers import OptimizerChoice
 from vramledger.inputs.units import format_bytes
 from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR, AllocatorModel
@@ -197,9 +197,6 @@ ATTENTION_NAMES = {
     "efficient": "memory-efficient attention",
     "math": "the math path (S×S scores in fp32)",
 }
-WHEEL_MIN_SM = (7, 5)
-"""PyPI's torch 2.13.0 wheel (CUDA 13.0) carries kernels for sm75, 80, 86, 90, 100 and 120
-(the ``-gencode`` list in its libtorch_cuda.so): CUDA 13 dropped Volta."""
 
 
 def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
@@ -207,23 +204,6 @@ def cublas_workspace_bytes(compute_capability: tuple[int, int]) -> int:
     if compute_capability[0] in CUBLAS_WORKSPACE_LARGE_MAJORS:
         return CUBLAS_WORKSPACE_HOPPER
     return CUBLAS_WORKSPACE_DEFAULT
-
-
-def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
-    """What this compute capability changes, one note per decision (module docstring)."""
-    sm = f"{cc[0]}.{cc[1]}"
-    if gpu is not None:
-        notes = [f"CUDA behaviour of {gpu}: compute capability {sm}"]
-    elif cc == DEFAULT_COMPUTE_CAPABILITY:
-        notes = [f"no --gpu given: CUDA behaviour of compute capability {sm} (H100/H200) assumed"]
-    else:
-        notes = [f"CUDA behaviour of compute capability {sm}"]
-    if cc < WHEEL_MIN_SM:
-        notes.append(
-            f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
-            "needs a torch build for CUDA 12.x"
-        )
-    return notes
 
 
 def cublas_note(cc: tuple[int, int], threads: set[str]) -> str:
