@@ -23,6 +23,7 @@ import torch
 
 from .compat import import_tested
 from .errors import InputError
+from .extras import EXTRAS
 from .sources import load_callable
 
 # torch.optim classes whose ``step()`` cannot run in a plain training loop.
@@ -54,8 +55,6 @@ LIBRARY_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 PREFIXES = {"ao-": "torchao.optim", "bnb-": "bitsandbytes.optim"}
-LIBRARIES = {"torchao": "lowbit", "bitsandbytes": "lowbit", "transformers": "hf"}
-"""Top-level package -> the vramledger extra that installs it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +182,7 @@ def _import_module(module_name: str, asked: str) -> Any:
         return import_tested(module_name)
     except ImportError as exc:
         top = module_name.split(".")[0]
-        extra = LIBRARIES.get(top)
+        extra = EXTRAS.get(top)
         hint = f"pip install 'vramledger[{extra}]'" if extra else f"install {top}"
         raise InputError(
             f"optimizer {asked!r} needs {top}, which is not installed", hint=hint
