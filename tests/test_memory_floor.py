@@ -79,9 +79,9 @@ CASES = {
         [LLAMA_70B, "--gpu", "h100-80gb"],
         "no GPU could hold this step: its 68,976,648,192 parameters (256.96 GiB) and one "
         "micro-batch of inputs (8.00 KiB) come to 256.96 GiB, more than 1 × 178.81 GiB (mi300x, "
-        "the largest GPU in the catalogue); shard it over 2 such GPUs or more (--world-size 2 "
-        "--strategy fsdp) or offload the parameters (--offload params), or give --gpu-memory "
-        "SIZE to trace it on a GPU that large",
+        "the largest GPU in the catalogue); it needs 2 such GPUs or more (`vramledger plan --gpu "
+        "NAME` finds how many) or the parameters offloaded (--offload params), or give "
+        "--gpu-memory SIZE to trace it on a GPU that large",
     ),
     # 10^12 tokens of int64 ids and labels: 14.55 TiB
     "a batch of 10^12 tokens": (
