@@ -157,7 +157,7 @@ def test_cpu_allocator_count_sees_every_thread():
     cpu_allocator_count.build()
     code = """
 import threading, torch
-from vramledger import cpu_allocator_count as count
+from vramledger.measure import cpu_allocator_count as count
 early = torch.empty(1000)
 count.install()
 assert count.live() == 0

@@ -3,6 +3,8 @@
 and schedules on real gloo processes, each rank's prediction compared with the CPU allocator's
 own count (``cpu_allocator_count``, every thread; ``tests/mesh_real.py``)."""
 
+import json
+
 import pytest
 
 from vramledger import TrainingSpec, estimate
@@ -53,6 +55,38 @@ def test_gpipe_keeps_every_micro_batch_in_flight_and_1f1b_does_not():
     }
     for stage in (0, 1):
         assert activations["1f1b"][stage] * 3 < activations["gpipe"][stage], activations
+
+
+def test_parameters_are_the_whole_models_and_each_stage_says_its_own(capsys):
+    """Issue 32: with --pp 2 the summary counted one stage's parameters and divided the
+    optimizer state over all ranks by them (16 bytes/parameter for AdamW). tiny-llama.json by
+    hand: embedding and head 1000 x 64 each, final norm 64; a layer 4 x 64 x 16 x (4 + 2 + 2 + 4)
+    = 12,288 for attention (4 query heads, 2 key/value heads of 16), 3 x 64 x 176 = 33,792 for
+    the MLP, 2 x 64 for its norms: 46,208. Stage 0: the embedding and layer 0; stage 1: layer 1,
+    the norm and the head."""
+    from .test_cli import run_cli
+
+    layer = 64 * 16 * (4 + 2 + 2 + 4) + 3 * 64 * 176 + 2 * 64
+    stages = [64_000 + layer, layer + 64 + 64_000]
+    args = ["estimate", str(FIXTURES / "tiny-llama.json"), "--seq-len", "32", "--pp", "2"]
+    code, out, _ = run_cli(capsys, *args, "--json")
+    assert code == 0
+    data = json.loads(out)
+    assert data["parameters"] == data["trainable_parameters"] == sum(stages) == 220_480
+    assert [r["stage_parameters"] for r in data["ranks"]] == stages
+    assert all(r["parameters"] == sum(stages) for r in data["ranks"])
+    # AdamW's m and v: 8 bytes per parameter of the whole model over both stages (and a 4-byte
+    # step counter per parameter tensor)
+    assert 0 <= data["optimizer_state_bytes_all_ranks"] - 8 * sum(stages) < 1024
+    _, out, _ = run_cli(capsys, *args)
+    lines = {line.split(":")[0]: line for line in out.splitlines() if ":" in line}
+    worst = data["worst_rank"]
+    assert lines["parameters"] == (
+        f"parameters: 220,480 (220,480 trainable); rank {worst} holds "
+        f"{stages[worst]:,} of them (pipeline stages split the layers over ranks)"
+    )
+    assert "(4.00 bytes per trainable parameter of the whole model)" in lines["optimizer state"]
+    assert "over all 2 ranks (8.00 bytes/parameter)" in lines["optimizer state"]
 
 
 def test_stages_with_tensor_parallelism_and_fsdp_have_a_ledger_per_pipeline_rank():

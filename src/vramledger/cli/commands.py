@@ -12,14 +12,37 @@ from vramledger.cli.report import PATCH_MISSING_EXIT, report, report_program, wi
 from vramledger.inputs import cache
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.precision import canonical_precision
+from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.units import format_bytes
+
+
+def checked_spec(
+    args: argparse.Namespace, *, optimizers: list[str] | None = None, floor: bool = False
+) -> TrainingSpec:
+    """The spec the options say, checked before any work: the optional libraries it, the
+    command's own options and its ``optimizers`` need are installed (extras.py), and with
+    ``floor`` that some GPU could hold the step at all (memory_floor.py)."""
+    from vramledger.inputs.extras import check_extras, optimizer_needs, option_needs, spec_needs
+    from vramledger.inputs.launch_configs import apply_configs
+
+    spec = spec_from_args(args)
+    check_extras(spec_needs(spec) + option_needs(vars(args)) + optimizer_needs(optimizers or []))
+    applied, _ = apply_configs(spec)  # a --deepspeed config's stage says DeepSpeed's engine
+    check_extras(spec_needs(applied))
+    if floor:
+        from vramledger.inputs.memory_floor import check_floor
+
+        check_floor(applied)
+    return spec
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from vramledger.predict.step import estimate
     from vramledger.render.terminal import ledger_table, ledger_timing
 
-    return report(args, estimate(spec_from_args(args)), ledger_table, timing=ledger_timing)
+    return report(
+        args, estimate(checked_spec(args, floor=True)), ledger_table, timing=ledger_timing
+    )
 
 
 def cmd_measure(args: argparse.Namespace) -> int:
@@ -32,7 +55,7 @@ def cmd_measure(args: argparse.Namespace) -> int:
     with torchrun_group(args.device) as world:
         if world is not None and args.world_size == 1:
             args.world_size = world  # under torchrun the launch says how many ranks
-        result = measure(spec_from_args(args), device=args.device, compare=args.compare)
+        result = measure(checked_spec(args), device=args.device, compare=args.compare)
         if world is not None and dist.get_rank() != 0:
             return 0  # rank 0 reports every rank
     return report(args, result, measurement_table)
@@ -44,7 +67,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     from vramledger.render.terminal import comparison_table
 
     optimizers = _names(args.optimizers, "--optimizers")
-    spec = spec_from_args(args)
+    spec = checked_spec(args, optimizers=optimizers)
     result = with_progress(
         args,
         lambda progress: compare(
@@ -178,14 +201,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
         start_fork_server()  # its imports overlap this process's own (as fit's)
     gpu = _gpu(args)
     margin, source = _margin(args)
-    spec = spec_from_args(args)
+    optimizers = _names(args.optimizers, "--optimizers")
+    spec = checked_spec(args, optimizers=optimizers)
     precisions = [canonical_precision(name) for name in _names(args.precisions, "--precisions")]
     result = with_progress(
         args,
         lambda progress: plan(
             spec,
             gpu,
-            optimizers=_names(args.optimizers, "--optimizers"),
+            optimizers=optimizers,
             max_gpus=args.max_gpus,
             margin=margin,
             margin_source=source,
@@ -233,7 +257,7 @@ def cmd_advise(args: argparse.Namespace) -> int:
     gpu = _gpu(args)
     margin, _ = _margin(args)
     advice = advise(
-        spec_from_args(args),
+        checked_spec(args),
         gpu,
         margin=margin,
         host_memory=_host_memory(args),
@@ -249,12 +273,12 @@ def cmd_fit(args: argparse.Namespace) -> int:
 
     if args.workers is None or args.workers > 1:
         start_fork_server()
-    spec = spec_from_args(args)
+    optimizers = _names(args.optimizers, "--optimizers") if args.optimizers else None
+    spec = checked_spec(args, optimizers=optimizers)
     gpu = spec.gpu_kind()
     if gpu is None:
         raise InputError("fit needs a GPU", hint="pass --gpu NAME or --gpu-memory SIZE")
     checkpointing = {"both": (False, True), "on": (True,), "off": (False,)}[args.checkpointing]
-    optimizers = _names(args.optimizers, "--optimizers") if args.optimizers else None
     result = fit(
         spec,
         gpu,
@@ -310,7 +334,7 @@ def cmd_rehearse(args: argparse.Namespace) -> int:
                 f"--widths must be fractions of the model's width, not {args.widths!r}",
                 hint="--widths 0.25,0.5,0.75",
             ) from exc
-    spec = spec_from_args(args)
+    spec = checked_spec(args)
     result = with_progress(
         args,
         lambda progress: rehearse(

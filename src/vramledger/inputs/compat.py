@@ -36,6 +36,20 @@ tested before it) (and
 transformers 5.24, whose own range, ``<5.25``, is the ``hf`` extra's: 5.25 turns on Hub kernels in
 ``from_pretrained`` by default)."""
 
+EXTRAS: dict[str, str] = {
+    "transformers": "hf",
+    "matplotlib": "report",
+    "torchao": "lowbit",
+    "bitsandbytes": "lowbit",
+    "peft": "peft",
+    "deepspeed": "deepspeed",
+    "starlette": "serve",
+    "uvicorn": "serve",
+}
+"""Each optional package, by its import name -> the vramledger extra that installs it
+(pyproject.toml's ``[project.optional-dependencies]``; tests/test_extras.py keeps the two equal; ``extras.py`` checks a request's needs against it).
+bitsandbytes is in ``peft`` too (QLoRA); ``lowbit`` is the smaller install."""
+
 ALLOW_UNTESTED = "VRAMLEDGER_ALLOW_UNTESTED_LIBRARIES"
 """Set to 1 to use a version outside its tested range anyway (answers may be wrong or fail)."""
 

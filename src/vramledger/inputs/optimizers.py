@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from vramledger.inputs.compat import import_tested
+from vramledger.inputs.compat import EXTRAS, import_tested
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.sources import load_callable
 
@@ -54,8 +54,6 @@ LIBRARY_OPTIMIZERS: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 PREFIXES = {"ao-": "torchao.optim", "bnb-": "bitsandbytes.optim"}
-LIBRARIES = {"torchao": "lowbit", "bitsandbytes": "lowbit", "transformers": "hf"}
-"""Top-level package -> the vramledger extra that installs it."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -183,7 +181,7 @@ def _import_module(module_name: str, asked: str) -> Any:
         return import_tested(module_name)
     except ImportError as exc:
         top = module_name.split(".")[0]
-        extra = LIBRARIES.get(top)
+        extra = EXTRAS.get(top)
         hint = f"pip install 'vramledger[{extra}]'" if extra else f"install {top}"
         raise InputError(
             f"optimizer {asked!r} needs {top}, which is not installed", hint=hint

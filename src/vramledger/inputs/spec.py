@@ -39,6 +39,12 @@ MAX_RANKS = 2**17
 Colossus, 2024); a larger world size is a typo, and per-rank work grows with it
 (``--world-size 100000000`` grew to 20 GB and was killed)."""
 
+MAX_SEQ_LEN = 2**24
+"""16,777,216 tokens: above the longest context any released model was trained for (Llama 4
+Scout, 10M tokens, 2025) and 4x the longest `vramledger fit` searches (plan/fit.py MAX_SEQ); a
+longer sequence is a typo, and the default batch is made for real on the host before the trace
+(``--seq-len 1000000000`` held 16 GB and traced for a minute before it failed)."""
+
 
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
@@ -201,6 +207,12 @@ class TrainingSpec:
                 raise InputError(
                     f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
                 )
+        if self.seq_len > MAX_SEQ_LEN:
+            raise InputError(
+                f"seq-len {self.seq_len:,} is beyond any model's context (vramledger models at "
+                f"most {MAX_SEQ_LEN:,} tokens)",
+                hint="check the number",
+            )
         if self.image_size is not None and (
             not isinstance(self.image_size, int) or self.image_size <= 0
         ):

@@ -58,7 +58,13 @@ class Ledger:
     """The most model state (parameters, gradients, master weights, optimizer state — sharded
     or not) held at once in a steady-state step: the ZeRO paper's per-GPU model states."""
     parameters: int
+    """Parameters of the whole model, counted once where tied (sharded or split, the count is
+    the model's, not a rank's); ``trainable_parameters``: those that train. Per-parameter
+    figures divide by these."""
     trainable_parameters: int
+    stage_parameters: int | None = None
+    """Under pipeline parallelism (``--pp``), the parameters of the stage(s) this rank holds, a
+    part of ``parameters``; None when each rank holds (a shard of) every layer."""
     top_modules: list[tuple[str, int]]
     """Modules holding the most activation bytes at the end of the forward pass."""
     peak_modules: list[ModuleBytes] = field(default_factory=list)
@@ -170,6 +176,7 @@ class Ledger:
             "model_state_bytes": self.model_state_bytes,
             "parameters": self.parameters,
             "trainable_parameters": self.trainable_parameters,
+            "stage_parameters": self.stage_parameters,
             "optimizer_state_bytes": self.optimizer_state_bytes,
             "optimizer_state_bytes_per_param": round(self.optimizer_state_bytes_per_param, 4),
             "optimizer_state_method": self.optimizer_state_method,

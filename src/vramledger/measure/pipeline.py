@@ -22,7 +22,7 @@ from vramledger.measure.counting import (
     rank_measurement,
 )
 from vramledger.parallel.mesh import build_mesh, mesh_coords
-from vramledger.parallel.pipeline import PipelineParallel, PipelineRank
+from vramledger.parallel.pipeline import PipelineParallel, PipelineRank, whole_model_parameters
 from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
 
 
@@ -75,8 +75,12 @@ def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement
 
     steps(tracked=False)
     gc.collect()
-    tracker, rank_engine, counts = steps(tracked=True)
+    tracker, rank_engine, stage_counts = steps(tracked=True)
+    counts = whole_model_parameters(resolve(spec))  # the ledger counts the whole model
     run = rank_measurement(
         tracker.close(), counted, spec, device, counts, ["measured", *rank_engine.notes]
     )
-    return replace(run, ledger=replace(run.ledger, mesh_coords=mesh_coords(rank, spec)))
+    ledger = replace(
+        run.ledger, mesh_coords=mesh_coords(rank, spec), stage_parameters=stage_counts[0]
+    )
+    return replace(run, ledger=ledger)

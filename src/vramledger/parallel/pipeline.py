@@ -62,7 +62,7 @@ from torch import nn
 
 from vramledger.inputs.config_depth import config_depth
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.recipe import Recipe
+from vramledger.inputs.recipe import Recipe, count_parameters
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.parallel.engines import DataParallel, adapt_recipe
 from vramledger.parallel.mesh import fake_mesh, fsdp_degree
@@ -121,6 +121,15 @@ class PipelineParallel:
         return DataParallel(self.spec).finish(timeline, recipe)
 
 
+def whole_model_parameters(recipe: Recipe) -> tuple[int, int]:
+    """(all, trainable) parameters of the whole model the stages are cut from, built on the
+    meta device: a stage's model holds only its own layers, and a ledger's ``parameters`` are
+    the model's (its per-parameter figures divide by them, as on FSDP's sharded ranks), with
+    the stage's beside them (``Ledger.stage_parameters``). Tied embeddings count once, as in the
+    model, though the first and last stages each hold a copy."""
+    return count_parameters(recipe.build_model("meta"))
+
+
 def check_pipeline_recipe(recipe: Recipe) -> None:
     spec = recipe.spec
     if recipe.source.config is None or config_depth(recipe.source.config) is None:
@@ -155,4 +164,5 @@ __all__ = [
     "pipeline_rank_groups",
     "rank_stage_plans",
     "stage_layers",
+    "whole_model_parameters",
 ]

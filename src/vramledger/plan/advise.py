@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramledger.inputs.categories import MODEL_STATE_CATEGORIES, Category, Phase
+from vramledger.inputs.extras import EXTRAS, installed, optimizer_package
 from vramledger.inputs.gpus import Gpu
 from vramledger.inputs.launch_configs import apply_configs
 from vramledger.inputs.optimizers import resolve_optimizer
@@ -227,12 +228,8 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
                 description="optimizer state and fp32 master weights in host memory (slower step)",
             )
         )
-    compressions = [
-        ("8-bit AdamW states", "adamw8bit", "torchao AdamW8bit: ~2 bytes of state per parameter"),
-        ("momentum SGD", "sgd-momentum", "one state tensor instead of two"),
-    ]
     ranked = sorted(
-        (c for c in compressions if c[1] != spec.optimizer),
+        (c for c in COMPRESSIONS if c[1] != spec.optimizer and not _not_installed(c[1])),
         key=lambda c: EVIDENCE["optimizers"][c[1]]["final_gap"],
     )
     for name, optimizer, description in ranked:
@@ -245,6 +242,29 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
             )
         )
     return changes
+
+
+COMPRESSIONS: tuple[tuple[str, str, str], ...] = (
+    ("8-bit AdamW states", "adamw8bit", "torchao AdamW8bit: ~2 bytes of state per parameter"),
+    ("momentum SGD", "sgd-momentum", "one state tensor instead of two"),
+)
+"""Optimizer-state compressions advise tries: (change, optimizer, what it keeps)."""
+
+
+def _not_installed(optimizer: str) -> str | None:
+    """The optional package ``optimizer`` needs when it is not installed (extras.py): its
+    change is left out, and a note says so."""
+    package = optimizer_package(optimizer)
+    return package if package is not None and not installed(package) else None
+
+
+def _untried_notes(spec: TrainingSpec) -> list[str]:
+    return [
+        f"{name} not tried: {optimizer} needs {package}, which is not installed (pip install "
+        f"'vramledger[{EXTRAS[package]}]')"
+        for name, optimizer, _ in COMPRESSIONS
+        if optimizer != spec.optimizer and (package := _not_installed(optimizer))
+    ]
 
 
 def _checkpointing(spec: TrainingSpec) -> dict[str, Any] | None:
@@ -350,6 +370,7 @@ def advise(
     if more is not None:
         results.append(more)
     notes.append(f"compression ranked by measured loss gap: {EVIDENCE['source']}")
+    notes += _untried_notes(spec)
     return Advice(
         fits=False,
         changes=results,

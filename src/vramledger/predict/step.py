@@ -24,7 +24,11 @@ from vramledger.parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
 from vramledger.parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
 from vramledger.parallel.engines import DataParallel, zero1_partition
 from vramledger.parallel.mesh import MeshParallel, mesh_coords, mesh_rank_groups, uses_mesh
-from vramledger.parallel.pipeline import PipelineParallel, pipeline_rank_groups
+from vramledger.parallel.pipeline import (
+    PipelineParallel,
+    pipeline_rank_groups,
+    whole_model_parameters,
+)
 from vramledger.trace.core.fake import trace
 from vramledger.trace.core.values import CONCRETE_ROUTINGS
 from vramledger.trace.emulation.target_policy import policy_for
@@ -161,12 +165,15 @@ def _trace_ledger(
         engine=_engine(spec, rank),
         blocks_verified=blocks_verified,
     )
+    parameters, trainable = result.parameters, result.trainable_parameters
+    if spec.pp > 1:  # the trace ran this rank's stage(s); the ledger counts the whole model
+        parameters, trainable = whole_model_parameters(resolve(spec))
     ledger = build_ledger(
         result.timeline,
         target=spec.target,
         allocator=policy.allocator,
-        parameters=result.parameters,
-        trainable_parameters=result.trainable_parameters,
+        parameters=parameters,
+        trainable_parameters=trainable,
         optimizer_state_bytes=result.optimizer_state_bytes,
         optimizer_state_method=result.optimizer_state_method,
         spec=spec.summary(),
@@ -174,4 +181,8 @@ def _trace_ledger(
         seconds=result.seconds,
         version=__version__,
     )
-    return replace(ledger, blocks_extended=result.extended), result.routing_dependent
+    stage = result.parameters if spec.pp > 1 else None
+    return (
+        replace(ledger, blocks_extended=result.extended, stage_parameters=stage),
+        result.routing_dependent,
+    )

@@ -117,7 +117,7 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
             f"{format_bytes(ledger.reserved_peak_bytes - ledger.allocated_peak_bytes, signed=True)})"
         )
     facts += [
-        f"parameters: {ledger.parameters:,} ({ledger.trainable_parameters:,} trainable)",
+        parameters_line(ledger),
         optimizer_state_line(ledger),
         f"held at step start: {format_bytes(ledger.step_start_bytes)}",
     ]
@@ -151,12 +151,34 @@ def peak_modules_table(ledger: Ledger) -> Table:
     return table
 
 
+def parameters_line(ledger: Ledger) -> str:
+    """The whole model's parameters; under pipeline parallelism also the worst rank's stage's."""
+    line = f"parameters: {ledger.parameters:,} ({ledger.trainable_parameters:,} trainable)"
+    if ledger.stage_parameters is not None:
+        line += (
+            f"; {_whose(ledger)} holds {ledger.stage_parameters:,} of them "
+            "(pipeline stages split the layers over ranks)"
+        )
+    return line
+
+
+def _whose(ledger: Ledger) -> str:
+    """The rank a ledger describes: the worst of an estimate's ranks, or the one rank a real run
+    on several measured (``measure`` under torchrun: no other ranks' ledgers beside it)."""
+    return f"rank {ledger.worst_rank}" if ledger.world_size > 1 else "this rank"
+
+
 def optimizer_state_line(ledger: Ledger) -> str:
     """The optimizer state, per trainable parameter; on several ranks this rank's and all ranks'
     together, each per parameter of the whole model (FSDP's 1.00 bytes/parameter per rank is
-    AdamW's 8 over 8 ranks)."""
+    AdamW's 8 over 8 ranks); one rank's alone where a real run measured only it."""
     method = ledger.optimizer_state_method
     per_param = ledger.optimizer_state_bytes_per_param
+    if (ledger.spec.get("world_size") or 1) > 1 and ledger.world_size <= 1:
+        return (  # one rank of a real run on several
+            f"optimizer state: {format_bytes(ledger.optimizer_state_bytes)} on this rank "
+            f"({per_param:.2f} bytes per trainable parameter of the whole model; {method})"
+        )
     if ledger.world_size <= 1:
         return (
             f"optimizer state: {format_bytes(ledger.optimizer_state_bytes)} "
