@@ -9,10 +9,10 @@ from dataclasses import MISSING, fields
 from pathlib import Path
 
 import pytest
-from vramledger.cli.serve.worker import PLAN_SEARCHES
 
 from vramledger.cli import build_parser, spec_from_args
 from vramledger.cli.options import GPU_OPTIONS, PARALLEL_OPTIONS, PYTHON_ONLY, flag
+from vramledger.cli.serve.worker import PLAN_SEARCHES
 from vramledger.inputs.precision import PRECISIONS
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.spec_fields import cli_of, field_docs

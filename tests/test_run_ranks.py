@@ -22,7 +22,7 @@ from vramledger.inputs.errors import InputError
 from vramledger.inputs.program import ProgramSpec
 from vramledger.ledger.ledger import Ledger
 from vramledger.measure.program import measure_program
-from vramledger.predict.program import run_program
+from vramledger.predict.program import ProgramReport, run_program
 
 from .gloo_noise import largest_transient_collective, late_free_window
 
@@ -47,11 +47,12 @@ def _per_rank(report) -> dict[int, object]:
 
 def assert_every_rank_equals_its_real_process(
     spec: ProgramSpec, transient: Callable[[Ledger], int] = largest_transient_collective
-) -> None:
+) -> ProgramReport:
     """Each rank's steady windows and steady steps (step 2 on): ``--target cpu`` against the
     rank's real gloo process, within ``EXACT_BYTES`` widened by gloo's window around the rank's
-    largest transient collective buffer (``transient`` of its ledger)."""
-    predicted = _per_rank(run_program(spec, target="cpu"))
+    largest transient collective buffer (``transient`` of its ledger). Returns the prediction."""
+    report = run_program(spec, target="cpu")
+    predicted = _per_rank(report)
     measured = dict(measure_program(spec).ranks)
     assert sorted(predicted) == sorted(measured) == list(range(spec.nproc_per_node * spec.nnodes))
     for rank, got in measured.items():
@@ -70,6 +71,7 @@ def assert_every_rank_equals_its_real_process(
                 want_bytes,
                 got_bytes,
             )
+    return report
 
 
 @pytest.mark.multiprocess

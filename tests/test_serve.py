@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from vramledger.cli.serve.question import PASTED, Sources, parse_question
 
 from vramledger.cli import main
+from vramledger.cli.serve.question import PASTED, Sources, parse_question
 from vramledger.inputs.errors import InputError
 
 from .conftest import FIXTURES, fixture
