@@ -45,7 +45,7 @@ def main() -> None:
     from vramledger import TrainingSpec
     from vramledger.inputs import training
     from vramledger.parallel import engines
-    from vramledger.predict.step import step as predict
+    from vramledger.predict import step as predict
     from vramledger.trace.core.blocks import SMALL
 
     spent: collections.Counter[str] = collections.Counter()

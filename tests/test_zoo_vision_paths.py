@@ -127,9 +127,9 @@ def test_layer_norm_statistics_of_a_mixed_dtype_are_float32(monkeypatch):
     corrections = dict(fake_corrections.CORRECTIONS)
     del corrections[torch.ops.aten.native_layer_norm.default]
     monkeypatch.setattr(fake_corrections, "CORRECTIONS", corrections)
-    import vramledger.trace.core.fake as fake
+    import vramledger.trace.session as session
 
-    monkeypatch.setattr(fake, "CORRECTIONS", corrections)
+    monkeypatch.setattr(session, "CORRECTIONS", corrections)
     before = estimate(**_spec(name)).peak_bytes
     monkeypatch.undo()
     assert before < plain * (1 - BOUND), (before, plain)

@@ -25,7 +25,7 @@ def request_warnings(recipe: Recipe) -> list[str]:
                 "the model was not trained for it (rotary scaling aside); "
                 f"the estimate runs it as asked — pass --seq-len {limit} or less for its own range"
             )
-    single = spec.world_size == 1 and spec.offload == "none"
+    single = spec.world_size == 1 and not spec.parallelism.offloads
     if spec.parallelism.shards_optimizer_state and single:
         out.append(
             f"--strategy {spec.strategy} on 1 rank shards nothing (the rank holds everything); "

@@ -8,7 +8,7 @@ at the peak by category and by module. Every breakdown sums exactly to its total
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramledger.inputs.categories import Category, Phase
@@ -188,6 +188,17 @@ class Ledger:
             "moe_routing_peaks": dict(self.moe_routing_peaks),
             "warnings": list(self.warnings),
         }
+
+
+def worst_rank_ledger(
+    ranks: list[tuple[list[int], Ledger]], *, world_size: int, strategy: str
+) -> Ledger:
+    """The ledger of the rank with the highest allocated peak, carrying every distinct rank's
+    (``ranks``: the ranks that share a ledger, and it): the one rule by which ``estimate`` and a
+    program run as several ranks (``predict/step.py``, ``predict/program.py``) answer for a
+    world. The first of a group's ranks is the worst rank named."""
+    ids, worst = max(ranks, key=lambda item: item[1].allocated_peak_bytes)
+    return replace(worst, world_size=world_size, strategy=strategy, worst_rank=ids[0], ranks=ranks)
 
 
 def _coords(ledger: Ledger, rank: int) -> dict[str, int]:

@@ -78,6 +78,7 @@ CODECS: dict[str, tuple[Any, Any]] = {
             "model_state_bytes",
             "parameters",
             "trainable_parameters",
+            "stage_parameters",
             "optimizer_state_bytes",
             "optimizer_state_method",
             "spec",

@@ -220,7 +220,7 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
                 description="shard parameters too",
             )
         )
-    if spec.offload == "none" and (spec.world_size > 1 or spec.precision.endswith("-mixed")):
+    if not spec.parallelism.offloads and (spec.world_size > 1 or spec.precision.endswith("-mixed")):
         changes.append(
             Change(
                 name="offload optimizer to CPU",
@@ -387,7 +387,7 @@ def advise(
 def _more_gpus(spec: TrainingSpec, budget: _Budget, max_gpus: int) -> Change | None:
     """The fewest GPUs on which the step fits with ZeRO-3 (FSDP2), nothing else changed, found
     by doubling and bisecting with re-estimates (memory per GPU does not grow with the count)."""
-    if spec.offload != "none" and spec.parallelism.is_single:
+    if spec.parallelism.offloads and spec.parallelism.is_single:
         return None
     start = max(2, spec.world_size * 2 if spec.parallelism.shards_params else 2)
     tried: dict[int, Ledger] = {}

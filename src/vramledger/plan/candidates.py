@@ -49,7 +49,7 @@ class Configuration:
     @property
     def parallelism(self) -> Parallelism:
         """The strategy as a value to ask (the GPU count aside: the derived layouts take it)."""
-        return Parallelism(strategy=self.strategy)
+        return Parallelism(strategy=self.strategy, offload=self.offload)
 
     def spec(self, base: TrainingSpec) -> TrainingSpec:
         """The TrainingSpec ``estimate`` takes for this configuration."""
@@ -128,7 +128,7 @@ def costs(
     if config.gpus == 1:
         comm = 0
     host_traffic = (
-        2 * (grads + parameter_bytes) // max(1, config.gpus) if config.offload != "none" else 0
+        2 * (grads + parameter_bytes) // max(1, config.gpus) if config.parallelism.offloads else 0
     )
     return {
         "recompute_fraction": RECOMPUTE_FRACTION if config.checkpointing else 0.0,
@@ -158,7 +158,7 @@ def preference(c: Candidate) -> tuple[Any, ...]:
         cfg.gpus,
         cfg.checkpointing,
         cfg.grad_accum,
-        cfg.offload != "none",
+        cfg.parallelism.offloads,
         STRATEGY_RANK[cfg.strategy],
         -c.headroom_bytes,
     )

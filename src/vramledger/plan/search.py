@@ -279,7 +279,7 @@ def _search(
 def _ahead(runner: Runner, spec: TrainingSpec, ranked: list[Candidate], max_gpus: int) -> None:
     """Start re-estimating the GPU counts likely to answer for one optimizer (``ranked``: its
     candidates, best first): its best, and its best without offload."""
-    plain = [c for c in ranked if c.configuration.offload == "none"]
+    plain = [c for c in ranked if not c.configuration.parallelism.offloads]
     runner.ahead(
         (cfg, cfg.spec(spec))
         for best in (ranked[:1], plain[:1])
@@ -300,7 +300,7 @@ def _derived_answers(
     error = "not re-estimated (--no-verify)"
     for name in optimizers:
         fewest_gpus[name] = ranked[name][0] if ranked[name] else None
-        plain = [c for c in ranked[name] if c.configuration.offload == "none"]
+        plain = [c for c in ranked[name] if not c.configuration.parallelism.offloads]
         on_gpu[name] = plain[0] if plain else None
     return [replace(c, error=error) for c in pareto(planner.candidates)]
 
@@ -322,7 +322,7 @@ def _settle(
             progress("re-estimating answers", optimizers.index(name), len(optimizers))
         fewest_gpus[name] = planner.answer(ranked[name])
         on_gpu[name] = planner.answer(
-            [c for c in ranked[name] if c.configuration.offload == "none"]
+            [c for c in ranked[name] if not c.configuration.parallelism.offloads]
         )
         # its layouts' re-estimates start while the other optimizers are settled
         _layouts_ahead(planner, on_gpu[name], tp_degrees, pp_degrees)
@@ -335,7 +335,7 @@ def _settle(
                 for c in planner.current()
                 if c.configuration.optimizer == name
                 and c.method == ESTIMATED
-                and (table is fewest_gpus or c.configuration.offload == "none")
+                and (table is fewest_gpus or not c.configuration.parallelism.offloads)
             ]
             if better:
                 table[name] = min(better, key=preference)

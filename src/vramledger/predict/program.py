@@ -20,7 +20,7 @@ from vramledger.inputs.program import ProgramSpec
 from vramledger.inputs.torchrun_env import TorchrunRank
 from vramledger.inputs.verdict import DEFAULT_MARGIN, verdict
 from vramledger.inputs.version import __version__
-from vramledger.ledger.ledger import Ledger, build_ledger, replay
+from vramledger.ledger.ledger import Ledger, build_ledger, replay, worst_rank_ledger
 from vramledger.parallel.program_pipeline import StageMail
 from vramledger.parallel.program_world import ProgramWorld
 from vramledger.predict.step import policy_for
@@ -278,14 +278,12 @@ def _ranks_report(spec: ProgramSpec, runs: list[tuple[int, ProgramReport, str]])
     )
     ledger = worst.ledger
     if ledger is not None and all(r.ledger is not None for _, r in distinct):
-        ledger = replace(
-            ledger,
+        ledger = worst_rank_ledger(
+            [(i, r.ledger) for i, r in distinct],  # type: ignore[misc]
             world_size=spec.world_size,
             strategy=strategy,
-            worst_rank=ids[0],
-            ranks=[(i, r.ledger) for i, r in distinct],  # type: ignore[misc]
-            notes=[*ledger.notes, note],
         )
+        ledger = replace(ledger, notes=[*ledger.notes, note])
     return replace(
         worst,
         ledger=ledger,

@@ -18,7 +18,7 @@ from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.units import format_bytes
 from vramledger.inputs.verdict import verdict
 from vramledger.inputs.version import __version__
-from vramledger.ledger.ledger import Ledger, build_ledger
+from vramledger.ledger.ledger import Ledger, build_ledger, worst_rank_ledger
 from vramledger.parallel.deepspeed_engine import DeepSpeedZero, deepspeed_config
 from vramledger.parallel.deepspeed_layout import REDUCE_BUCKET_ELEMENTS
 from vramledger.parallel.deepspeed_layout import rank_groups as deepspeed_rank_groups
@@ -72,13 +72,9 @@ def estimate(
         )
         for r in groups
     ]
-    ranks, worst = max(ledgers, key=lambda item: item[1].allocated_peak_bytes)
+    worst = worst_rank_ledger(ledgers, world_size=spec.world_size, strategy=spec.strategy or "none")
     return replace(
         worst,
-        world_size=spec.world_size,
-        strategy=spec.strategy or "none",
-        worst_rank=ranks[0],
-        ranks=ledgers,
         warnings=warnings,
         verdict=verdict(gpu, worst.reserved_peak_bytes, spec.margin_bytes) if gpu else None,
     )

@@ -248,7 +248,7 @@ def front_svg(p: Plan) -> str:
         label = (
             f"{cfg.optimizer}, {cfg.strategy}, {cfg.gpus} GPUs"
             + (", checkpointing" if cfg.checkpointing else "")
-            + (f", offload {cfg.offload}" if cfg.offload != "none" else "")
+            + (f", offload {cfg.offload}" if cfg.parallelism.offloads else "")
             + f": {format_bytes(c.peak_bytes_per_gpu)}"
             + (" (derived)" if c.method == DERIVED else "")
         )

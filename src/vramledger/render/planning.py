@@ -49,7 +49,7 @@ def _configuration(c: Candidate) -> str:
     )
     if cfg.checkpointing:
         parts.append("checkpointing")
-    if cfg.offload != "none":
+    if cfg.parallelism.offloads:
         parts.append(f"offload {cfg.offload}")
     return ", ".join(parts)
 

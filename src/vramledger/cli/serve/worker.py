@@ -174,7 +174,7 @@ def main(argv: list[str]) -> int:
         import transformers  # noqa: F401
 
         from vramledger.plan import advise, fit, search  # noqa: F401
-        from vramledger.predict.step import step as predict  # noqa: F401
+        from vramledger.predict import step  # noqa: F401
         from vramledger.render import html  # noqa: F401
 
         if "--no-warm-up" not in argv:
