@@ -61,6 +61,15 @@ def test_every_spec_field_is_in_the_key_or_excluded_with_a_reason():
     assert set(key["spec"]) == names - set(trace_cache.NOT_IN_KEY)
 
 
+def test_the_answer_caches_gpu_options_are_the_fields_not_in_the_trace_key():
+    """The answer cache keeps its own list (it answers before torch is imported, and the trace
+    cache's module imports it): the options of exactly the fields a trace does not read."""
+    from vramledger import answer_cache
+
+    flags = tuple(f"--{name.replace('_', '-')}" for name in trace_cache.NOT_IN_KEY)
+    assert sorted(answer_cache.GPU_OPTIONS) == sorted(flags)
+
+
 TRACE_CHANGES = {
     "task": "causal-lm",
     "batch_size": 3,

@@ -370,6 +370,18 @@ def _keep_for_other_gpus(
         pass
 
 
+def _answered(text: str, source: str) -> int:
+    """Write an answer the cache gave; on a terminal, say on standard error where it came from."""
+    sys.stdout.write(text)
+    sys.stdout.flush()
+    if sys.stderr.isatty():
+        print(
+            f"vramledger: answered from the cache ({source}; {NO_CACHE} recomputes it)",
+            file=sys.stderr,
+        )
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The ``vramledger`` command: a stored answer to this question, else ``cli.main``'s."""
     start = time.perf_counter()
@@ -378,26 +390,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     if key is not None:
         stored = ANSWERS.get(key)
         if stored is not None:
-            sys.stdout.write(replayed(stored, time.perf_counter() - start))
-            sys.stdout.flush()
-            if sys.stderr.isatty():
-                print(
-                    "vramledger: answered from the cache (the earlier run's answer; "
-                    f"{NO_CACHE} recomputes it)",
-                    file=sys.stderr,
-                )
-            return 0
+            return _answered(
+                replayed(stored, time.perf_counter() - start), "the earlier run's answer"
+            )
         text = derived(args, start)
         if text is not None:
-            sys.stdout.write(text)
-            sys.stdout.flush()
-            if sys.stderr.isatty():
-                print(
-                    "vramledger: answered from the cache (an earlier answer's ledger for "
-                    f"another GPU or margin; {NO_CACHE} recomputes it)",
-                    file=sys.stderr,
-                )
-            return 0
+            return _answered(text, "an earlier answer's ledger for another GPU or margin")
     from vramledger.cli import main as cli_main
 
     if key is None:

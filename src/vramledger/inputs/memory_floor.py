@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.gpus import CATALOGUE, Gpu
-from vramledger.inputs.recipe import Recipe, resolve
+from vramledger.inputs.recipe import Recipe, count_parameters, resolve
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.units import format_bytes
 
@@ -60,11 +60,12 @@ def memory_floor(spec: TrainingSpec) -> MemoryFloor:
     """The floor of ``spec``'s step, its launch config files already applied
     (``launch_configs.apply_configs``)."""
     recipe = resolve(spec)
-    params = list(recipe.build_model("meta").parameters())  # tied parameters once
+    model = recipe.build_model("meta")
     on_host = spec.offload in HOST_PARAMETERS
     return MemoryFloor(
-        parameters=sum(p.numel() for p in params),
-        parameter_bytes=0 if on_host else sum(p.nbytes for p in params),
+        parameters=count_parameters(model)[0],
+        # tied parameters once (Module.parameters() yields a shared one once)
+        parameter_bytes=0 if on_host else sum(p.nbytes for p in model.parameters()),
         input_bytes=_input_bytes(recipe) if spec.inputs is None else 0,
     )
 

@@ -34,9 +34,6 @@ from vramledger.inputs.gpus import (
 from vramledger.inputs.verdict import DEFAULT_MARGIN, verdict
 from vramledger.ledger.ledger import Ledger
 
-GPU_FIELDS = ("gpu", "gpu_memory", "margin")
-"""The TrainingSpec fields a trace does not read (``trace/core/cache.py``'s ``NOT_IN_KEY``)."""
-
 
 class _Unlike(Exception):
     """The ledger does not hold the GPU's notes or warnings where estimate puts them."""
