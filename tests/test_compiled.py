@@ -127,8 +127,8 @@ def _real(case: str) -> tuple[list[int], float]:
     """Per-step peaks of the plain compiled run of ``case``, and its seconds: in a fresh
     interpreter, as a user's program runs. In the suite's own process the count depends on what
     Dynamo compiled before it (the compiled tiny Llama's plain run counted 2,514,208 bytes there
-    once, 2,220,380 alone; with ``torch._dynamo.reset()`` first, the compiled stack's 48,539,600
-    against its 56,956,936 in a fresh process)."""
+    once, 2,220,380 alone; with ``torch._dynamo.reset()`` before it, the compiled stack's counted
+    48,539,600 where a fresh interpreter counts 56,957,104, and the estimate 56,956,936)."""
     start = time.perf_counter()
     code = f"import json; from tests.test_compiled import plain_peaks; print(json.dumps(plain_peaks({case!r})))"
     done = subprocess.run(
