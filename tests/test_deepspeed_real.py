@@ -20,6 +20,7 @@ from vramledger.inputs.categories import Phase
 from vramledger.measure import cpu_allocator_count
 from vramledger.measure.deepspeed import measure_deepspeed
 from vramledger.measure.local import run_on_local_gloo
+from vramledger.predict.step import rank_ledger
 
 from .conftest import fixture
 from .gloo_noise import (
@@ -129,19 +130,22 @@ def test_deepspeed_per_rank_prediction_matches_real_processes(world, tmp_path):
         traced = {ids[0] for ids, _ in predicted.ranks}
         for rank, (_, counted, phases) in real[case].items():
             ledger = per_rank[rank]
+            if rank not in traced:  # its group's first rank's ledger is its bound from above;
+                # traced as itself, it is exact (4 ranks: ds-stage1's rank 3 37,184 B and
+                # ds-stage2's rank 0 37,188 B in backward below their bounds; zero1/zero2 equal)
+                bound, ledger = ledger, rank_ledger(_spec(case, world, configs), rank=rank)
+                assert ledger.peak_bytes <= bound.peak_bytes, (case, rank)
+                assert all(ledger.phases[p] <= bound.phases[p] for p in PHASES), (case, rank)
             reduction = deepspeed_reduction_bytes(ledger, BUCKET_ELEMENTS[case])
             below, above = late_free_window(EXACT_BYTES, reduction)
 
             def close(want: int, got: int, below: int = below, above: int = above) -> bool:
                 return -below <= got - want <= above
 
-            if rank in traced:
-                assert close(ledger.peak_bytes, counted), (case, rank, ledger.peak_bytes, counted)
-                for phase in PHASES:
-                    got = phases[phase.value]
-                    assert close(ledger.phases[phase], got), (case, rank, phase, got)
-            else:  # the others share their group's first rank's ledger: a bound
-                assert counted <= ledger.peak_bytes + above, (case, rank, counted)
+            assert close(ledger.peak_bytes, counted), (case, rank, ledger.peak_bytes, counted)
+            for phase in PHASES:
+                got = phases[phase.value]
+                assert close(ledger.phases[phase], got), (case, rank, phase, got)
     # the ranks differ, and each is predicted as itself: in the optimizer step, where the
     # partitions' gradients are (the peak itself may be a CPU kernel's scratch, the same on all)
     step = {phases[Phase.OPTIMIZER.value] for _, _, phases in real["ds-stage2"].values()}

@@ -33,7 +33,7 @@ from vramledger.trace.core.fake import trace
 from vramledger.trace.core.values import CONCRETE_ROUTINGS
 from vramledger.trace.emulation.target_policy import policy_for
 
-__all__ = ["as_spec", "estimate", "policy_for", "rank_groups"]
+__all__ = ["as_spec", "estimate", "policy_for", "rank_groups", "rank_ledger"]
 
 
 def as_spec(spec: TrainingSpec | None, fields: dict[str, Any]) -> TrainingSpec:
@@ -78,6 +78,16 @@ def estimate(
         warnings=warnings,
         verdict=verdict(gpu, worst.reserved_peak_bytes, spec.margin_bytes) if gpu else None,
     )
+
+
+def rank_ledger(spec: TrainingSpec | None = None, /, *, rank: int, **fields: Any) -> Ledger:
+    """Rank ``rank``'s own ledger, traced as itself. ``estimate`` traces the first rank of each
+    group of :func:`rank_groups` and gives the others its ledger, a bound from above under
+    ZeRO-1/2 (``deepspeed_layout.rank_groups``); this is the rank's exact one."""
+    spec, notes = apply_configs(as_spec(spec, fields))
+    if not 0 <= rank < spec.world_size:
+        raise ValueError(f"rank {rank} is not one of the {spec.world_size} ranks")
+    return replace(_estimate_rank(spec, rank, notes), mesh_coords=mesh_coords(rank, spec))
 
 
 def rank_groups(spec: TrainingSpec) -> list[list[int]]:
