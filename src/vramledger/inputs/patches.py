@@ -935,7 +935,7 @@ PATCHES: tuple[Patch, ...] = (
         reason="as _random's, where _api imports the name",
         package="torch",
         required=False,
-        note="torch 2.13's _api does not define it; set anyway, and left set after",
+        note="torch 2.13's _api does not define it; set anyway, and removed after",
     ),
     Patch(
         target="transformers.distributed.expert_parallel.all_to_all_single",

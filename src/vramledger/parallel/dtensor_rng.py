@@ -48,3 +48,5 @@ def host_rng_on_emulated_mesh() -> Iterator[None]:
         for owner, function in saved:
             if function is not None:
                 owner.is_rng_supported_mesh = function
+            else:  # the name was not there (``_api`` of torch 2.13 has none): not left behind
+                del owner.is_rng_supported_mesh
