@@ -168,18 +168,31 @@ class RankEngine:
         allocated when DDP wraps the model (``gradient_as_bucket_view=False``, the default)."""
         if not self.parallelism.is_ddp:
             return
-        params = [p for p in model.parameters() if p.requires_grad]
-        for dtype in dict.fromkeys(p.dtype for p in params):
-            group = [p for p in params if p.dtype is dtype]
-            for bucket in ddp_buckets(group):
-                numel = sum(group[i].numel() for i in bucket)
-                buffer = torch.empty(numel, dtype=dtype)
-                self.keep.append(buffer)
-                track([buffer], Category.GRADIENT_BUCKETS)
+        buffers = ddp_bucket_buffers([p for p in model.parameters() if p.requires_grad])
+        self.keep.extend(buffers)
+        track(buffers, Category.GRADIENT_BUCKETS)
         self.notes.append(
             f"{self.strategy}: DDP gradient buckets from DDP's own bucket assignment "
             "(dist._compute_bucket_assignment_by_size); its reducer cannot run on fake tensors"
         )
+
+
+def ddp_bucket_buffers(
+    params: list[torch.Tensor],
+    caps: tuple[int, int] = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES),
+) -> list[torch.Tensor]:
+    """DDP's gradient buckets for ``params`` (its trainable parameters, or their local pieces):
+    one flat buffer per bucket of its own assignment (:func:`ddp_buckets`) and dtype, made like
+    the parameters (fake when they are), as its reducer allocates them when it wraps the model
+    (``gradient_as_bucket_view=False``, the default). The estimate's engines and a program's
+    ``DDP(...)`` (``program_world.py``) make them here."""
+    out = []
+    for dtype in dict.fromkeys(p.dtype for p in params):
+        group = [p for p in params if p.dtype is dtype]
+        for bucket in ddp_buckets(group, caps):
+            numel = sum(group[i].numel() for i in bucket)
+            out.append(group[bucket[0]].detach().new_empty(numel))
+    return out
 
 
 def ddp_buckets(

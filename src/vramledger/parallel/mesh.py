@@ -37,7 +37,12 @@ from vramledger.inputs.recipe import Recipe, resolve
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.training import assemble
 from vramledger.parallel.context import check_context_parallel, context_parallel_step
-from vramledger.parallel.engines import FSDP_OP_CATEGORIES, DataParallel, adapt_recipe, ddp_buckets
+from vramledger.parallel.engines import (
+    FSDP_OP_CATEGORIES,
+    DataParallel,
+    adapt_recipe,
+    ddp_bucket_buffers,
+)
 from vramledger.parallel.experts import apply_expert_parallel, symmetric_count_exchange
 from vramledger.parallel.fake_group import fake_process_group
 from vramledger.parallel.fsdp_units import apply_fully_shard, mixed_precision_policy
@@ -345,7 +350,6 @@ class MeshRankEngine:
         spec = self.spec
         if not spec.parallelism.is_ddp or spec.dp_degree * spec.cp == 1:
             return
-        import torch
         from torch.distributed.tensor import DTensor
 
         params = [
@@ -353,12 +357,9 @@ class MeshRankEngine:
             for p in model.parameters()
             if p.requires_grad
         ]
-        for dtype in dict.fromkeys(p.dtype for p in params):
-            group = [p for p in params if p.dtype is dtype]
-            for bucket in ddp_buckets(group):
-                buffer = torch.empty(sum(group[i].numel() for i in bucket), dtype=dtype)
-                self.keep.append(buffer)
-                track([buffer], Category.GRADIENT_BUCKETS)
+        buffers = ddp_bucket_buffers(params)
+        self.keep.extend(buffers)
+        track(buffers, Category.GRADIENT_BUCKETS)
         self.notes.append(
             f"ddp over {spec.dp_degree * spec.cp} ranks: DDP gradient buckets of this rank's "
             "local parameter pieces, from DDP's own bucket assignment"

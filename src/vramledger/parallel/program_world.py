@@ -11,7 +11,7 @@ What the program's own distributed code meets:
   it either, ``engines.RankEngine.add_buckets``). While the program runs, ``DDP(model, ...)``
   builds DDP's wrapper without the reducer: the same class (``isinstance`` holds), ``.module``,
   ``no_sync()``, a forward that calls the module, and the gradient buckets of DDP's own bucket
-  assignment (``engines.ddp_buckets``, ``bucket_cap_mb`` honoured), fake, tagged
+  assignment (``engines.ddp_bucket_buffers``, ``bucket_cap_mb`` honoured), fake, tagged
   ``gradient_buckets``. The all-reduce adds no memory: DDP copies each gradient into its bucket,
   reduces the bucket in place and copies it back.
 - **FSDP2** (``fully_shard``) runs as it is, on the fake process group, as in the estimate. On a
@@ -40,12 +40,7 @@ from torch.utils._pytree import tree_map_only
 from vramledger.inputs.categories import Category
 from vramledger.inputs.torchrun_env import TorchrunRank, as_rank
 from vramledger.parallel.dtensor_rng import host_rng_on_emulated_mesh
-from vramledger.parallel.engines import (
-    DDP_BUCKET_CAP_BYTES,
-    DDP_FIRST_BUCKET_BYTES,
-    FSDP_OP_CATEGORIES,
-    ddp_buckets,
-)
+from vramledger.parallel.engines import FSDP_OP_CATEGORIES, ddp_bucket_buffers
 from vramledger.parallel.fake_group import fake_process_group
 from vramledger.parallel.program_deepspeed import program_deepspeed
 from vramledger.parallel.program_pipeline import StageMail, program_pipelines
@@ -235,18 +230,10 @@ class ProgramWorld:
 
 
 def _buckets(module: nn.Module, bucket_cap_mb: float | None) -> list[torch.Tensor]:
-    """DDP's gradient buckets for ``module``'s trainable parameters: one flat buffer per bucket
-    and dtype, made like the parameters (fake when they are). A ``bucket_cap_mb`` given caps
-    the first bucket too (``_BucketConfig`` in torch/nn/parallel/distributed.py)."""
-    if bucket_cap_mb is None:
-        caps = (DDP_FIRST_BUCKET_BYTES, DDP_BUCKET_CAP_BYTES)
-    else:
-        caps = (int(bucket_cap_mb * MIB),) * 2
+    """DDP's gradient buckets for ``module``'s trainable parameters
+    (``engines.ddp_bucket_buffers``). A ``bucket_cap_mb`` given caps the first bucket too
+    (``_BucketConfig`` in torch/nn/parallel/distributed.py)."""
     params = [p for p in module.parameters() if p.requires_grad]
-    out = []
-    for dtype in dict.fromkeys(p.dtype for p in params):
-        group = [p for p in params if p.dtype is dtype]
-        for bucket in ddp_buckets(group, caps):
-            numel = sum(group[i].numel() for i in bucket)
-            out.append(group[bucket[0]].detach().new_empty(numel))
-    return out
+    if bucket_cap_mb is None:
+        return ddp_bucket_buffers(params)
+    return ddp_bucket_buffers(params, (int(bucket_cap_mb * MIB),) * 2)
