@@ -23,6 +23,7 @@ import torch
 
 from vramledger import TrainingSpec, estimate
 from vramledger.predict.step import policy_for
+from vramledger.trace.compile.compiled import EAGER
 from vramledger.trace.core.blocks import same_timeline
 from vramledger.trace.core.fake import trace
 
@@ -168,6 +169,8 @@ def test_compiled_mlp_block_matches_plain_compiled_run():
     assert _within(ledger.first_step_peak_bytes, first), (ledger.first_step_peak_bytes, first)
     eager = estimate(model=f"{COMPILED_PY}:Block", **BLOCK)
     assert eager.peak_bytes > 1.5 * steady
+    # each answer says which it is, from what its trace ran
+    assert EAGER in eager.notes and EAGER not in ledger.notes, (eager.notes, ledger.notes)
 
 
 @pytest.mark.slow

@@ -437,5 +437,9 @@ def _smallest(sizer: _Sizer, maximize: str, seq_step: int) -> NoFit:
 
 def _states_a_kernel(note: str) -> bool:
     """A confirming estimate's note on a kernel it assumed (attention path and kernel, fused
-    kernels): each answer says which it rests on."""
-    return note.startswith("attention") or " ran as " in note or "fused" in note
+    kernels, compiled regions or eager): each answer says which it rests on."""
+    return (
+        note.startswith(("attention", "eager:", "compiled region"))
+        or " ran as " in note
+        or "fused" in note
+    )

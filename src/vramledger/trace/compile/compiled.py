@@ -73,6 +73,12 @@ CUDA_CAVEAT = (
     "buffer plan stands in for the CUDA kernels' (Triton may fuse a reduction with its epilogue "
     "and keep fewer full-size buffers: not measured on a GPU)"
 )
+EAGER = (
+    "eager: no torch.compile region was called in the traced steps (no compiled module, "
+    "function or library region), so every operator is counted as eager PyTorch runs it"
+)
+"""Said where a trace called no compiled region: the answer's other half of "compiled or
+eager", from what the trace ran."""
 
 
 class RegionNotModelled(Exception):
@@ -102,7 +108,7 @@ class RegionLog:
                 out.append(CUDA_CAVEAT)
         for name, why in self.eager.items():
             out.append(f"compiled region {name} could not be modelled, traced eagerly: {why}")
-        return out
+        return out or [EAGER]
 
 
 def _copy(fn: Callable[..., Any]) -> Callable[..., Any]:
