@@ -16,8 +16,8 @@ on a fake process group and say what it made:
 1. its checks that every rank sees rank 0's order of parameters (a broadcast of a few int64s)
    answer with the rank's own list (:func:`rank0_lists_own`);
 2. each module's gathered parameters are told to the trace as ``all_gather_buffers``, as
-   FSDP2's gathered units are (:func:`gathers_tagged`; persistent parameters, whole from the
-   start, keep their category).
+   FSDP2's gathered units are (:func:`gathers_tagged`; persistent parameters, whole on every
+   rank from the set-up on, are among them once their module is fetched).
 
 Categories (``deepspeed_engine.tag_optimizer_buffers``): the flat half-precision shard
 ``sharded_parameters``, the fp32 partitions ``master_weights``, the flat gradient slices
@@ -85,11 +85,7 @@ def gathers_tagged(register: Register) -> Iterator[None]:
 
     def fetched(coordinator: Any, module: Any, *args: Any, **kwargs: Any) -> None:
         fetch(coordinator, module, *args, **kwargs)
-        gathered = [
-            p.data
-            for p in iter_params(module, recurse=True)
-            if p.data.numel() and not getattr(p, "ds_persist", False)  # persistent: never gathered
-        ]
+        gathered = [p.data for p in iter_params(module, recurse=True) if p.data.numel()]
         register(gathered, Category.ALL_GATHER_BUFFERS)
 
     with mock.patch.object(PartitionedParameterCoordinator, "fetch_sub_module", fetched):
