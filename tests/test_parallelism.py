@@ -197,3 +197,26 @@ def test_no_module_compares_a_strategy_with_a_name():
             if any(_mentions_strategy(s) for s in sides) and any(_names(s) for s in sides):
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "ask spec.parallelism (parallelism.py) instead:\n" + "\n".join(found)
+
+
+def test_zero3_estimate_runs_deepspeeds_stage3_and_says_so():
+    """``estimate --strategy zero3`` traces DeepSpeed's ZeRO-3 engine (its flat bf16 shard, fp32
+    partition, gradient slices), one rank standing for both; ``fsdp`` is FSDP2; the JSON's
+    ``engine`` says which, beside the unchanged ``strategy``."""
+    pytest.importorskip("deepspeed")
+    from vramledger import estimate
+
+    from .conftest import fixture
+
+    fields = dict(model=fixture("tiny-llama.json"), seq_len=32, world_size=2, target="cpu")
+    zero3 = estimate(strategy="zero3", precision="bf16-master", **fields).to_dict()
+    assert (zero3["strategy"], zero3["engine"]) == ("zero3", "deepspeed")
+    assert any("DeepSpeedZeroOptimizer_Stage3" in note for note in zero3["notes"])
+    assert [r["rank_ids"] for r in zero3["ranks"]] == [[0, 1]]
+    at_peak = zero3["at_peak"]
+    assert at_peak["parameters"] == 0
+    assert at_peak["master_weights"] == 2 * at_peak["sharded_parameters"] > 0
+    assert at_peak["sharded_gradients"] > 0
+    fsdp = estimate(strategy="fsdp", **fields).to_dict()
+    assert (fsdp["strategy"], fsdp["engine"]) == ("fsdp", "fsdp2")
+    assert not any("DeepSpeed" in note for note in fsdp["notes"])
