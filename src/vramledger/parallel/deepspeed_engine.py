@@ -333,7 +333,8 @@ def tag_optimizer_buffers(
     trainable parameters of their group (``STANDS_FOR``), as are ``FP16_Optimizer``'s and
     ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer``
     keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3 keeps
-    the rank's flat shard of the bf16 parameters and of the gradients."""
+    the rank's flat shard of the bf16 parameters and of the gradients, and its reduce bucket
+    (one per communication dtype, made at set-up with ``contiguous_gradients``)."""
     name = type(zero).__name__
     if name == "DeepSpeedZeroOptimizer":
         masters, groups = zero.single_partition_of_fp32_groups, zero.bit16_groups
