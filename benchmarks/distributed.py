@@ -6,13 +6,13 @@ and how estimates scale.
 
 Llama-2-7B shape (32 layers, hidden 4096), batch 1 x 4096, bf16-master AdamW with activation
 checkpointing, target cuda, 8 ranks: per-rank GPU bytes by category (worst rank), host bytes
-for offload, and the time each estimate took (zero1/zero2 run DeepSpeed's own engine,
-zero1-torch PyTorch's ZeroRedundancyOptimizer). Then the ZeRO paper's Figure 1 (a GPT-style
+for offload, and the time each estimate took (zero1/zero2/zero3 run DeepSpeed's own engine,
+fsdp FSDP2, zero1-torch PyTorch's ZeroRedundancyOptimizer). Then the ZeRO paper's Figure 1 (a GPT-style
 7.5B config, mixed-precision Adam, 64 GPUs): the worst and best rank's model states against
 the paper's per-GPU figures. Then a Llama-3-70B-shaped model on 1 and 1024 ranks (FSDP) to show
 that ranks are not simulated one by one. ``--verify`` compares each rank's prediction with real
 multi-process runs of DDP, ZeroRedundancyOptimizer and FSDP2 (tests/test_distributed_real.py)
-and of DeepSpeed ZeRO-1/2 (tests/test_deepspeed_real.py: the CPU allocator's own count).
+and of DeepSpeed ZeRO-1/2/3 (tests/test_deepspeed_real.py: the CPU allocator's own count).
 Results go to benchmarks/results/distributed-<date>-<host>.json (``--out``); ``--compare`` an
 earlier one (``benchkit/compare.py``).
 """
@@ -58,8 +58,8 @@ CASES = [
     ("zero3", "none"),
     ("fsdp", "none"),
     ("zero2", "optimizer"),
-    ("zero3", "optimizer"),
-    ("zero3", "both"),
+    ("fsdp", "optimizer"),
+    ("fsdp", "both"),
 ]
 SHOWN = [
     Category.PARAMETERS,
@@ -85,6 +85,7 @@ PAPER_BYTES_PER_PARAM = {
     "zero1": 2 + 2 + K / 64,
     "zero2": 2 + (2 + K) / 64,
     "zero3": (2 + 2 + K) / 64,
+    "fsdp": (2 + 2 + K) / 64,
 }
 """ZeRO (Rajbhandari et al. 2020), Figure 1: model states per GPU, bytes per parameter."""
 

@@ -86,8 +86,8 @@ VERIFIED_CASES = {
         **llama_run(dp_shard=2, tp=4),
         "model": {**deep("tiny-llama.json"), "num_key_value_heads": 4},
     },
-    "llama-zero3-3-ranks-offload-optimizer": llama_run(
-        world_size=3, strategy="zero3", offload="optimizer"
+    "llama-fsdp-3-ranks-offload-optimizer": llama_run(
+        world_size=3, strategy="fsdp", offload="optimizer"
     ),
 }
 

@@ -18,6 +18,7 @@ PAPER_BYTES_PER_PARAM = {
     "zero1": 2 + 2 + K / 64,
     "zero2": 2 + (2 + K) / 64,
     "zero3": (2 + 2 + K) / 64,
+    "fsdp": (2 + 2 + K) / 64,
 }
 """Rajbhandari et al., ZeRO (2020), Figure 1: model states per GPU of a Ψ = 7.5B model with
 mixed-precision Adam on 64 GPUs — (2 + 2 + K)Ψ, (2 + 2 + K/N)Ψ, (2 + (2 + K)/N)Ψ,
@@ -169,7 +170,7 @@ def test_zero3_optimizer_offload_keeps_half_precision_shards_on_the_gpu():
         model=fixture("tiny-llama.json"),
         seq_len=32,
         world_size=4,
-        strategy="zero3",
+        strategy="fsdp",
         precision="bf16-master",
     )
     plain, offloaded = estimate(**base), estimate(offload="optimizer", **base)
@@ -184,7 +185,7 @@ def test_zero3_optimizer_offload_keeps_half_precision_shards_on_the_gpu():
 
 def test_one_trace_serves_all_symmetric_ranks():
     ledger = estimate(
-        model=fixture("tiny-llama.json"), seq_len=32, world_size=1024, strategy="zero3"
+        model=fixture("tiny-llama.json"), seq_len=32, world_size=1024, strategy="fsdp"
     )
     assert len(ledger.ranks) == 1 and len(ledger.ranks[0][0]) == 1024
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.parallelism import STRATEGIES, Parallelism
+from vramledger.inputs.parallelism import STRATEGIES, Parallelism, engine_of
 from vramledger.inputs.spec import TrainingSpec
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "vramledger"
@@ -21,7 +21,7 @@ EXPECTED = {
     "ddp": (False, True, False, False, None, False, False, False, False),
     "zero1": (False, False, False, True, 1, False, False, False, True),
     "zero2": (False, False, False, True, 2, False, False, True, True),
-    "zero3": (False, False, True, False, None, False, True, True, True),
+    "zero3": (False, False, False, True, 3, False, True, True, True),
     "fsdp": (False, False, True, False, None, False, True, True, True),
     "zero1-torch": (False, True, False, False, None, True, False, False, True),
     "zero0": (False, False, False, True, 0, False, False, False, False),
@@ -47,18 +47,20 @@ def test_properties(strategy):
     assert p.deepspeed_stage == stage
     assert p.is_zero_redundancy is zero_redundancy
     assert p.shards_params is params
-    assert p.dp_shard_enabled is params
+    assert p.dp_shard_enabled is fsdp  # FSDP2's mesh axis, not DeepSpeed ZeRO-3's partition
     assert p.shards_grads is grads
     assert p.shards_optimizer_state is optimizer
     # ZeRO-1/2 and ZeroRedundancyOptimizer split the optimizer while parameters stay whole
     assert p.partitions_optimizer is (optimizer and not params)
-    assert p.is_deepspeed_zero is (deepspeed and p.partitions_optimizer)
+    assert p.is_deepspeed_zero is (deepspeed and stage != 0)
+    assert p.is_deepspeed_zero3 is (stage == 3)
     # a split model is modelled under DDP and FSDP2 only, not under DeepSpeed's engine
     assert p.models_split_model is not (p.partitions_optimizer or deepspeed)
     # identical blocks extend where a rank's blocks are alike and no DeepSpeed engine runs
     assert p.extends_blocks is not (p.partitions_optimizer or deepspeed)
-    # only DeepSpeed's flat partition makes the derived events depend on the rank
-    assert p.rank_independent is not p.is_deepspeed_zero
+    # only DeepSpeed ZeRO-1/2's flat partition makes the events depend on the rank (ZeRO-3
+    # slices each parameter evenly)
+    assert p.rank_independent is not (p.is_deepspeed_zero and not params)
     # the advice's ladder: ddp (or DeepSpeed without ZeRO) -> zero1 -> zero2, and ZeRO-3 after
     assert p.next_deepspeed_strategy == {"ddp": "zero1", "zero0": "zero1", "zero1": "zero2"}.get(
         strategy
@@ -66,6 +68,34 @@ def test_properties(strategy):
     assert p.upgrades_to_zero3 is (strategy in ("ddp", "zero0", "zero1", "zero2"))
     # exactly one engine runs each data-parallel strategy
     assert single or [ddp, fsdp, deepspeed].count(True) == 1
+    assert p.engine == ENGINES[strategy] == engine_of(strategy)
+
+
+ENGINES = {
+    "none": "none",
+    "ddp": "ddp",
+    "zero0": "deepspeed",
+    "zero1": "deepspeed",
+    "zero2": "deepspeed",
+    "zero3": "deepspeed",
+    "fsdp": "fsdp2",
+    "zero1-torch": "zero-redundancy-optimizer",
+}
+"""The JSON ``engine`` of each strategy: one vocabulary, zero0..zero3 DeepSpeed's, fsdp FSDP2's."""
+
+
+def test_a_programs_strategies_name_their_data_parallel_engine():
+    """``run``'s strategy joins what the program set up; tensor and pipeline parallelism are no
+    data-parallel engine."""
+    assert engine_of("tp+fsdp") == "fsdp2"
+    assert engine_of("pp+zero3") == "deepspeed"
+    assert engine_of("tp") == engine_of("none") == "none"
+
+
+def test_zero3_with_a_split_model_is_refused_naming_fsdp():
+    with pytest.raises(InputError, match="not modelled") as info:
+        TrainingSpec(model="m", world_size=4, tp=2, strategy="zero3")
+    assert "fsdp" in str(info.value.hint)
 
 
 def test_none_reads_as_one_rank():
@@ -167,3 +197,26 @@ def test_no_module_compares_a_strategy_with_a_name():
             if any(_mentions_strategy(s) for s in sides) and any(_names(s) for s in sides):
                 found.append(f"{where}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "ask spec.parallelism (parallelism.py) instead:\n" + "\n".join(found)
+
+
+def test_zero3_estimate_runs_deepspeeds_stage3_and_says_so():
+    """``estimate --strategy zero3`` traces DeepSpeed's ZeRO-3 engine (its flat bf16 shard, fp32
+    partition, gradient slices), one rank standing for both; ``fsdp`` is FSDP2; the JSON's
+    ``engine`` says which, beside the unchanged ``strategy``."""
+    pytest.importorskip("deepspeed")
+    from vramledger import estimate
+
+    from .conftest import fixture
+
+    fields = dict(model=fixture("tiny-llama.json"), seq_len=32, world_size=2, target="cpu")
+    zero3 = estimate(strategy="zero3", precision="bf16-master", **fields).to_dict()
+    assert (zero3["strategy"], zero3["engine"]) == ("zero3", "deepspeed")
+    assert any("DeepSpeedZeroOptimizer_Stage3" in note for note in zero3["notes"])
+    assert [r["rank_ids"] for r in zero3["ranks"]] == [[0, 1]]
+    at_peak = zero3["at_peak"]
+    assert at_peak["parameters"] == 0
+    assert at_peak["master_weights"] == 2 * at_peak["sharded_parameters"] > 0
+    assert at_peak["sharded_gradients"] > 0
+    fsdp = estimate(strategy="fsdp", **fields).to_dict()
+    assert (fsdp["strategy"], fsdp["engine"]) == ("fsdp", "fsdp2")
+    assert not any("DeepSpeed" in note for note in fsdp["notes"])

@@ -135,7 +135,7 @@ DERIVED_ZERO12_BYTES = 20
 transients the derivation models in size only. On 2026-12-02: -16 (zero1), -20 (zero2), -12
 (zero2 with optimizer offload) bytes; a fake trace counts the same bytes every time."""
 DERIVED_ZERO3_BYTES = 4_426_624
-"""ZeRO-3/FSDP2's derived rank against FSDP2 on a fake process group: the derivation's working
+"""FSDP2's derived rank (``fsdp``) against FSDP2 on a fake process group: the derivation's working
 set (the root unit, two blocks gathered, one block's fp32 gradients reduce-scattered) ignores
 shard padding and when exactly FSDP2 gathers and frees (``plan/derive.py``). On 2026-12-02 it is
 4,426,624 bytes above the engine on this config, with and without offload (+3.8 %, +4.5 %); the
@@ -149,8 +149,8 @@ planner re-estimates every configuration it answers with."""
         ("zero1", "none", 2, DERIVED_ZERO12_BYTES),
         ("zero2", "none", 2, DERIVED_ZERO12_BYTES),
         ("zero2", "optimizer", 2, DERIVED_ZERO12_BYTES),
-        ("zero3", "none", 4, DERIVED_ZERO3_BYTES),
-        ("zero3", "optimizer", 4, DERIVED_ZERO3_BYTES),
+        ("fsdp", "none", 4, DERIVED_ZERO3_BYTES),
+        ("fsdp", "optimizer", 4, DERIVED_ZERO3_BYTES),
     ],
 )
 def test_derived_rank_peak_is_close_to_the_real_engines(strategy, offload, gpus, bound):
@@ -210,15 +210,15 @@ def test_advise_first_fitting_change_really_fits(short_mib):
 
 @pytest.mark.slow
 def test_advise_more_gpus_is_the_fewest_that_fit():
-    """More GPUs is an answer too: the fewest that fit with ZeRO-3, and one fewer does not."""
+    """More GPUs is an answer too: the fewest that fit with FSDP2, and one fewer does not."""
     spec = replace(SMALL, optimizer="adamw")
     peak = estimate(spec).reserved_peak_bytes
     advice = advise(spec, resolve_gpu(memory=peak * 3 // 4), margin=0)
-    more = next(c for c in advice.changes if c.name.endswith("GPUs with ZeRO-3 / FSDP"))
+    more = next(c for c in advice.changes if c.name.endswith("GPUs with FSDP"))
     n = more.fields["world_size"]
     assert more.fits and more.peak_bytes <= advice.budget_bytes
     if n > 2:
-        fewer = estimate(replace(spec, world_size=n - 1, strategy="zero3"))
+        fewer = estimate(replace(spec, world_size=n - 1, strategy="fsdp"))
         assert fewer.reserved_peak_bytes > advice.budget_bytes
 
 
@@ -361,7 +361,7 @@ def test_plan_layouts_are_what_estimate_says():
         spec, gpu, optimizers=["adamw"], margin=0, max_gpus=16, checkpointing=(False,),
         offloads=("none",), gpus_per_node=4, workers=1, tp_degrees=(2, 4),
     )  # fmt: skip
-    assert result.fewest_gpus["adamw"].configuration.gpus == 3  # ZeRO-3
+    assert result.fewest_gpus["adamw"].configuration.gpus == 3  # FSDP2
     layouts = result.layouts["adamw"]
     assert [(r.layout.tp, r.layout.dp, r.fits) for r in layouts] == [
         (2, 1, True),
@@ -428,7 +428,7 @@ def test_runner_reuses_a_verified_block_extension_across_degrees_and_offload():
         assert values[key] == (ledger.reserved_peak_bytes, ledger.host_bytes), key
 
 
-@pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "zero2", "zero3", "zero1-torch"])
+@pytest.mark.parametrize("strategy", ["none", "ddp", "zero1", "zero2", "fsdp", "zero1-torch"])
 def test_steady_peaks_equal_the_replay_on_derived_timelines(strategy):
     """The search's one-pass peaks (``replay.steady_tensor_peak``, ``replay.steady_peaks``) are
     the full replays': tensor bytes, the allocator's allocated and reserved bytes, and the host

@@ -75,14 +75,14 @@ def test_fsdp_mixed_precision_keeps_fp32_shards_on_a_bf16_config():
     assert ledger.model_state_bytes * 2 == pytest.approx(16 * n, rel=1e-3)
 
 
-def test_lowbit_optimizer_under_zero3_on_a_bf16_config():
+def test_lowbit_optimizer_under_fsdp_on_a_bf16_config():
     ledger = estimate(
         model=TINY,
         seq_len=32,
         optimizer="adamw8bit",
         precision="bf16-master",
         world_size=2,
-        strategy="zero3",
+        strategy="fsdp",
     )
     assert ledger.optimizer_state_bytes > 0
 
@@ -201,7 +201,7 @@ def test_sequence_past_the_declared_positions_warns():
 
 
 def test_a_sharding_strategy_on_one_rank_warns():
-    ledger = estimate(model=TINY, seq_len=32, strategy="zero3")
+    ledger = estimate(model=TINY, seq_len=32, strategy="fsdp")
     assert any("on 1 rank shards nothing" in w for w in ledger.warnings)
 
 

@@ -341,7 +341,7 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
                 hint="give the units in one place",
             )
     updated = replace(spec, **fields)
-    if not updated.parallelism.shards_params and (
+    if not updated.parallelism.is_fsdp and (
         spec.shard_modules
         or spec.shard_min_params is not None
         or spec.reshard_after_forward is not None
@@ -355,7 +355,7 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
         f"from {Path(spec.accelerate_config).name}: {read}; wrapped as accelerate "
         f"{ACCELERATE_MODELLED} wraps FSDP2"
     ]
-    if updated.parallelism.shards_params and updated.precision == "bf16-master":
+    if updated.parallelism.is_fsdp and updated.precision == "bf16-master":
         notes.append(
             "accelerate bf16 under FSDP2: MixedPrecisionPolicy(param, reduce and output dtype "
             "bf16); accelerate's autocast around the forward is not traced (parameters are "

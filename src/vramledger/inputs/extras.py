@@ -47,7 +47,7 @@ def _hf_config(spec: Any) -> str | None:
 
 
 def _deepspeed_engine(spec: Any) -> str | None:
-    """zero0/zero1/zero2 run DeepSpeed's engine, asked for by --strategy or a --deepspeed
+    """zero0..zero3 run DeepSpeed's engine, asked for by --strategy or a --deepspeed
     config's stage."""
     if not spec.parallelism.is_deepspeed:
         return None

@@ -13,12 +13,18 @@ strategy       engine     parameters  gradients     optimizer    optimizer over
 ``ddp``        DDP        whole       whole         whole        -
 ``zero1``      DeepSpeed  whole       whole         partition    flat even slices
 ``zero2``      DeepSpeed  whole       partition     partition    flat even slices
-``zero3``      FSDP2      sharded     sharded       sharded      parameter shards
+``zero3``      DeepSpeed  partition   partition     partition    each parameter's
+                                                                 even slice
 ``fsdp``       FSDP2      sharded     sharded       sharded      parameter shards
 ``zero1-       DDP        whole       whole         partition    whole parameters
 torch``                                                          (ZeroRedundancyOptimizer)
 ``zero0``      DeepSpeed  whole       whole         whole        -
 =============  =========  ==========  ============  ===========  ==================
+
+``zero0``..``zero3`` are DeepSpeed's ZeRO stages everywhere (``--strategy``, a ``--deepspeed``
+config's ``zero_optimization.stage``, a program's ``deepspeed.initialize``), and ``fsdp`` is
+FSDP2 everywhere. ZeRO-3 partitions each parameter on its own into ``ceil(numel / N)``-element
+slices (the last rank's padded), so every rank holds the same sizes.
 
 ``zero0`` is DeepSpeed's engine without ZeRO (``zero_optimization.stage`` 0): no DDP, its own
 master-weight wrappers, and the gradients flattened into a transient buffer per reduction at the
@@ -34,10 +40,22 @@ Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torc
 STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
 """How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
 
-_FSDP = frozenset({"zero3", "fsdp"})
+_FSDP = frozenset({"fsdp"})
 _DDP = frozenset({"ddp", "zero1-torch"})
-_DEEPSPEED_STAGE = {"zero0": 0, "zero1": 1, "zero2": 2}
+_DEEPSPEED_STAGE = {"zero0": 0, "zero1": 1, "zero2": 2, "zero3": 3}
 _NEXT_DEEPSPEED = {"ddp": "zero1", "zero0": "zero1", "zero1": "zero2"}
+Engine = Literal["none", "ddp", "zero-redundancy-optimizer", "deepspeed", "fsdp2"]
+"""The engine that runs a strategy (the JSON ``engine`` field), so a reader never needs the
+strategy names' vocabulary."""
+
+
+def engine_of(strategy: str) -> str:
+    """The engine of a ledger's ``strategy`` (the JSON ``engine`` field): of one strategy name
+    (:attr:`Parallelism.engine`), or of a program's, several joined by ``+`` (``tp+fsdp``): its
+    data-parallel engines' (tensor and pipeline parallelism, ``tp``/``pp``, are no
+    data-parallel engine), ``none`` when it has none."""
+    engines = [Parallelism(strategy=s).engine for s in strategy.split("+") if s in STRATEGIES]
+    return "+".join(dict.fromkeys(e for e in engines if e != "none")) or "none"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -89,23 +107,40 @@ class Parallelism:
 
     @property
     def is_fsdp(self) -> bool:
-        """Runs under FSDP2 ``fully_shard``: zero3 and fsdp (two names for one engine)."""
+        """Runs under FSDP2 ``fully_shard``: fsdp."""
         return self.name in _FSDP
 
     @property
     def is_deepspeed(self) -> bool:
-        """Runs under DeepSpeed's engine: zero0, zero1 and zero2."""
+        """Runs under DeepSpeed's engine: zero0, zero1, zero2 and zero3."""
         return self.name in _DEEPSPEED_STAGE
 
     @property
     def deepspeed_stage(self) -> int | None:
-        """DeepSpeed's ZeRO stage (0, 1 or 2), else None."""
+        """DeepSpeed's ZeRO stage (0, 1, 2 or 3), else None."""
         return _DEEPSPEED_STAGE.get(self.name)
 
     @property
     def is_deepspeed_zero(self) -> bool:
-        """Runs under DeepSpeed's ZeRO optimizer, which partitions over the ranks: zero1, zero2."""
+        """Runs under DeepSpeed's ZeRO optimizer, which partitions over the ranks: zero1, zero2,
+        zero3."""
         return bool(self.deepspeed_stage)
+
+    @property
+    def is_deepspeed_zero3(self) -> bool:
+        """Runs under DeepSpeed's ZeRO-3 (``DeepSpeedZeroOptimizer_Stage3``): zero3."""
+        return self.deepspeed_stage == 3
+
+    @property
+    def engine(self) -> Engine:
+        """The engine that runs the strategy (the JSON ``engine`` field)."""
+        if self.is_deepspeed:
+            return "deepspeed"
+        if self.is_fsdp:
+            return "fsdp2"
+        if self.is_zero_redundancy:
+            return "zero-redundancy-optimizer"
+        return "ddp" if self.is_ddp else "none"
 
     @property
     def is_zero_redundancy(self) -> bool:
@@ -116,13 +151,15 @@ class Parallelism:
 
     @property
     def shards_params(self) -> bool:
-        """Parameters are sharded over the data-parallel ranks (FSDP)."""
-        return self.is_fsdp
+        """Parameters are sharded over the data-parallel ranks (FSDP2, DeepSpeed ZeRO-3); what
+        FSDP2 alone does (its wrapping, its mixed precision, its mesh axis) asks ``is_fsdp``."""
+        return self.is_fsdp or self.is_deepspeed_zero3
 
     @property
     def shards_grads(self) -> bool:
-        """Gradients are sharded or partitioned over the data-parallel ranks (zero2, FSDP)."""
-        return self.is_fsdp or self.deepspeed_stage == 2
+        """Gradients are sharded or partitioned over the data-parallel ranks (zero2, zero3,
+        FSDP)."""
+        return self.is_fsdp or self.deepspeed_stage in (2, 3)
 
     @property
     def shards_optimizer_state(self) -> bool:
@@ -132,8 +169,9 @@ class Parallelism:
     @property
     def partitions_optimizer(self) -> bool:
         """A ZeRO optimizer splits the state while parameters stay whole (zero1, zero2,
-        zero1-torch): a rank's optimizer step and its state depend on which rank it is."""
-        return self.is_deepspeed_zero or self.is_zero_redundancy
+        zero1-torch): a rank's optimizer step and its state depend on which rank it is. Not
+        zero3: it slices every parameter evenly, so every rank holds the same sizes."""
+        return self.deepspeed_stage in (1, 2) or self.is_zero_redundancy
 
     @property
     def next_deepspeed_strategy(self) -> str | None:
@@ -144,28 +182,30 @@ class Parallelism:
     @property
     def upgrades_to_zero3(self) -> bool:
         """ddp, zero1 or zero2: every rank holds the whole parameters under DDP's or DeepSpeed's
-        engine, and ZeRO-3/FSDP would shard them (the advice's next step; zero1-torch is left
-        out, as ``plan`` leaves it out)."""
+        engine, and ZeRO-3/FSDP would shard them (the advice's next step: zero3 under
+        DeepSpeed's engine, fsdp under DDP's; zero1-torch is left out, as ``plan`` leaves it
+        out)."""
         return self.is_data_parallel and not self.shards_params and not self.is_zero_redundancy
 
     @property
     def rank_independent(self) -> bool:
-        """Every rank's events are the same up to the world size (DeepSpeed's flat partition
-        makes them differ by rank)."""
-        return not self.is_deepspeed_zero
+        """Every rank's events are the same up to the world size (DeepSpeed ZeRO-1/2's flat
+        partition makes them differ by rank; ZeRO-3's even slice of each parameter does not)."""
+        return self.deepspeed_stage not in (1, 2)
 
     @property
     def extends_blocks(self) -> bool:
         """A trace of some identical blocks extends to all of them: not under ZeRO-1/2 or
         zero1-torch (a rank owns different parameters in each block), nor under DeepSpeed's
         engine without ZeRO (it flattens every gradient at once, and its wrappers' steps did not
-        extend: the 4/5-block pair differed)."""
+        extend: the 4/5-block pair differed), nor under ZeRO-3 (its sub-groups, prefetch and
+        live-parameter limits and reduce bucket are thresholds in elements, not per block)."""
         return not self.partitions_optimizer and not self.is_deepspeed
 
     @property
     def models_split_model(self) -> bool:
-        """Modelled with tensor, pipeline or context parallelism: none, ddp, fsdp, zero3 (not
-        DeepSpeed's engine, nor a ZeRO optimizer's partition)."""
+        """Modelled with tensor, pipeline or context parallelism: none, ddp, fsdp (not
+        DeepSpeed's engine, zero3 included, nor a ZeRO optimizer's partition)."""
         return not self.partitions_optimizer and not self.is_deepspeed
 
     # --- axes ------------------------------------------------------------------------------

@@ -830,7 +830,7 @@ PATCHES: tuple[Patch, ...] = (
     *_each(
         "deepspeed.runtime.zero.utils",
         ("assert_lst_len_same_as_other_ranks", "get_lst_from_rank0"),
-        by="parallel/program_deepspeed.py",
+        by="parallel/deepspeed_zero3.py",
         reason="ZeRO-3's rank-0 list checks answer with the rank's own list (a fake process "
         "group carries no values)",
         package="deepspeed",
@@ -838,7 +838,7 @@ PATCHES: tuple[Patch, ...] = (
     Patch(
         target="deepspeed.runtime.zero.partitioned_param_coordinator"
         ".PartitionedParameterCoordinator.fetch_sub_module",
-        by="parallel/program_deepspeed.py",
+        by="parallel/deepspeed_zero3.py",
         reason="ZeRO-3's gathered parameters are tagged as all-gather buffers",
         package="deepspeed",
     ),

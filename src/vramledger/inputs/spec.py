@@ -100,9 +100,10 @@ class TrainingSpec:
     world_size: int = field(default=1, metadata=cli("parallelism"))
     """Ranks (GPUs) the step is spread over: data-parallel x tp x pp x cp."""
     strategy: str | None = field(default=None, metadata=cli("parallelism", choices=STRATEGIES[1:]))
-    """ddp, zero1, zero2 (DeepSpeed's engine), zero3, fsdp, zero1-torch (PyTorch's
-    ZeroRedundancyOptimizer), or zero0 (DeepSpeed's engine without ZeRO: what a --deepspeed
-    config of stage 0 runs) (default: none on one rank, ddp on several)."""
+    """ddp, zero1, zero2, zero3 (DeepSpeed's engine and its ZeRO stages), fsdp (FSDP2),
+    zero1-torch (PyTorch's ZeroRedundancyOptimizer), or zero0 (DeepSpeed's engine without ZeRO:
+    what a --deepspeed config of stage 0 runs) (default: none on one rank, ddp on several, fsdp
+    when the model is split)."""
     offload: str = field(default="none", metadata=cli("parallelism", choices=OFFLOADS))
     """Keep in host memory: optimizer (state, fp32 masters and their gradients), params
     (sharded parameters), both, or none."""
@@ -118,7 +119,7 @@ class TrainingSpec:
     shard_modules: tuple[str, ...] = field(
         default=(), metadata=cli("parallelism", metavar="CLASSNAME", convert=comma_names)
     )
-    """FSDP units (zero3/fsdp): fully_shard every submodule that is an instance of a class of
+    """FSDP units (fsdp): fully_shard every submodule that is an instance of a class of
     these names, children before parents, then the root (default: each block of the model's
     stack of identical blocks, then the root; the option repeats, or takes the names separated
     by commas). See parallel/fsdp_units.py."""
@@ -301,7 +302,7 @@ class TrainingSpec:
         if self.model_split > 1 and not Parallelism(strategy=strategy).models_split_model:
             raise InputError(
                 f"--strategy {strategy} with tensor/pipeline/context parallelism is not modelled",
-                hint="use fsdp (zero3) or ddp over the data-parallel axis",
+                hint="use fsdp (FSDP2) or ddp over the data-parallel axis",
             )
         object.__setattr__(self, "strategy", strategy)
         if self.offload not in OFFLOADS:
@@ -383,10 +384,10 @@ class TrainingSpec:
         ]
         if not given:
             return
-        if not self.parallelism.shards_params and self.accelerate_config is None:
+        if not self.parallelism.is_fsdp and self.accelerate_config is None:
             raise InputError(
                 f"{' and '.join(given)} set FSDP units, and the strategy is {self.strategy}",
-                hint="add --strategy fsdp (or zero3)",
+                hint="add --strategy fsdp (FSDP2)",
             )
         if self.shard_modules and self.shard_min_params is not None:
             raise InputError(

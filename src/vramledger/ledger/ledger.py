@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.parallelism import engine_of
 from vramledger.inputs.verdict import Verdict
 from vramledger.ledger.peak_modules import ModuleBytes, modules_at_peak, top_modules
 from vramledger.ledger.replay import replay, steady_peak, steady_phase_peaks, steady_reserved_peak
@@ -133,6 +134,7 @@ class Ledger:
             optimizer_state_bytes_all_ranks=self.optimizer_state_bytes_all_ranks,
             world_size=self.world_size,
             strategy=self.strategy,
+            engine=engine_of(self.strategy),
             worst_rank=self.worst_rank,
             cpu_bytes=self.host_bytes,
             ranks=[

@@ -164,6 +164,8 @@ def measure(
     ledger, peaks, method = _runs(spec, device)
     estimate = predict(spec, target=device) if compare else None
     ledger = _with_seconds(ledger, time.perf_counter() - start)
+    # the strategy that ran (its JSON ``engine`` follows), as the estimate's ledger says it
+    ledger = replace(ledger, strategy=spec.parallelism.name)
     steady = max(v for k, v in peaks.items() if k >= 2)
     rank_results: list[dict[str, Any]] = []
     if spec.world_size > 1:

@@ -1,4 +1,4 @@
-"""A real run of DeepSpeed's engine (``zero0``, ``zero1``, ``zero2``) as one rank of a process group, built
+"""A real run of DeepSpeed's engine (``zero0``..``zero3``) as one rank of a process group, built
 by the same code as the estimate's (``parallel/deepspeed_engine.py``)."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from vramledger.trace.core.tracker import StorageTracker, TrackerObserver
 
 
 def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement:
-    """Run ``spec`` (``zero0``/``zero1``/``zero2``) for real with DeepSpeed's engine as this rank of the
+    """Run ``spec`` (``zero0``..``zero3``) for real with DeepSpeed's engine as this rank of the
         process group, twice: a plain run (no dispatch mode, no tensor subclass active: the
         tracker changes what autograd allocates, ``trace/core/plain_autograd.py``) counted by the
         allocator, then a tracked run of the same step for the ledger's categories.
@@ -44,7 +44,7 @@ def measure_deepspeed(spec: TrainingSpec, device: str = "cpu") -> RankMeasuremen
     """
     spec, _ = apply_configs(spec)
     if not spec.parallelism.is_deepspeed:
-        raise InputError(f"measure_deepspeed runs zero0, zero1 or zero2, not {spec.strategy}")
+        raise InputError(f"measure_deepspeed runs zero0..zero3, not {spec.strategy}")
     with _process_group(spec.world_size):
         return _measure(spec, device)
 

@@ -1,4 +1,4 @@
-"""DeepSpeed's engine (without ZeRO, and ZeRO stages 1 and 2), run as DeepSpeed runs it.
+"""DeepSpeed's engine (without ZeRO, and ZeRO stages 1, 2 and 3), run as DeepSpeed runs it.
 
 ``zero1`` and ``zero2`` build DeepSpeed's own ``DeepSpeedEngine`` around the model; its
 ``DeepSpeedZeroOptimizer`` flattens the parameters into one buffer, partitions it evenly over the
@@ -6,6 +6,12 @@ ranks (``deepspeed_layout.py``), keeps the fp32 master weights and optimizer sta
 rank's partition, and reduces gradients through its bucket. Each step is DeepSpeed's own
 ``engine(batch)`` / ``engine.backward(loss)`` / ``engine.step()``, with its own precision
 handling (loss scaling, master weights, norms), so nothing of ``training.py``'s step runs.
+
+``zero3`` builds the same engine with its ``DeepSpeedZeroOptimizer_Stage3``: each parameter
+partitioned on its own over the ranks, gathered by DeepSpeed's own module hooks for the
+module's compute and released after, its prefetch, live-parameter and bucket limits as the
+config or DeepSpeed's defaults give them (``deepspeed_zero3.py``, shared with the trace of a
+user's program that builds ZeRO-3 itself).
 
 ``zero0`` (a ``--deepspeed`` config of stage 0) builds the same engine with ZeRO off: its own
 optimizer wrapper (``FP16_UnfusedOptimizer``'s fp32 copies in bf16/fp16, none in fp32), and at
@@ -22,14 +28,18 @@ what DeepSpeed cannot do by itself, each the least that lets its code run:
 2. DeepSpeed's global state for a fake process group (``deepspeed_runtime.py``): its CPU
    accelerator standing for the GPU, ``LOCAL_RANK``, fresh caches of process groups;
 3. values read with ``.item()`` (the overflow check, the gradient norm) answered 0: no
-   overflow, the step every run takes when it does not skip (``trace/core/tracker.py``).
+   overflow, the step every run takes when it does not skip (``trace/core/tracker.py``);
+4. under ZeRO-3, its checks that every rank has rank 0's order of parameters answered with the
+   rank's own (``deepspeed_zero3.rank0_lists_own``).
 
 Categories: the flat half-precision buffer (every parameter is a view of it) is
 ``parameters``; the fp32 partition ``master_weights``; the wrapped optimizer's state
 ``optimizer_state``; gradients as autograd makes them ``gradients``; DeepSpeed's reduce
 bucket(s) ``gradient_buckets``; the gradients a rank keeps for its partition
 (``grads_in_partition`` and the flat partition made from them) ``sharded_gradients``; the fp32
-gradient of the partition made for the step is a temporary, labelled as such.
+gradient of the partition made for the step is a temporary, labelled as such. Under ZeRO-3 the
+flat shard of the parameters is ``sharded_parameters``, its gradients' flat buffer
+``sharded_gradients``, each module's gathered parameters ``all_gather_buffers``.
 
 Offload (``--offload optimizer``) is applied by category after the trace, as for every strategy
 (``strategy.py``): DeepSpeed's own offload path needs its CPU Adam extension and pinned memory,
@@ -63,6 +73,7 @@ from vramledger.parallel.deepspeed_runtime import (
     quiet,
     version,
 )
+from vramledger.parallel.deepspeed_zero3 import ZERO3_CHECKS_NOTE, gathers_tagged, rank0_lists_own
 from vramledger.parallel.engines import DataParallel, fake_world
 from vramledger.trace.program.program_trace import STANDS_FOR
 
@@ -83,8 +94,15 @@ PASSED_ZERO_KEYS = (
     "reduce_scatter",
     "contiguous_gradients",
     "round_robin_gradients",
+    "sub_group_size",
+    "stage3_prefetch_bucket_size",
+    "stage3_param_persistence_threshold",
+    "stage3_max_live_parameters",
+    "stage3_max_reuse_distance",
 )
-"""``zero_optimization`` keys of a ``--deepspeed`` config given to the engine as they are."""
+"""``zero_optimization`` keys of a ``--deepspeed`` config given to the engine as they are
+(those of ZeRO-3 read by stage 3 only); what is not given is DeepSpeed's default
+(``DeepSpeedZeroConfig``, deepspeed/runtime/zero/config.py)."""
 PASSED_TOP_KEYS = (
     "gradient_clipping",
     "prescale_gradients",
@@ -155,6 +173,8 @@ class DeepSpeedRun:
     loss_fn: LossFn
     grad_accum: int
     labels: _Labels
+    during_step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    """Entered around each step (ZeRO-3: its gathered parameters told as they are made)."""
     record_losses: bool = False
     losses: list[float] = field(default_factory=list)
 
@@ -173,6 +193,10 @@ class DeepSpeedRun:
             self.step(step, observer)
 
     def step(self, step: int, observer: StepObserver) -> None:
+        with self.during_step():
+            self._step(step, observer)
+
+    def _step(self, step: int, observer: StepObserver) -> None:
         total = 0.0
         for _ in range(self.grad_accum):
             observer.phase(step, Phase.FORWARD)
@@ -233,7 +257,20 @@ def build_run(
         )
     zero = engine.optimizer
     on_group = f" on a fake process group of {spec.world_size} ranks" if fake else ""
-    if not spec.parallelism.is_deepspeed_zero:
+    during_step: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    if spec.parallelism.is_deepspeed_zero3:
+        if type(zero).__name__ != "DeepSpeedZeroOptimizer_Stage3":
+            raise InputError(
+                f"DeepSpeed built {type(zero).__name__}, not its ZeRO-3 optimizer",
+                hint="check the --deepspeed config",
+            )
+        tag_optimizer_buffers(zero, labels._tag)
+        notes.append(zero3_note(spec, engine, on_group, fake))
+
+        def during_step() -> contextlib.AbstractContextManager[Any]:
+            return gathers_tagged(labels._tag)
+
+    elif not spec.parallelism.is_deepspeed_zero:
         labels.watch_engine(engine)
         notes.append(
             f"{spec.strategy}: DeepSpeed {version()}'s own engine without ZeRO (DeepSpeedEngine, "
@@ -255,9 +292,37 @@ def build_run(
             f"{zero.reduce_bucket_size:,} elements"
         )
     run = DeepSpeedRun(
-        engine=engine, batch=batch, loss_fn=loss_fn, grad_accum=spec.grad_accum, labels=labels
+        engine=engine,
+        batch=batch,
+        loss_fn=loss_fn,
+        grad_accum=spec.grad_accum,
+        labels=labels,
+        during_step=during_step,
     )
     return run, notes
+
+
+def zero3_note(spec: TrainingSpec, engine: Any, on_group: str, fake: bool) -> str:
+    """What ZeRO-3 ran with: its partition and the limits of its gathers and buckets (the
+    config's, else DeepSpeed's defaults, as the engine read them)."""
+    zero = engine.optimizer
+    shard = sum(t.numel() for t in zero.fp16_partitioned_groups_flat)
+    note = (
+        f"{spec.strategy}: DeepSpeed {version()}'s own engine (DeepSpeedEngine, "
+        f"DeepSpeedZeroOptimizer_Stage3){on_group}: each parameter partitioned over the ranks, "
+        f"a flat shard of {shard:,} elements per rank in {len(zero.fp16_groups)} sub-group(s) "
+        f"(sub_group_size {engine.zero_sub_group_size():,}); parameters gathered by "
+        f"DeepSpeed's module hooks, prefetching up to {engine.zero_prefetch_bucket_size():,} "
+        f"elements (stage3_prefetch_bucket_size), at most "
+        f"{engine.zero_max_live_parameters():,} gathered (stage3_max_live_parameters), reuse "
+        f"distance {engine.zero_max_reuse_distance():,}, parameters under "
+        f"{engine.zero_param_persistence_threshold():,} elements kept whole "
+        f"(stage3_param_persistence_threshold); reduce bucket of "
+        f"{engine.zero_reduce_bucket_size():,} elements"
+    )
+    if fake:
+        note += "; " + ZERO3_CHECKS_NOTE
+    return note
 
 
 def tag_optimizer_buffers(
@@ -268,7 +333,8 @@ def tag_optimizer_buffers(
     trainable parameters of their group (``STANDS_FOR``), as are ``FP16_Optimizer``'s and
     ``FP16_UnfusedOptimizer``'s fp32 copies (ZeRO stage 0 in fp16 or bf16); ``BF16_Optimizer``
     keeps the flat bf16 parameters and flat fp32 gradients of the whole model; ZeRO-3 keeps
-    the rank's flat shard of the bf16 parameters and of the gradients."""
+    the rank's flat shard of the bf16 parameters and of the gradients, and its reduce bucket
+    (one per communication dtype, made at set-up with ``contiguous_gradients``)."""
     name = type(zero).__name__
     if name == "DeepSpeedZeroOptimizer":
         masters, groups = zero.single_partition_of_fp32_groups, zero.bit16_groups
@@ -279,6 +345,8 @@ def tag_optimizer_buffers(
     elif name == "DeepSpeedZeroOptimizer_Stage3":
         register(list(zero.fp16_partitioned_groups_flat), Category.SHARDED_PARAMETERS)
         register([zero.grad_partitions_flat_buffer], Category.SHARDED_GRADIENTS)
+        buckets = [b.buffer for b in zero.ipg_buckets.values() if b.buffer is not None]
+        register(buckets, Category.GRADIENT_BUCKETS)
         masters, groups = zero.fp32_partitioned_groups_flat, zero.fp16_groups
     elif name == "FP16_Optimizer":
         masters, groups = zero.fp32_groups_flat, zero.fp16_groups
@@ -409,7 +477,7 @@ def _before(owner: Any, name: str, first: Callable[..., None]) -> None:
 
 
 class DeepSpeedZero(DataParallel):
-    """The ``trace.engine.Engine`` of ``zero1``/``zero2``: each traced run is one rank of
+    """The ``trace.engine.Engine`` of ``zero0``..``zero3``: each traced run is one rank of
     DeepSpeed's engine on a fake process group (offload applied after, as ``DataParallel``)."""
 
     def __init__(self, spec: TrainingSpec) -> None:
@@ -423,7 +491,12 @@ class DeepSpeedZero(DataParallel):
 
     @contextlib.contextmanager
     def rank(self, rank: int) -> Iterator[DeepSpeedRank]:
-        with fake_world(rank, self.spec.world_size), fake_deepspeed_world():
+        zero3 = self.spec.parallelism.is_deepspeed_zero3
+        with (
+            fake_world(rank, self.spec.world_size),
+            fake_deepspeed_world(),
+            rank0_lists_own({}) if zero3 else contextlib.nullcontext(),
+        ):
             notes = [self.optimizer_note] if self.optimizer_note else []
             yield DeepSpeedRank(spec=self.spec, rank=rank, notes=notes)
 

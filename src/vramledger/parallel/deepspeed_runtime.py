@@ -58,8 +58,9 @@ def deepspeed_modules() -> DeepSpeedModules:
             from deepspeed.utils.logging import logger
     except ImportError as exc:
         raise InputError(
-            f"zero1 and zero2 run DeepSpeed's own engine, which is not installed ({exc})",
-            hint=f"{INSTALL_HINT}; or use --strategy zero1-torch (ZeroRedundancyOptimizer)",
+            f"zero0..zero3 run DeepSpeed's own engine, which is not installed ({exc})",
+            hint=f"{INSTALL_HINT}; or use --strategy zero1-torch (ZeroRedundancyOptimizer) or "
+            "fsdp (FSDP2)",
         ) from exc
     return DeepSpeedModules(
         deepspeed=deepspeed,

@@ -56,7 +56,7 @@ def adapt_recipe(recipe: Recipe) -> Recipe:
     """FSDP keeps fp32 shards and computes in half precision through its own
     MixedPrecisionPolicy: no separate master weights, the model built in fp32."""
     spec = recipe.spec
-    if not spec.parallelism.shards_params or not recipe.precision.master_weights:
+    if not spec.parallelism.is_fsdp or not recipe.precision.master_weights:
         return recipe
     if recipe.precision.loss_scaling:
         raise InputError("fp16-master with FSDP is not supported", hint="use bf16-master")
@@ -101,7 +101,7 @@ class DataParallel:
         apply_offload(timeline, spec.offload, half_shard_fraction=fraction)
         if fraction is not None and spec.offload == "optimizer":
             notes.append(
-                f"offload optimizer under {spec.strategy}: DeepSpeed ZeRO-3 offload_optimizer "
+                f"offload optimizer under {spec.strategy}: DeepSpeed ZeRO-3's offload_optimizer "
                 "layout: the fp32 shards (master weights) in host memory, a half-precision copy "
                 "of each on the GPU"
             )
@@ -134,19 +134,19 @@ class RankEngine:
 
     @property
     def op_categories(self) -> dict[str, Category]:
-        return FSDP_OP_CATEGORIES if self.parallelism.shards_params else {}
+        return FSDP_OP_CATEGORIES if self.parallelism.is_fsdp else {}
 
     @property
     def resize_category(self) -> Category | None:
         """FSDP2 allocates and frees unsharded parameters by resizing their storage: gathered
         for a layer's compute, then freed — all-gather buffers."""
-        return Category.ALL_GATHER_BUFFERS if self.parallelism.shards_params else None
+        return Category.ALL_GATHER_BUFFERS if self.parallelism.is_fsdp else None
 
     def wrap(self, model: nn.Module, blocks: list[nn.Module], precision_name: str) -> nn.Module:
         """FSDP2 ``fully_shard`` on each unit and the root (``fsdp_units.py``: the traced block
         stack, else the largest stack of identical blocks, else the units the spec names;
         named units that are not the traced ``blocks`` raise NotExtensible)."""
-        if not self.parallelism.shards_params:
+        if not self.parallelism.is_fsdp:
             return model
 
         units = apply_fully_shard(model, self.spec, self.mesh, precision_name, blocks)

@@ -6,7 +6,7 @@ The mesh is torchtitan's (``torchtitan/distributed/parallel_dims.py``): dimensio
 ``pp, dp_replicate | dp_shard, cp, tp`` (the innermost, ``tp``, varies fastest over the ranks,
 so a tensor-parallel group is a node's neighbouring GPUs), each dimension present only when its
 degree is above 1. The data-parallel dimension is ``dp_replicate`` under DDP and ``dp_shard``
-under FSDP2 (``--strategy fsdp``/``zero3``, the default when the model is split). Expert
+under FSDP2 (``--strategy fsdp``, the default when the model is split). Expert
 parallelism borrows its ranks from ``dp_shard x cp`` as torchtitan does (``ep`` of them: the
 inner part of the flattened ``dp_shard, cp`` dimension).
 
@@ -99,7 +99,7 @@ def check_expert_parallel(spec: TrainingSpec) -> None:
             f"({spec.dp_degree * spec.cp})",
             hint="expert parallelism borrows all context-parallel ranks and some data-parallel ones",
         )
-    if spec.ep > spec.cp and not spec.parallelism.shards_params:
+    if spec.ep > spec.cp and not spec.parallelism.is_fsdp:
         raise InputError(
             f"expert parallelism borrows data-parallel ranks from FSDP2's, and the strategy is "
             f"{spec.strategy}",
@@ -187,8 +187,8 @@ def applied(model: nn.Module) -> Applied:
 
 def fsdp_degree(spec: TrainingSpec) -> int:
     """Ranks FSDP2 shards parameters over: data-parallel x context-parallel (torchtitan's
-    ``dp_shard_cp``) under ``fsdp``/``zero3``; 1 otherwise."""
-    return spec.dp_degree * spec.cp if spec.parallelism.shards_params else 1
+    ``dp_shard_cp``) under ``fsdp``; 1 otherwise."""
+    return spec.dp_degree * spec.cp if spec.parallelism.is_fsdp else 1
 
 
 def _fsdp_mesh(mesh: Any, spec: TrainingSpec) -> Any | None:

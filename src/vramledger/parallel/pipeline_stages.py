@@ -149,7 +149,7 @@ def check_pipeline_spec(spec: TrainingSpec) -> None:
             "--grad-accum with pipeline parallelism: the micro-batches are the accumulation",
             hint="use --microbatches",
         )
-    if spec.dp_degree > 1 and not spec.parallelism.shards_params:
+    if spec.dp_degree > 1 and not spec.parallelism.is_fsdp:
         raise InputError(
             f"--strategy {spec.strategy} with pipeline parallelism is not modelled",
             hint="use fsdp over the data-parallel axis",

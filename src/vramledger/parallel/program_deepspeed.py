@@ -18,8 +18,10 @@ accelerator (:func:`real_program_deepspeed`), which is what DeepSpeed picks ther
 Categories are the estimate's (``deepspeed_engine._Labels.watch``): the flat bf16 buffer
 ``parameters``, the fp32 partition ``master_weights``, the reduce buckets
 ``gradient_buckets``, the gradients a rank keeps for its partition ``sharded_gradients``;
-likewise for ZeRO-3's flat shards and stage 0's optimizer wrappers (:func:`_tag_buffers`), and
-ZeRO-3's gathered parameters ``all_gather_buffers`` (:func:`_gathers_tagged`). An
+likewise for ZeRO-3's flat shards and stage 0's optimizer wrappers
+(``deepspeed_engine.tag_optimizer_buffers``), and ZeRO-3's gathered parameters
+``all_gather_buffers`` (``deepspeed_zero3.gathers_tagged``, shared with the estimate's
+``--strategy zero3``). An
 fp32 partition is counted as the trainable parameters it stands for, not as parameters
 (``program_trace.STANDS_FOR``).
 
@@ -30,7 +32,7 @@ when it does not skip (the notes list each read). Not modelled: DeepSpeed's Fuse
 standing in (in place, no memory of its own: multi-tensor Adam writes its parameters and moments
 where they are; a real CPU run of DeepSpeed's compiled CPU kernel matched it to the byte);
 ZeRO-3's checks that every rank has rank 0's parameter order answer with the rank's own list
-(:func:`_rank0_lists_own`); the estimate's labels of temporaries (autograd's gradient before the
+(``deepspeed_zero3.rank0_lists_own``); the estimate's labels of temporaries (autograd's gradient before the
 bucket, the partition's fp32 gradient) are not kept.
 """
 
@@ -45,7 +47,6 @@ from unittest import mock
 
 import torch
 
-from vramledger.inputs.categories import Category
 from vramledger.inputs.import_hooks import when_imported
 from vramledger.parallel.deepspeed_engine import tag_optimizer_buffers
 from vramledger.parallel.deepspeed_runtime import (
@@ -55,8 +56,7 @@ from vramledger.parallel.deepspeed_runtime import (
     deepspeed_state,
     version,
 )
-
-Register = Callable[[list[torch.Tensor], Category], None]
+from vramledger.parallel.deepspeed_zero3 import Register, zero3_on_fake_group
 
 EMULATED_DEVICE = "cuda"
 """The device type DeepSpeed's accelerator names in a trace: the emulated GPU's."""
@@ -88,8 +88,7 @@ def program_deepspeed(
         stack.enter_context(_engines_told(register, used, notes))
         stack.enter_context(_hooks_under_their_modes())
         stack.enter_context(_fused_adam_standing_in(notes))
-        stack.enter_context(_rank0_lists_own(notes))
-        stack.enter_context(_gathers_tagged(register))
+        stack.enter_context(zero3_on_fake_group(register, notes))
 
     with once_imported("deepspeed", setup):
         yield
@@ -269,51 +268,4 @@ def _fused_adam_standing_in(notes: dict[str, None]) -> Iterator[None]:
         mock.patch.object(fused_adam, "FusedAdamBuilder", _FusedAdamKernel(notes)),
         mock.patch.object(fused_adam.FusedAdam, "__init__", made_on_device),
     ):
-        yield
-
-
-ZERO3_CHECKS_NOTE = (
-    "DeepSpeed ZeRO-3's checks that every rank sees rank 0's order of parameters (a broadcast of "
-    "a few int64s from rank 0) answered with the rank's own: every traced rank runs the same "
-    "program, and a fake process group carries no values"
-)
-
-
-@contextlib.contextmanager
-def _rank0_lists_own(notes: dict[str, None]) -> Iterator[None]:
-    """ZeRO-3's ``assert_ints_same_as_other_ranks`` (``deepspeed/runtime/zero/utils.py``)
-    broadcasts rank 0's list of ints and compares it with the rank's own; on a fake process
-    group the broadcast leaves each rank's placeholder (-1), so the check would fail on every
-    rank but 0. Rank 0's list is the rank's own here (``ZERO3_CHECKS_NOTE``)."""
-    from deepspeed.runtime.zero import utils
-
-    def own(lst: list[int]) -> list[int]:
-        notes[ZERO3_CHECKS_NOTE] = None
-        return list(lst)
-
-    with (
-        mock.patch.object(utils, "assert_lst_len_same_as_other_ranks", own),
-        mock.patch.object(utils, "get_lst_from_rank0", own),
-    ):
-        yield
-
-
-@contextlib.contextmanager
-def _gathers_tagged(register: Register) -> Iterator[None]:
-    """ZeRO-3's gathered parameters are ``all_gather_buffers``, as FSDP2's gathered units in the
-    estimate: each module's parameters, once ``PartitionedParameterCoordinator.fetch_sub_module``
-    has gathered them (views of the all-gather's flat output)."""
-    from deepspeed.runtime.zero.partitioned_param_coordinator import (
-        PartitionedParameterCoordinator,
-        iter_params,
-    )
-
-    fetch = PartitionedParameterCoordinator.__dict__["fetch_sub_module"]
-
-    def fetched(coordinator: Any, module: Any, *args: Any, **kwargs: Any) -> None:
-        fetch(coordinator, module, *args, **kwargs)
-        gathered = [p.data for p in iter_params(module, recurse=True) if p.data.numel()]
-        register(gathered, Category.ALL_GATHER_BUFFERS)
-
-    with mock.patch.object(PartitionedParameterCoordinator, "fetch_sub_module", fetched):
         yield

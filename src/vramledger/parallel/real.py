@@ -5,10 +5,10 @@ live in ``measure/``.
 =============  ==============================================================================
 ddp            ``DistributedDataParallel``
 zero1-torch    ``DistributedDataParallel`` + ``ZeroRedundancyOptimizer`` over the optimizer class
-zero3, fsdp    ``fully_shard`` (FSDP2) on the units the estimate shards (``fsdp_units.py``: each
+fsdp           ``fully_shard`` (FSDP2) on the units the estimate shards (``fsdp_units.py``: each
                block of the largest stack of identical blocks, or the named units) and the root
-zero1, zero2   DeepSpeed's own engine (``deepspeed_engine.py``), built by the same code as the
-               estimate's: ``measure/deepspeed.py`` (``vramledger measure`` does not build it)
+zero0..zero3   DeepSpeed's own engine (``deepspeed_engine.py``), built by the same code as the
+               estimate's: ``measure/deepspeed.py`` (``vramledger measure`` runs it there)
 =============  ==============================================================================
 """
 
@@ -47,7 +47,7 @@ def wrap_real(model: nn.Module, spec: TrainingSpec, precision_name: str) -> nn.M
         return apply_inner_parallelism(model, build_mesh(spec, device), spec, [], precision_name)
     if spec.parallelism.is_ddp:
         return DistributedDataParallel(model)
-    if spec.parallelism.shards_params:
+    if spec.parallelism.is_fsdp:
         device = "cuda" if next(model.parameters()).is_cuda else "cpu"
         mesh = init_device_mesh(device, (spec.world_size,))
         apply_fully_shard(model, spec, mesh, precision_name)  # as the estimate wraps it

@@ -16,8 +16,14 @@ strategy       memory on each rank                  how it is traced
                partition, fp32 master weights and
                optimizer state of its partition; a
                reduce bucket
-``zero3``,     parameters, gradients and optimizer  FSDP2 ``fully_shard`` on a fake process group
-``fsdp``       state sharded; layers' parameters
+``zero3``      each parameter's even 1/N slice     the same, stage 3 (``DeepSpeedZeroOptimizer_
+               (padded), its gradients' slices,     Stage3``): its own partitioning, its module
+               fp32 master weights and optimizer    hooks that gather and release each module's
+               state of the slices; each module's   parameters, its prefetch and bucket limits
+               parameters gathered for its compute; (``deepspeed_zero3.py``)
+               a reduce bucket
+``fsdp``       parameters, gradients and optimizer  FSDP2 ``fully_shard`` on a fake process group
+               state sharded; layers' parameters
                gathered for their compute
 ``zero1-       full parameters and gradients;       DDP as above, the optimizer (and fp32 master
 torch``        optimizer state (and fp32 master     weights) over this rank's whole parameters
@@ -32,8 +38,13 @@ are host memory too); ``params`` keeps
 sharded parameters there; ``both`` does both. It is applied to the traced timeline by category
 (the copies' staging buffers are not modelled).
 
-Under ZeRO-3/FSDP with master-weight precision (``bf16-master``) the traced fp32 shards are the
-master weights (FSDP2's MixedPrecisionPolicy). ``optimizer`` offload is then DeepSpeed's ZeRO-3
+Under ``zero3`` offload is applied by category as for ZeRO-1/2 (DeepSpeed's own offload path
+needs its CPU Adam extension and pinned memory, which a fake trace cannot run): ``optimizer``
+moves the fp32 partition, the optimizer state and the gradient slices to the host, ``params``
+the bf16 parameter slices.
+
+Under FSDP (``fsdp``) with master-weight precision (``bf16-master``) the traced fp32 shards are
+the master weights (FSDP2's MixedPrecisionPolicy). ``optimizer`` offload is then DeepSpeed's ZeRO-3
 ``offload_optimizer`` layout (FSDP2 has no optimizer-only offload): the fp32 shards in host
 memory with the optimizer state, and a half-precision copy of each shard on the GPU
 (DeepSpeed's ``fp16_partitioned_groups``). ``both`` is FSDP2's CPUOffloadPolicy: the fp32
@@ -74,9 +85,9 @@ CPUOffloadPolicy): the step's temporaries (and fp32 copies of the gradients) are
 
 
 def master_shard_fraction(parallelism: Parallelism, precision: PrecisionPolicy) -> float | None:
-    """Under ZeRO-3/FSDP with master-weight precision: the bytes of a half-precision copy of a
+    """Under FSDP2 with master-weight precision: the bytes of a half-precision copy of a
     shard per byte of its fp32 shard (``apply_offload``'s ``half_shard_fraction``); else None."""
-    if not parallelism.shards_params or not precision.master_weights:
+    if not parallelism.is_fsdp or not precision.master_weights:
         return None
     return half_shard_fraction(precision.param_dtype.itemsize)
 
@@ -92,8 +103,8 @@ def apply_offload(
     """Mark what ``offload`` keeps in host memory. Returns the half-precision copies it added
     (copy's sid -> its shard's sid), each of ``half_shard_fraction`` of its shard's bytes.
 
-    ``half_shard_fraction``: the traced sharded parameters are fp32 master weights (ZeRO-3 or
-    FSDP with master-weight precision); ``optimizer`` offload moves them to the host and keeps a
+    ``half_shard_fraction``: the traced sharded parameters are fp32 master weights (FSDP2 with
+    master-weight precision); ``optimizer`` offload moves them to the host and keeps a
     half-precision copy of that fraction of their bytes (2/4 for bf16) on the GPU."""
     copies: dict[int, int] = {}
     if half_shard_fraction is not None and offload == "optimizer":

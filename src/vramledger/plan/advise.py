@@ -215,8 +215,8 @@ def candidate_changes(spec: TrainingSpec) -> list[Change]:
     if spec.world_size > 1 and spec.parallelism.upgrades_to_zero3:
         changes.append(
             Change(
-                name="ZeRO-3 / FSDP",
-                fields={"strategy": "zero3"},
+                name="ZeRO-3" if spec.parallelism.is_deepspeed else "FSDP",
+                fields={"strategy": "zero3" if spec.parallelism.is_deepspeed else "fsdp"},
                 description="shard parameters too",
             )
         )
@@ -385,7 +385,7 @@ def advise(
 
 
 def _more_gpus(spec: TrainingSpec, budget: _Budget, max_gpus: int) -> Change | None:
-    """The fewest GPUs on which the step fits with ZeRO-3 (FSDP2), nothing else changed, found
+    """The fewest GPUs on which the step fits with FSDP2, nothing else changed, found
     by doubling and bisecting with re-estimates (memory per GPU does not grow with the count)."""
     if spec.parallelism.offloads and spec.parallelism.is_single:
         return None
@@ -395,7 +395,7 @@ def _more_gpus(spec: TrainingSpec, budget: _Budget, max_gpus: int) -> Change | N
     def at(n: int) -> Ledger:
         if n not in tried:
             tried[n] = estimate(
-                replace(spec, world_size=n, strategy="zero3", nodes=None, gpus_per_node=None)
+                replace(spec, world_size=n, strategy="fsdp", nodes=None, gpus_per_node=None)
             )
         return tried[n]
 
@@ -416,8 +416,8 @@ def _more_gpus(spec: TrainingSpec, budget: _Budget, max_gpus: int) -> Change | N
             lo = mid + 1
     ledger = at(hi)
     return Change(
-        name=f"{hi} GPUs with ZeRO-3 / FSDP",
-        fields={"world_size": hi, "strategy": "zero3"},
+        name=f"{hi} GPUs with FSDP",
+        fields={"world_size": hi, "strategy": "fsdp"},
         description=f"shard parameters, gradients and state over {hi} GPUs (fewest that fit)",
         peak_bytes=device_peak(ledger),
         saves_bytes=None,

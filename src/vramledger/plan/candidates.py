@@ -15,10 +15,11 @@ RECOMPUTE_FRACTION = 1 / 3
 """Activation checkpointing recomputes the forward pass: about a third more compute."""
 NUMERICS = {"bf16-true": "bf16 weights and optimizer state, no fp32 master copy"}
 """Precision modes that change what training computes beyond mixed precision's usual rounding."""
-PLANNED_STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "zero3")
-"""Strategies the plan searches: fsdp is zero3's layout under another name, and PyTorch's
-whole-parameter ZeroRedundancyOptimizer (zero1-torch) never holds less than DeepSpeed's even
-ZeRO-1 partition."""
+PLANNED_STRATEGIES: tuple[str, ...] = ("none", "ddp", "zero1", "zero2", "fsdp")
+"""Strategies the plan searches: sharded parameters are FSDP2's (DeepSpeed's ZeRO-3, ``zero3``,
+is estimated but not derived, ``derive.py``), and PyTorch's whole-parameter
+ZeroRedundancyOptimizer (zero1-torch) never holds less than DeepSpeed's even ZeRO-1
+partition."""
 PLANNED_OFFLOADS = ("none", "optimizer")
 STRATEGY_RANK = {s: i for i, s in enumerate(PLANNED_STRATEGIES)}
 
@@ -123,7 +124,7 @@ def costs(
         "ddp": 2 * grads,
         "zero1": 2 * grads + parameter_bytes,
         "zero2": 2 * grads,
-        "zero3": 3 * parameter_bytes,
+        "fsdp": 3 * parameter_bytes,
     }[config.strategy]
     if config.gpus == 1:
         comm = 0

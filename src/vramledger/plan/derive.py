@@ -16,7 +16,7 @@ usual:
 - ``zero1-torch``: master weights, optimizer state and the optimizer step's temporaries (the
   fp32 gradients of a master-weight step among them) divided over the ranks (the mean rank:
   ZeroRedundancyOptimizer's whole-parameter partition is uneven); plus DDP's buckets;
-- ``zero3``/``fsdp``: FSDP2's layout — parameters, gradients and optimizer state divided;
+- ``fsdp``: FSDP2's layout — parameters, gradients and optimizer state divided;
   under master-weight precision the fp32 master weights are the shards, the gradients are
   reduce-scattered in fp32 into them (no fp32 gradient copies in the step) and the
   half-precision parameters exist only gathered; plus the working set FSDP gathers during the
@@ -24,6 +24,9 @@ usual:
   between the passes), two blocks' parameters (the one computing and the one prefetched) and
   one block's fp32 gradients being reduce-scattered;
 - offload: the offloaded categories in host memory (``apply_offload``, as ``estimate`` does).
+
+DeepSpeed's ZeRO-3 (``zero3``) is not derived: the planner searches FSDP2 for sharded
+parameters (``candidates.PLANNED_STRATEGIES``), and ``estimate`` traces ZeRO-3 itself.
 
 This is an approximation of what ``estimate`` traces with the real engines (it ignores FSDP's
 shard padding and when exactly FSDP gathers and frees; under ZeRO-1/2 DeepSpeed's fused Adam on
@@ -111,6 +114,8 @@ def derive_layout(
     needed (and the layout valid only there) for DeepSpeed's ZeRO-1/2."""
     n = world_size
     parallelism = Parallelism(strategy=strategy)
+    if parallelism.is_deepspeed_zero3:
+        raise ValueError("DeepSpeed ZeRO-3's layout is not derived: estimate it, or derive fsdp")
     if not parallelism.rank_independent and n is None:
         raise ValueError(f"{strategy}'s layout depends on the rank count: give world_size")
     out = tl.copy()
@@ -137,7 +142,7 @@ def derive_layout(
     stage = parallelism.deepspeed_stage
     if stage and n is not None and n > 1:  # ZeRO's partition (zero0 keeps everything whole)
         extra += _deepspeed_layout(out, facts, stage, n)
-    if parallelism.shards_params:
+    if parallelism.is_fsdp:
         if Category.MASTER_WEIGHTS in out.tags:
             _fsdp_master_layout(out, facts)
             copy_fraction = half_shard_fraction(facts.parameter_itemsize)

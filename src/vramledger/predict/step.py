@@ -1,8 +1,8 @@
 """``estimate``: the peak memory of a training step, predicted by tracing it on fake tensors.
 
-On several ranks, each distinct rank is traced once (ranks are symmetric under DDP and FSDP;
-ZeRO-1/2's partitions differ) and the worst rank's ledger is returned with all of them in
-``ranks``.
+On several ranks, each distinct rank is traced once (ranks are symmetric under DDP, FSDP and
+DeepSpeed's ZeRO-3; ZeRO-1/2's partitions differ) and the worst rank's ledger is returned with
+all of them in ``ranks``.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def rank_groups(spec: TrainingSpec) -> list[list[int]]:
 def _engine(spec: TrainingSpec, rank: int = 0) -> Any:
     """The pipeline engine (rank ``rank``'s stages) when the layers are split into stages; the
     N-D mesh's engine when the model is split (tensor, context, expert parallel);
-    DeepSpeed's engine for zero0/zero1/zero2; torch.distributed's for the others."""
+    DeepSpeed's engine for zero0..zero3; torch.distributed's for the others."""
     if spec.pp > 1:
         return PipelineParallel(spec, rank)
     if uses_mesh(spec):
