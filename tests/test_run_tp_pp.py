@@ -10,10 +10,12 @@ tests/test_run_ranks.py: `EXACT_BYTES` per rank, widened by gloo's window
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 
 from vramledger.inputs.categories import Category
-from vramledger.predict.program import run_program
+from vramledger.predict.program import ProgramReport, run_program
 
 from .gloo_noise import largest_transient_collective
 from .test_run_ranks import _per_rank, _spec, assert_every_rank_equals_its_real_process
@@ -58,11 +60,18 @@ def test_tensor_parallel_program_is_tp():
     assert "2-rank device mesh" in note
 
 
+@functools.cache
+def _pipeline_inferred() -> ProgramReport:
+    """``run --nproc-per-node 2 --target cpu`` of pp_torchrun.py as written (no rank gives
+    shapes), made once for the two tests below that read it (the report is not changed)."""
+    return run_program(_spec("pp_torchrun", nproc_per_node=2), target="cpu")
+
+
 def test_pipeline_program_gives_each_stage_its_ledger():
     """Two stages, two ledgers: each rank's receive buffers are pipeline_buffers, the strategy
     says 'pp', and the notes say how the stages learnt their shapes (inferred: sent from the
     previous stage's trace)."""
-    report = run_program(_spec("pp_torchrun", nproc_per_node=2), target="cpu")
+    report = _pipeline_inferred()
     data = report.to_dict()
     assert data["strategy"] == "pp"
     assert [r["rank_ids"] for r in data["ranks"]] == [[0], [1]]
@@ -87,7 +96,7 @@ def test_pipeline_vote_changed_by_a_later_rank_is_retraced():
             target="cpu",
         )
     )
-    inferred = _per_rank(run_program(_spec("pp_torchrun", nproc_per_node=2), target="cpu"))
+    inferred = _per_rank(_pipeline_inferred())
     for rank in (0, 1):
         note = next(n for n in mixed[rank].notes if n.startswith("pipelining"))
         assert "(DYNAMIC)" in note, rank

@@ -29,6 +29,7 @@ from vramledger.parallel.pipeline import (
     pipeline_rank_groups,
     whole_model_parameters,
 )
+from vramledger.trace.core.cpu_scratch import ScratchCache
 from vramledger.trace.core.fake import trace
 from vramledger.trace.core.values import CONCRETE_ROUTINGS
 from vramledger.trace.emulation.target_policy import policy_for
@@ -62,11 +63,12 @@ def estimate(
     if gpu is not None:
         warnings += precision_warnings(gpu, spec.precision)
     groups = rank_groups(spec)
+    scratch = ScratchCache()  # CPU kernels probed once for all the ranks traced here
     ledgers = [
         (
             r,
             replace(
-                _estimate_rank(spec, r[0], notes, blocks_verified),
+                _estimate_rank(spec, r[0], notes, blocks_verified, scratch),
                 mesh_coords=mesh_coords(r[0], spec),
             ),
         )
@@ -133,19 +135,24 @@ def _engine(spec: TrainingSpec, rank: int = 0) -> Any:
 
 
 def _estimate_rank(
-    spec: TrainingSpec, rank: int, notes: list[str], blocks_verified: bool = False
+    spec: TrainingSpec,
+    rank: int,
+    notes: list[str],
+    blocks_verified: bool = False,
+    scratch: ScratchCache | None = None,
 ) -> Ledger:
     """One rank's ledger. When the memory depends on how an MoE router routes (a value-dependent
     operator read the routing), every routing is traced and the answer is the asked one's —
     the largest for ``worst`` — with each routing's peak in ``moe_routing_peaks``."""
     first = spec.moe_routing if spec.moe_routing in CONCRETE_ROUTINGS else "balanced"
-    ledger, dependent = _trace_ledger(spec, rank, notes, first, blocks_verified)
+    ledger, dependent = _trace_ledger(spec, rank, notes, first, blocks_verified, scratch)
     if not dependent:
         return ledger
     ledgers = {first: ledger}
     for routing in CONCRETE_ROUTINGS:
         if routing not in ledgers:
-            ledgers[routing] = _trace_ledger(spec, rank, notes, routing, blocks_verified)[0]
+            traced, _ = _trace_ledger(spec, rank, notes, routing, blocks_verified, scratch)
+            ledgers[routing] = traced
     peaks = {r: ledgers[r].allocated_peak_bytes for r in CONCRETE_ROUTINGS}
     chosen = max(peaks, key=peaks.get) if spec.moe_routing == "worst" else first
     band = ", ".join(f"{r} {format_bytes(b)}" for r, b in peaks.items())
@@ -159,9 +166,14 @@ def _estimate_rank(
 
 
 def _trace_ledger(
-    spec: TrainingSpec, rank: int, notes: list[str], routing: str, blocks_verified: bool = False
+    spec: TrainingSpec,
+    rank: int,
+    notes: list[str],
+    routing: str,
+    blocks_verified: bool = False,
+    scratch: ScratchCache | None = None,
 ) -> tuple[Ledger, dict[str, str]]:
-    policy = policy_for(spec)
+    policy = policy_for(spec, scratch)
     result = trace(
         spec,
         policy,

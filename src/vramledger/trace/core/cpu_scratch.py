@@ -16,6 +16,7 @@ and named in the notes.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
@@ -107,11 +108,25 @@ def _known(values: Any, a: Any) -> Any:
     return tree_map_only(torch.Tensor, lambda t: values.value(t).clone(), a)
 
 
-class CpuScratchProbe:
-    """An op observer that adds the measured internal scratch of CPU kernels."""
+@dataclass
+class ScratchCache:
+    """The probes of one estimate, shared by its traces: its ranks (and MoE routings) run the
+    same kernels on the same shapes in the same process, so a kernel another of its traces
+    probed is not run again. Keys are :func:`_key`'s."""
 
-    def __init__(self) -> None:
-        self.cache: dict[tuple[Any, ...], int] = {}
+    scratch: dict[tuple[Any, ...], int] = field(default_factory=dict)
+    """Probed scratch bytes (0 for operators not probed)."""
+    too_large: dict[tuple[Any, ...], str] = field(default_factory=dict)
+    """Keys whose probe was skipped (over ``PROBE_LIMIT_BYTES``): the operator, for each
+    trace's notes."""
+
+
+class CpuScratchProbe:
+    """An op observer that adds the measured internal scratch of CPU kernels. ``cache``: the
+    probes of the estimate's other traces (:class:`ScratchCache`); a fresh one when not given."""
+
+    def __init__(self, cache: ScratchCache | None = None) -> None:
+        self.cache = ScratchCache() if cache is None else cache
         self.skipped: set[str] = set()
 
     def __call__(
@@ -131,13 +146,21 @@ class CpuScratchProbe:
             and all(values.known(t) for t in tensor_leaves([*args, *kwargs.values()]))
         ):
             scratch = self._probe(func, args, kwargs, out, partial(_known, values))
-            if scratch > 0:
+            if scratch is None:
+                self.skipped.add(str(func))
+            elif scratch > 0:
                 tracker.add_transient(scratch, f"{func} CPU kernel scratch")
             return
         key = _key(func, args, kwargs)
-        if key not in self.cache:
-            self.cache[key] = self._probe(func, args, kwargs, out) if probed(func, args) else 0
-        scratch = self.cache[key] - held_wrapped_bytes(func, args)
+        cache = self.cache
+        if key not in cache.scratch:
+            probe = self._probe(func, args, kwargs, out) if probed(func, args) else 0
+            if probe is None:
+                cache.too_large[key] = str(func)
+            cache.scratch[key] = probe or 0
+        if key in cache.too_large:  # noted by every trace that runs it
+            self.skipped.add(cache.too_large[key])
+        scratch = cache.scratch[key] - held_wrapped_bytes(func, args)
         if scratch > 0:
             tracker.add_transient(scratch, f"{func} CPU kernel scratch")
 
@@ -148,7 +171,9 @@ class CpuScratchProbe:
         kwargs: dict[str, Any],
         out: Any,
         real: Callable[[Any], Any] = _real,
-    ) -> int:
+    ) -> int | None:
+        """The kernel's scratch bytes; None when the probe would need more than
+        ``PROBE_LIMIT_BYTES`` of real memory (not run)."""
         outs = [
             o
             for o in (out if isinstance(out, (tuple, list)) else (out,))
@@ -157,8 +182,7 @@ class CpuScratchProbe:
         needed = sum(_tensor_bytes(a) for a in tensor_leaves([*args, *kwargs.values()]))
         needed += sum(_tensor_bytes(o) for o in outs)
         if needed > PROBE_LIMIT_BYTES:
-            self.skipped.add(str(func))
-            return 0
+            return None
         if torch._C._functorch.maybe_current_level() is not None:
             # inside vmap (transformers' mask functions): the tensors are functorch wrappers,
             # which a probe cannot copy; these are index arithmetic, no kernel scratch

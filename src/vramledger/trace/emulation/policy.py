@@ -17,7 +17,7 @@ import torch
 
 from vramledger.inputs.optimizers import OptimizerChoice
 from vramledger.record.allocator import CPU_ALLOCATOR, AllocatorModel
-from vramledger.trace.core.cpu_scratch import CpuScratchProbe
+from vramledger.trace.core.cpu_scratch import CpuScratchProbe, ScratchCache
 from vramledger.trace.core.tracker import OpObserver
 
 
@@ -52,8 +52,8 @@ class DevicePolicy:
 class CpuPolicy(DevicePolicy):
     name = "cpu"
 
-    def __init__(self) -> None:
-        self._probe = CpuScratchProbe()
+    def __init__(self, scratch_cache: ScratchCache | None = None) -> None:
+        self._probe = CpuScratchProbe(scratch_cache)
 
     def op_observer(self) -> OpObserver | None:
         return self._probe

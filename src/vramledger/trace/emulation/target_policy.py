@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from vramledger.inputs.gpus import Gpu, modelled_compute_capability
+from vramledger.trace.core.cpu_scratch import ScratchCache
 from vramledger.trace.emulation.cuda_policy import CudaPolicy
 from vramledger.trace.emulation.policy import CpuPolicy, DevicePolicy
 
@@ -22,13 +23,15 @@ class Target(Protocol):
     def gpu_kind(self) -> Gpu | None: ...
 
 
-def policy_for(spec: Target | str) -> DevicePolicy:
+def policy_for(spec: Target | str, scratch_cache: ScratchCache | None = None) -> DevicePolicy:
     """The decisions of ``spec``'s target: on CUDA those of its GPU's compute capability
     (``spec.gpu``; 9.0 when none is given, said in the notes; AMD GPUs are refused). A bare
-    target name (``measure``'s real device) gets the default."""
+    target name (``measure``'s real device) gets the default. ``scratch_cache``: on CPU, the
+    kernel scratch already probed by the other traces of the same estimate
+    (``trace/core/cpu_scratch.py``)."""
     target = spec if isinstance(spec, str) else spec.target
     if target != "cuda":
-        return CpuPolicy()
+        return CpuPolicy(scratch_cache)
     gpu = None if isinstance(spec, str) else spec.gpu_kind()
     if gpu is None:
         return CudaPolicy()
