@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from vramledger.inputs.host_cpu import THREAD_VARIABLES
+
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -34,6 +36,22 @@ def _piped_output(monkeypatch):
     (set by some terminals, and by pytest-xdist's workers) would wrap the CLI's lines. A test
     that needs a width sets it."""
     monkeypatch.delenv("COLUMNS", raising=False)
+
+
+@pytest.fixture(autouse=True)
+def _threads_kept():
+    """No test leaves the process's intra-op thread count (or the variables that set it in the
+    processes it spawns) changed: later tests' CPU kernel scratch, estimated and real, depends on
+    it (``trace/core/cpu_scratch.py``), so a leak makes them depend on which tests ran before on
+    their worker."""
+    import torch
+
+    before = (torch.get_num_threads(), *(os.environ.get(n) for n in THREAD_VARIABLES))
+    yield
+    after = (torch.get_num_threads(), *(os.environ.get(n) for n in THREAD_VARIABLES))
+    assert after == before, (
+        f"the test changed the threads (count, {THREAD_VARIABLES}): {before} -> {after}"
+    )
 
 
 @pytest.fixture

@@ -69,3 +69,29 @@ def test_measure_under_torchrun_reports_every_rank():
     assert all(
         r["measured_peak_bytes"] > 0 and r["tracked_peak_bytes"] > 0 for r in data["ranks_measured"]
     )
+
+
+def _report_threads(rank, world, queue):
+    import torch
+
+    queue.put((rank, torch.get_num_threads()))
+
+
+def test_real_processes_run_with_the_callers_thread_count():
+    """The estimate measures CPU kernels' scratch with this process's thread count
+    (trace/core/cpu_scratch.py); the real processes it is compared with take the same, not a
+    fresh interpreter's default. On this 2-core VM the GPipe case's rank 0 is predicted 20,356
+    bytes apart between 1 and 2 threads; a clean-clone CI run on another machine counted 802
+    bytes below that prediction before the processes took the caller's count."""
+    import torch
+
+    from vramledger.measure.local import run_on_local_gloo
+
+    threads = torch.get_num_threads()
+    wanted = 1 if threads > 1 else 2
+    torch.set_num_threads(wanted)
+    try:
+        reported = run_on_local_gloo(2, _report_threads, (), 2)
+    finally:
+        torch.set_num_threads(threads)
+    assert sorted(reported) == [(0, wanted), (1, wanted)]

@@ -468,3 +468,15 @@ def test_a_default_device_taken_from_an_emulated_tensor(capsys):
     assert any("with torch.device(...)" in n and f"{program}:{line}" in n for n in on_cpu.notes), (
         on_cpu.notes
     )
+
+
+def test_a_programs_thread_count_and_environment_do_not_outlive_its_run(monkeypatch):
+    """A program that sets its threads and ``OMP_NUM_THREADS`` runs with them, and leaves the
+    process as it found it: the next trace's CPU kernels (their scratch depends on the thread
+    count, trace/core/cpu_scratch.py) and the real processes spawned later would take them."""
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    report = run_program(_spec("sets_threads"), target="cpu")
+    assert report.steps == 2
+    assert torch.get_num_threads() == threads
+    assert "OMP_NUM_THREADS" not in os.environ

@@ -121,6 +121,27 @@ def test_gpus_of_one_compute_capability_share_a_key_and_others_do_not():
     assert key_of(spec) != key_of(replace(spec, gpu="a100-80gb"))
 
 
+def test_a_cpu_targets_key_holds_the_thread_count_and_kernel_choice(monkeypatch):
+    """The CPU kernels' scratch is measured in the estimating process, and depends on its
+    intra-op thread count and on oneDNN's instruction-set cap (trace/core/cpu_scratch.py): a
+    trace made under other settings is not reused. A GPU target's is."""
+    import torch
+
+    spec = TrainingSpec(model=TINY, target="cpu")
+    gpu = TrainingSpec(model=TINY, gpu="h100-80gb")
+    before, before_gpu = key_of(spec), key_of(gpu)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)
+        assert key_of(spec) != before
+        assert key_of(gpu) == before_gpu
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert key_of(spec) != before
+    assert key_of(gpu) == before_gpu
+
+
 def test_code_is_not_cached():
     assert key_of(TrainingSpec(model=fixture("models.py") + ":tiny_mlp")) is None
     assert key_of(TrainingSpec(model=TINY, optimizer="mypackage.optim.Fancy")) is None
@@ -302,6 +323,13 @@ def test_the_answer_key_sees_the_files_and_refuses_code(tmp_path):
     assert answer_key(["estimate", fixture("models.py") + ":tiny_mlp"]) is None
     assert answer_key(["estimate", str(config), "--html", "x.html"]) is None
     assert answer_key(["measure", str(config)]) is None
+    question = ["estimate", str(config), "--target", "cpu"]
+    for name in ("OMP_NUM_THREADS", "ONEDNN_MAX_CPU_ISA"):  # a CPU target's kernel scratch
+        with pytest.MonkeyPatch.context() as env:
+            env.delenv(name, raising=False)
+            before = answer_key(question)
+            env.setenv(name, "1")
+            assert answer_key(question) != before
 
 
 def test_a_replayed_answer_says_so_and_gives_this_calls_time(cache_on, capsys):

@@ -53,6 +53,7 @@ from vramledger.inputs.cache import (
 )
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.gpus import asked_gpu
+from vramledger.inputs.host_cpu import CPU_KERNEL_VARIABLES, THREAD_VARIABLES
 from vramledger.inputs.verdict import check_gpu_options
 from vramledger.ledger.ledger import Ledger
 from vramledger.ledger.ledger_record import ledger_from_record, ledger_record
@@ -74,9 +75,12 @@ ENVIRONMENT = (
     "TTY_INTERACTIVE",
     "HF_HUB_OFFLINE",
     "HF_HOME",
+    *THREAD_VARIABLES,
+    *CPU_KERNEL_VARIABLES,
 )
 """Environment variables that change an answer or how it is drawn (rich reads the terminal
-ones); every ``VRAMLEDGER_*`` variable but the cache's own is in the key too."""
+ones; the thread counts and the kernels' instruction sets change a CPU target's kernel scratch,
+``trace/core/cpu_scratch.py``); every ``VRAMLEDGER_*`` variable but the cache's own is in the key too."""
 
 ANSWERS = Store("answers")
 

@@ -7,7 +7,10 @@ per-rank predictions against real runs.
 Each rank reports its tracked peak (the storage tracker, the estimate's categories) and the
 allocator's own count (``measured_peak_bytes``: on CPU ``cpu_allocator_count``, every thread).
 The processes are spawned (fresh interpreters), so a case is a dict of ``TrainingSpec`` fields
-and the function a rank runs is a module-level function.
+and the function a rank runs is a module-level function. Each runs with the caller's intra-op
+thread count: a CPU kernel's scratch depends on it (``trace/core/cpu_scratch.py``), and a fresh
+interpreter would take torch's default instead, which is not the caller's when anything in the
+caller changed it (then its estimate and the real run pick different kernels).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -63,7 +67,10 @@ def run_on_local_gloo(
     queue = ctx.Queue()
     port = free_port()
     procs = [
-        ctx.Process(target=_rank_main, args=(rank, world, port, work, tuple(args), queue))
+        ctx.Process(
+            target=_rank_main,
+            args=(rank, world, port, torch.get_num_threads(), work, tuple(args), queue),
+        )
         for rank in range(world)
     ]
     for p in procs:
@@ -89,9 +96,16 @@ def run_on_local_gloo(
 
 
 def _rank_main(
-    rank: int, world: int, port: int, work: RankWork, args: tuple[Any, ...], queue: Any
+    rank: int,
+    world: int,
+    port: int,
+    threads: int,
+    work: RankWork,
+    args: tuple[Any, ...],
+    queue: Any,
 ) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         work(rank, world, queue, *args)

@@ -11,6 +11,10 @@ Both drivers run their code under the same environment, in the same order:
 4. the regions ``compile/compiled.py`` models as Inductor runs them;
 5. the storage tracker, built from the same options (:func:`tracker_options`).
 
+The process's intra-op thread count is restored when the session ends: a program may set it
+(Lightning's and accelerate's CPU launchers, torchtune's offload recipes do), and the CPU
+kernels' scratch the next trace measures depends on it (``core/cpu_scratch.py``).
+
 What differs is only the driver's own: the estimate's batch and Hugging Face value patches and
 its attention record (``inner``, entered between 3 and 5), the program's CUDA emulation and
 phase hooks (entered by it inside the session). The notes of what the tracker answered are
@@ -67,6 +71,7 @@ def trace_session(
     """The environment of a traced run (module docstring): ``inner`` is entered inside the
     policy and the eager stance, just before the tracker."""
     with contextlib.ExitStack() as stack:
+        stack.callback(torch.set_num_threads, torch.get_num_threads())
         stack.enter_context(policy.context())
         stack.enter_context(noop_conversions())
         stack.enter_context(untracked_sharding_propagation())

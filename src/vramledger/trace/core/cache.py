@@ -7,7 +7,8 @@ fails on a name that is neither). Files the spec names (the model's config.json 
 DeepSpeed or accelerate config, a LoRA adapter folder) enter by their contents. A spec that
 names code (``FILE.py:FUNCTION``, a module object, a callable, an optimizer class from a package
 whose version is not in the fingerprint) is not cached: its code can change under the same
-name. Beside the spec: the device policy (its target and compute capability), the engine, the
+name. Beside the spec: the device policy (its target and compute capability, and on the CPU the
+thread count and instruction sets its kernels' scratch was measured with), the engine, the
 rank, the MoE routing and the block-extension switches ``trace`` takes. The versions of every
 package whose code runs in a trace, and vramledger's own files, are in the entry's fingerprint.
 
@@ -78,6 +79,7 @@ def trace_key(
             type(policy).__qualname__,
             policy.name,
             list(getattr(policy, "compute_capability", ()) or ()),
+            *policy.conditions(),
         ],
         "engine": f"{type(engine).__module__}.{type(engine).__qualname__}",
         "extend_blocks": extend_blocks,

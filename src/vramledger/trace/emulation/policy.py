@@ -11,10 +11,13 @@ themselves (``cpu_scratch.py``).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
+from vramledger.inputs.host_cpu import CPU_KERNEL_VARIABLES
 from vramledger.inputs.optimizers import OptimizerChoice
 from vramledger.record.allocator import CPU_ALLOCATOR, AllocatorModel
 from vramledger.trace.core.cpu_scratch import CpuScratchProbe, ScratchCache
@@ -48,6 +51,11 @@ class DevicePolicy:
         """What this policy changed, for the report."""
         return []
 
+    def conditions(self) -> list[Any]:
+        """What of this process, beside the spec, changes the traces under this policy (a
+        trace cache's key, ``core/cache.py``): nothing but the target by default."""
+        return []
+
 
 class CpuPolicy(DevicePolicy):
     name = "cpu"
@@ -60,3 +68,12 @@ class CpuPolicy(DevicePolicy):
 
     def notes(self) -> list[str]:
         return self._probe.notes()
+
+    def conditions(self) -> list[Any]:
+        """The CPU kernels' scratch is measured in this process (``core/cpu_scratch.py``): it
+        depends on the intra-op thread count and the instruction sets the kernels may use."""
+        return [
+            torch.get_num_threads(),
+            torch.backends.cpu.get_cpu_capability(),
+            *(os.environ.get(name) for name in CPU_KERNEL_VARIABLES),
+        ]

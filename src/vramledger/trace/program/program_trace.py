@@ -26,6 +26,7 @@ replay the ledger makes, so what the program prints is the prediction.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -403,12 +404,19 @@ def trace_program(
 
 @contextlib.contextmanager
 def _warnings_kept() -> Iterator[None]:
-    """The program's warnings filters, restored after its run; one of fake tensors' own is
-    silenced: Tensor.__deepcopy__ asks a fake tensor for its data pointer
-    (``copy.deepcopy(model)``)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
-        yield
+    """The program's warnings filters and environment variables, restored after its run (a
+    program's ``os.environ["OMP_NUM_THREADS"] = "1"`` would reach the next trace, and real
+    processes spawned later); one of fake tensors' own warnings is silenced:
+    Tensor.__deepcopy__ asks a fake tensor for its data pointer (``copy.deepcopy(model)``)."""
+    environment = dict(os.environ)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Accessing the data pointer of FakeTensor")
+            yield
+    finally:
+        if dict(os.environ) != environment:
+            os.environ.clear()
+            os.environ.update(environment)
 
 
 def _tracker(
