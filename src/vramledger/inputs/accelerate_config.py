@@ -35,6 +35,7 @@ from typing import Any
 
 from vramledger.inputs.config_flags import check_agrees
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.recipe import resolve
 from vramledger.inputs.spec import TrainingSpec
 
@@ -361,4 +362,4 @@ def apply_accelerate(spec: TrainingSpec) -> tuple[TrainingSpec, list[str]]:
             "bf16); accelerate's autocast around the forward is not traced (parameters are "
             "already bf16; operators autocast runs in fp32 are not)"
         )
-    return updated, notes
+    return updated, [Note(Topic.INPUTS, n) for n in notes]

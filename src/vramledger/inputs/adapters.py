@@ -38,6 +38,7 @@ from torch import nn
 
 from vramledger.inputs.compat import import_tested
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Note, Topic
 
 Quantize = Literal["nf4", "fp4", "int8"]
 QUANTIZE: tuple[str, ...] = Quantize.__args__  # type: ignore[attr-defined]
@@ -478,4 +479,4 @@ def adapter_notes(model: nn.Module) -> list[str]:
                 + ", ".join(fp32)
                 + " (an fp32 norm makes the activations after it fp32)"
             )
-    return notes
+    return [Note(Topic.MODEL, n) for n in notes]

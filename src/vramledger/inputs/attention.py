@@ -33,6 +33,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Note, Topic
 
 IMPLEMENTATIONS = ("sdpa", "eager", "flash_attention_2")
 """``--attn-implementation`` values: transformers' names."""
@@ -180,14 +181,19 @@ def implementation_note(calls: AttentionCalls, built: str | None) -> str | None:
     """What an estimate says about the attention its trace ran (``calls``) in a model built with
     the path ``built`` (:func:`built_implementation`)."""
     if calls.flash:
-        return (
+        return Note(
+            Topic.KERNELS,
             "attention: FlashAttention-2 (flash-attn 2.x) modelled from its code, since it "
             "cannot run here — saves q, k, v, the output and an fp32 logsumexp; backward "
-            "allocates fp32 dq_accum and softmax_d (attention.py)"
+            "allocates fp32 dq_accum and softmax_d (attention.py)",
         )
     if calls.sdpa:
         path = f"transformers' {built} path, " if built is not None else ""
-        return f"attention: {path}torch.nn.functional.scaled_dot_product_attention"
+        return Note(
+            Topic.KERNELS, f"attention: {path}torch.nn.functional.scaled_dot_product_attention"
+        )
     if built == "eager":
-        return "attention: transformers' eager implementation (matmul, softmax, matmul)"
+        return Note(
+            Topic.KERNELS, "attention: transformers' eager implementation (matmul, softmax, matmul)"
+        )
     return None

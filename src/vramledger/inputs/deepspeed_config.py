@@ -23,6 +23,7 @@ from typing import Any
 from vramledger.inputs.config_flags import check_agrees
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.jsonfile import read_json_object
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.spec import TrainingSpec
 
 STAGES = {0: "zero0", 1: "zero1", 2: "zero2", 3: "zero3"}
@@ -184,7 +185,12 @@ def read_deepspeed_config(path: str | Path) -> tuple[dict[str, Any], list[str]]:
             if not isinstance(config[key], int) or config[key] <= 0:
                 raise InputError(f"DeepSpeed config {key} must be a positive integer")
             fields[field] = config[key]
-    notes = [f"from {Path(path).name}: " + ", ".join(f"{k}={v}" for k, v in fields.items())]
+    notes: list[str] = [
+        Note(
+            Topic.INPUTS,
+            f"from {Path(path).name}: " + ", ".join(f"{k}={v}" for k, v in fields.items()),
+        )
+    ]
     return fields, notes
 
 

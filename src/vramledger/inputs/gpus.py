@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.units import format_bytes, parse_bytes
 from vramledger.inputs.version import PACKAGE_DIR
 
@@ -164,4 +165,4 @@ def architecture_notes(cc: tuple[int, int], gpu: str | None) -> list[str]:
             f"PyPI's torch 2.13 wheel (CUDA 13.0) has no kernels for sm{cc[0]}{cc[1]}: this GPU "
             "needs a torch build for CUDA 12.x"
         )
-    return notes
+    return [Note(Topic.TARGET, n) for n in notes]

@@ -25,6 +25,7 @@ from vramledger.inputs.adapters import (
 from vramledger.inputs.checkpointing import checkpoint_modules, enable_hf_checkpointing
 from vramledger.inputs.config_depth import config_depth, shallow_config
 from vramledger.inputs.errors import InputError, TraceError, VramledgerError
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.optimizers import OptimizerChoice, resolve_optimizer
 from vramledger.inputs.precision import PrecisionPolicy, cast_model, dtype_name, precision_policy
 from vramledger.inputs.sources import (
@@ -146,7 +147,7 @@ class Recipe:
                 f"; the config's declared dtype {declared} is how its checkpoint is stored, "
                 "not the training precision"
             )
-        return note
+        return Note(Topic.INPUTS, note)
 
 
 def resolve(spec: TrainingSpec) -> Recipe:

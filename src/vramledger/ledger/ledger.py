@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.notes import records
 from vramledger.inputs.parallelism import engine_of
 from vramledger.inputs.verdict import Verdict
 from vramledger.ledger.peak_modules import ModuleBytes, modules_at_peak, top_modules
@@ -186,6 +187,7 @@ class Ledger:
             "peak_modules": [m.to_dict() for m in top_modules(self.peak_modules, TOP_MODULES)],
             "spec": self.spec,
             "notes": self.notes,
+            "note_records": records(self.notes),
             "seconds": round(self.seconds, 3),
             "moe_routing_peaks": dict(self.moe_routing_peaks),
             "warnings": list(self.warnings),

@@ -16,6 +16,7 @@ from typing import Any
 
 from vramledger.inputs.categories import Category, Phase
 from vramledger.inputs.gpus import Gpu
+from vramledger.inputs.notes import from_records, records
 from vramledger.inputs.verdict import Verdict
 from vramledger.ledger.ledger import Ledger
 from vramledger.ledger.peak_modules import ModuleBytes
@@ -82,7 +83,6 @@ CODECS: dict[str, tuple[Any, Any]] = {
             "optimizer_state_bytes",
             "optimizer_state_method",
             "spec",
-            "notes",
             "seconds",
             "version",
             "world_size",
@@ -94,6 +94,7 @@ CODECS: dict[str, tuple[Any, Any]] = {
             "blocks_extended",
         )
     },
+    "notes": (records, from_records),
     "peak_phase": (lambda p: p.value, Phase),
     "first_step_peak_phase": (lambda p: p.value, Phase),
     "at_peak": (_by_category, _categories),

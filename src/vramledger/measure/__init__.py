@@ -44,12 +44,14 @@ from torch.profiler import profile, record_function
 from vramledger.inputs.categories import CATEGORY_PRIORITY, Category, Phase
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.recipe import count_parameters, module_names, resolve
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.training import NullObserver, assemble
 from vramledger.inputs.version import __version__
 from vramledger.ledger.ledger import Ledger, build_ledger
 from vramledger.measure import cpu_allocator_count
+from vramledger.measure.counting import MEASURED
 from vramledger.measure.deepspeed import measure_deepspeed
 from vramledger.measure.pipeline import measure_pipeline
 from vramledger.parallel.engines import adapt_recipe
@@ -265,13 +267,17 @@ def gather_peaks(value: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-EAGER_TORCHAO = "torchao's compiled optimizer step ran eagerly under the tracker (same arithmetic)"
+EAGER_TORCHAO = Note(
+    Topic.KERNELS,
+    "torchao's compiled optimizer step ran eagerly under the tracker (same arithmetic)",
+)
 
 PLAIN_RUN = "counted in a plain run (no dispatch mode, no tensor subclass active during the step)"
-TRACKED_RUN = (
+TRACKED_RUN = Note(
+    Topic.MEASUREMENT,
     "categories from a separate tracked run of the same step (StorageTracker, a "
     "TorchDispatchMode; autograd's out-of-place branches folded back as trace/core/plain_autograd.py "
-    "models them)"
+    "models them)",
 )
 
 
@@ -347,7 +353,7 @@ def _tracked(spec: TrainingSpec, device: str, per_step: Any = None) -> tuple[Led
         batch = recipe.make_batch(torch_device)
         with tracker:
             run = _assemble(spec, recipe, model, batch, torch_device, observer)
-    notes = ["measured", TRACKED_RUN]
+    notes: list[str] = [MEASURED, TRACKED_RUN]
     # The tracker is a dispatch mode, under which torch.compile cannot run: torchao's compiled
     # optimizer step runs eagerly (same arithmetic; the eager step's temporaries).
     eager = recipe.optimizer.package == "torchao"

@@ -24,6 +24,7 @@ import torch
 
 from vramledger.inputs.categories import Category
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Note, Topic, records
 from vramledger.inputs.optimizers import resolve_optimizer
 from vramledger.inputs.recipe import resolve
 from vramledger.inputs.sources import BatchShape, load_callable
@@ -110,6 +111,7 @@ class Comparison:
             "memory_method": self.memory_method,
             "runs": [r.to_dict() for r in self.runs],
             "notes": self.notes,
+            "note_records": records(self.notes),
             "spec": self.spec,
         }
 
@@ -198,7 +200,12 @@ def compare(
         choice = resolve_optimizer(name, {**spec.optimizer_kwargs, **kwargs})
         eager = device == "cpu" and eager_optimizer_on_cpu and choice.package == "torchao"
         if eager:
-            notes.append(f"{name}: torchao's compiled step ran eagerly on CPU (same arithmetic)")
+            notes.append(
+                Note(
+                    Topic.KERNELS,
+                    f"{name}: torchao's compiled step ran eagerly on CPU (same arithmetic)",
+                )
+            )
         stance = torch.compiler.set_stance("force_eager" if eager else "default")
         with stance:
             runs.append(

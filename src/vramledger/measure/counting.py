@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.notes import Note, Topic, tagged
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.training import NullObserver
 from vramledger.inputs.version import __version__
@@ -75,6 +76,10 @@ DeepSpeedMeasurement = RankMeasurement
 """The former name (DeepSpeed's engine was the first run measured this way)."""
 
 
+MEASURED = Note(Topic.MEASUREMENT, "measured")
+"""The first note of every measured ledger."""
+
+
 def rank_measurement(
     timeline: Timeline,
     counted: dict[tuple[int, str], int],
@@ -94,7 +99,7 @@ def rank_measurement(
         optimizer_state_bytes=timeline.live_at_end(Category.OPTIMIZER_STATE),
         optimizer_state_method="measured",
         spec=spec.summary(),
-        notes=notes,
+        notes=[MEASURED, *tagged(notes, Topic.ENGINE)],
         version=__version__,
     )
     steps: dict[int, int] = {}

@@ -94,7 +94,7 @@ def _measure(spec: TrainingSpec, device: str) -> RankMeasurement:
             return TrackerObserver(tracker)
 
         notes, counts = _deepspeed_steps(spec, recipe, torch_device, None, tracked_observer)
-    return rank_measurement(tracker.close(), counted, spec, device, counts, ["measured", *notes])
+    return rank_measurement(tracker.close(), counted, spec, device, counts, notes)
 
 
 def _deepspeed_steps(

@@ -77,9 +77,7 @@ def measure_pipeline(spec: TrainingSpec, device: str = "cpu") -> RankMeasurement
     gc.collect()
     tracker, rank_engine, stage_counts = steps(tracked=True)
     counts = whole_model_parameters(resolve(spec))  # the ledger counts the whole model
-    run = rank_measurement(
-        tracker.close(), counted, spec, device, counts, ["measured", *rank_engine.notes]
-    )
+    run = rank_measurement(tracker.close(), counted, spec, device, counts, rank_engine.notes)
     ledger = replace(
         run.ledger, mesh_coords=mesh_coords(rank, spec), stage_parameters=stage_counts[0]
     )

@@ -28,6 +28,7 @@ from typing import Any
 from vramledger.inputs.bnb_weights import quantizing_move, real_quantization
 from vramledger.inputs.errors import VramledgerError
 from vramledger.inputs.gpus import resolve_gpu
+from vramledger.inputs.notes import Note, Topic, records, tagged
 from vramledger.inputs.program import (
     ProgramFailed,
     ProgramRun,
@@ -148,6 +149,7 @@ class ProgramMeasurement:
             "step_peaks": {str(k): v for k, v in self.step_peaks.items()},
             "measurement_method": self.method,
             "notes": self.notes,
+            "note_records": records(self.notes),
             "exit_code": self.exit_code,
             "seconds": round(self.seconds, 3),
         }
@@ -194,9 +196,17 @@ def _measure_one(spec: ProgramSpec, gpu: str | None) -> ProgramMeasurement:
         peak_bytes=max(peaks.values(), default=0),
         step_peaks=peaks,
         notes=[
-            "measured: the program ran for real on CPU, 'cuda' mapped onto the CPU",
-            *([skipped_saves_note(run.skipped_saves)] if run.skipped_saves else []),
-            *([children_note(run.children)] if run.children else []),
+            Note(
+                Topic.MEASUREMENT,
+                "measured: the program ran for real on CPU, 'cuda' mapped onto the CPU",
+            ),
+            *tagged(
+                [
+                    *([skipped_saves_note(run.skipped_saves)] if run.skipped_saves else []),
+                    *([children_note(run.children)] if run.children else []),
+                ],
+                Topic.PROGRAM,
+            ),
         ],
         exit_code=run.exit_code,
         seconds=time.perf_counter() - start,
@@ -218,10 +228,11 @@ def _measure_ranks(spec: ProgramSpec, gpu: str | None, quiet: bool) -> ProgramMe
             raise RankFailed(rank, *failure)
     ranks = sorted((rank, m) for rank, m, _ in items)
     worst_rank, worst = max(ranks, key=lambda item: _steady(item[1]))
-    note = (
+    note = Note(
+        Topic.MEASUREMENT,
         f"{world} ranks on {world} gloo processes on this machine (torchrun's environment; "
         "the program's init_process_group answered by their gloo group), each counted by its "
-        "own allocator"
+        "own allocator",
     )
     return replace(
         worst,

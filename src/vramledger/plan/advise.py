@@ -25,6 +25,7 @@ from vramledger.inputs.categories import MODEL_STATE_CATEGORIES, Category, Phase
 from vramledger.inputs.extras import EXTRAS, installed, optimizer_package
 from vramledger.inputs.gpus import Gpu
 from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.notes import Topic, records, tagged
 from vramledger.inputs.optimizers import resolve_optimizer
 from vramledger.inputs.recipe import resolve
 from vramledger.inputs.spec import TrainingSpec
@@ -115,6 +116,7 @@ class Advice:
             "host_memory_bytes": self.host_memory_bytes,
             "gpus_per_node": self.gpus_per_node,
             "notes": self.notes,
+            "note_records": records(self.notes),
         }
 
 
@@ -379,7 +381,7 @@ def advise(
         first_fit_host_bytes_per_node=(
             host_bytes_per_node(first_fit_ledger, gpus_per_node) if first_fit_ledger else 0
         ),
-        notes=notes,
+        notes=tagged(notes, Topic.PLAN),
         **common,
     )
 

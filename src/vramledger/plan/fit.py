@@ -26,6 +26,7 @@ from typing import Any, Literal
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.gpus import Gpu
 from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.notes import Topic, records, topic_of
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.verdict import DEFAULT_MARGIN, check_margin, verdict
 from vramledger.ledger.ledger import Ledger
@@ -120,6 +121,7 @@ class Fit:
             "workers": self.workers,
             "seconds": round(self.seconds, 2),
             "notes": self.notes,
+            "note_records": records(self.notes),
         }
 
 
@@ -374,7 +376,7 @@ def _answer(
     """The answer (``batch``, ``seq``) of ``sizer``'s configuration with its next size up;
     the kernels its estimate assumed are added to ``notes``."""
     ledger = sizer.ledger(batch, seq)
-    notes += [n for n in ledger.notes if _states_a_kernel(n) and n not in notes]
+    notes += [n for n in ledger.notes if topic_of(n) is Topic.KERNELS and n not in notes]
     nxt = (batch + 1, seq) if maximize == "batch-size" else (batch, seq + seq_step)
     next_ledger = sizer.ledger(*nxt)
     peak = device_peak(ledger)
@@ -432,14 +434,4 @@ def _smallest(sizer: _Sizer, maximize: str, seq_step: int) -> NoFit:
         seq_len=smallest[1],
         reserved_peak_bytes=peak,
         headroom_bytes=verdict(sizer.gpu, peak, sizer.margin).headroom_bytes,
-    )
-
-
-def _states_a_kernel(note: str) -> bool:
-    """A confirming estimate's note on a kernel it assumed (attention path and kernel, fused
-    kernels, compiled regions or eager): each answer says which it rests on."""
-    return (
-        note.startswith(("attention", "eager:", "compiled region"))
-        or " ran as " in note
-        or "fused" in note
     )

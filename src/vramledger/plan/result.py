@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vramledger.inputs.gpus import Gpu
+from vramledger.inputs.notes import records
 from vramledger.plan.candidates import DEFAULT_GPUS_PER_NODE, Candidate
 from vramledger.plan.layouts import LayoutResult
 
@@ -60,5 +61,6 @@ class Plan:
             "estimates": self.estimates,
             "workers": self.workers,
             "notes": self.notes,
+            "note_records": records(self.notes),
             "layouts": {k: [r.to_dict() for r in v] for k, v in self.layouts.items()},
         }

@@ -38,6 +38,7 @@ from vramledger.inputs.config_depth import config_depth
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.gpus import Gpu
 from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.notes import Topic, tagged
 from vramledger.inputs.optimizers import resolve_optimizer
 from vramledger.inputs.recipe import resolve
 from vramledger.inputs.spec import TrainingSpec
@@ -169,7 +170,7 @@ def plan(
             workers=runner.workers or 1,
             host_memory_bytes=host_memory,
             gpus_per_node=gpus_per_node,
-            notes=list(dict.fromkeys(planner.notes)),
+            notes=tagged(dict.fromkeys(planner.notes), Topic.PLAN),
             layouts=layouts,
         )
 

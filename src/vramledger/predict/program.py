@@ -16,6 +16,7 @@ from typing import Any
 
 from vramledger.inputs.categories import Category
 from vramledger.inputs.gpus import Gpu, resolve_gpu
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.program import ProgramSpec
 from vramledger.inputs.torchrun_env import TorchrunRank
 from vramledger.inputs.verdict import DEFAULT_MARGIN, verdict
@@ -135,9 +136,10 @@ TRAINED_ON_HOST = (
 ``trained_on_host_bytes`` is set."""
 
 
-EVERY_BLOCK_PER_RANK = (
+EVERY_BLOCK_PER_RANK = Note(
+    Topic.EXTENT,
     "each rank traced every block of its model (the block extension is not applied to a "
-    "program run as several ranks)"
+    "program run as several ranks)",
 )
 
 
@@ -180,9 +182,10 @@ def _run_rank(
     step_peaks = {k: p.total for k, p in blocks.step_peaks.items() if k >= 1}
     raw = replay(timeline)
     seen = max(raw.step_peaks.values(), key=lambda p: p.total, default=None)
-    notes = [*traced.notes, _ending_note(run.ending, run.steps, spec)]
+    notes = [*traced.notes, Note(Topic.PROGRAM, _ending_note(run.ending, run.steps, spec))]
     if traced.trained_on_host_bytes:
-        notes.insert(0, TRAINED_ON_HOST.format(nbytes=traced.trained_on_host_bytes))
+        trained = TRAINED_ON_HOST.format(nbytes=traced.trained_on_host_bytes)
+        notes.insert(0, Note(Topic.PROGRAM, trained))
     ledger = None
     if timeline.steps >= 2:
         ledger = build_ledger(
@@ -272,9 +275,10 @@ def _ranks_report(spec: ProgramSpec, runs: list[tuple[int, ProgramReport, str]])
         return report.ledger.allocated_peak_bytes if report.ledger else report.peak_bytes
 
     ids, worst = max(distinct, key=size)
-    note = (
+    note = Note(
+        Topic.ENGINE,
         f"every rank of {spec.world_size} traced in turn, each a run of the program in this "
-        f"process; {len(distinct)} distinct (ranks with equal figures share one ledger)"
+        f"process; {len(distinct)} distinct (ranks with equal figures share one ledger)",
     )
     ledger = worst.ledger
     if ledger is not None and all(r.ledger is not None for _, r in distinct):

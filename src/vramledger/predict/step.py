@@ -13,6 +13,7 @@ from typing import Any
 from vramledger.inputs.checks import request_warnings
 from vramledger.inputs.gpus import precision_warnings
 from vramledger.inputs.launch_configs import apply_configs
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.recipe import resolve
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.units import format_bytes
@@ -156,10 +157,11 @@ def _estimate_rank(
     peaks = {r: ledgers[r].allocated_peak_bytes for r in CONCRETE_ROUTINGS}
     chosen = max(peaks, key=peaks.get) if spec.moe_routing == "worst" else first
     band = ", ".join(f"{r} {format_bytes(b)}" for r, b in peaks.items())
-    note = (
+    note = Note(
+        Topic.VALUES,
         f"the peak depends on MoE routing ({', '.join(sorted(dependent))} read the experts' "
         f"token counts): {band}; answered for {chosen}"
-        + (" (the largest: --moe-routing worst)" if spec.moe_routing == "worst" else "")
+        + (" (the largest: --moe-routing worst)" if spec.moe_routing == "worst" else ""),
     )
     answer = ledgers[chosen]
     return replace(answer, notes=[*answer.notes, note], moe_routing_peaks=peaks)

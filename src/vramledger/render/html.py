@@ -15,6 +15,7 @@ from typing import Any
 
 from vramledger.inputs.categories import CATEGORY_PRIORITY, STEP_PHASES
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Topic, topic_of
 from vramledger.inputs.units import format_bytes
 from vramledger.ledger.ledger import TOP_MODULES, Ledger
 from vramledger.ledger.peak_modules import PASS_NAMES, passes_used, top_modules
@@ -59,11 +60,17 @@ def _table(head: list[str], rows: list[list[str]], numeric: set[int] = frozenset
 
 
 def _notes(notes: list[str]) -> str:
+    """The notes under a heading per topic (``inputs/notes.py``), in the topics' order."""
     if not notes:
         return ""
-    return (
-        "<h2>Notes</h2><ul class='notes'>" + "".join(f"<li>{_e(n)}</li>" for n in notes) + "</ul>"
-    )
+    out = ["<h2>Notes</h2>"]
+    for topic in Topic:
+        texts = [n for n in notes if topic_of(n) is topic]
+        if texts:
+            out.append(f"<h3 class='note-topic'>{_e(topic.value)}</h3><ul class='notes'>")
+            out.extend(f"<li>{_e(n)}</li>" for n in texts)
+            out.append("</ul>")
+    return "".join(out)
 
 
 def _breakdown(ledger: Ledger) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from vramledger.inputs.notes import Note, Topic
 from vramledger.record.timeline import Timeline
 from vramledger.trace.compile.compiled import compiled_regions
 from vramledger.trace.core.dtensor_compat import untracked_sharding_propagation
@@ -110,7 +111,10 @@ def tracker_notes(tracker: StorageTracker) -> list[str]:
     notes = list(tracker.plain_branches.notes())
     if tracker.scalars_answered:
         notes.append(
-            "optimizer.step() read scalar values with .item(); fake tensors have none, so "
-            f"{tracker.scalar_answer} was used (scalars never change memory)"
+            Note(
+                Topic.VALUES,
+                "optimizer.step() read scalar values with .item(); fake tensors have none, so "
+                f"{tracker.scalar_answer} was used (scalars never change memory)",
+            )
         )
     return notes

@@ -60,6 +60,7 @@ import torch
 import torch.utils.checkpoint
 from torch.utils._python_dispatch import _disable_current_modes
 
+from vramledger.inputs.notes import Note, Topic
 from vramledger.trace.compile.eager_regions import run_eagerly
 from vramledger.trace.compile.inductor_stub import Active, codegen_only
 from vramledger.trace.core.patched_functions import patched_functions
@@ -68,14 +69,16 @@ METHOD = (
     "Inductor's own generated wrapper (CPU C++ backend) run on the fake inputs with its kernels "
     "left uncompiled: the buffers it allocates and its outputs count, fused intermediates do not"
 )
-CUDA_CAVEAT = (
+CUDA_CAVEAT = Note(
+    Topic.KERNELS,
     "Inductor's CUDA (Triton) backend cannot run on this CPU-only PyTorch, so the CPU backend's "
     "buffer plan stands in for the CUDA kernels' (Triton may fuse a reduction with its epilogue "
-    "and keep fewer full-size buffers: not measured on a GPU)"
+    "and keep fewer full-size buffers: not measured on a GPU)",
 )
-EAGER = (
+EAGER = Note(
+    Topic.KERNELS,
     "eager: no torch.compile region was called in the traced steps (no compiled module, "
-    "function or library region), so every operator is counted as eager PyTorch runs it"
+    "function or library region), so every operator is counted as eager PyTorch runs it",
 )
 """Said where a trace called no compiled region: the answer's other half of "compiled or
 eager", from what the trace ran."""
@@ -103,11 +106,21 @@ class RegionLog:
             names = ", ".join(
                 f"{n} ({len(g)} graph{'s' * (len(g) != 1)})" for n, g in self.graphs.items()
             )
-            out.append(f"compiled regions modelled as Inductor runs them: {names}; {METHOD}")
+            out.append(
+                Note(
+                    Topic.KERNELS,
+                    f"compiled regions modelled as Inductor runs them: {names}; {METHOD}",
+                )
+            )
             if target == "cuda":
                 out.append(CUDA_CAVEAT)
         for name, why in self.eager.items():
-            out.append(f"compiled region {name} could not be modelled, traced eagerly: {why}")
+            out.append(
+                Note(
+                    Topic.KERNELS,
+                    f"compiled region {name} could not be modelled, traced eagerly: {why}",
+                )
+            )
         return out or [EAGER]
 
 

@@ -26,6 +26,7 @@ from typing import Any
 from torch import nn
 
 from vramledger.inputs.gc_pause import gc_paused
+from vramledger.inputs.notes import Note, Topic
 from vramledger.record.timeline import Timeline
 from vramledger.trace.core.block_regions import NotExtensible, Region, find_regions
 
@@ -369,13 +370,15 @@ def extension_note(fqn: str, length: int, *, verified_elsewhere: bool = False) -
     exact on the same run at another data-parallel or tensor-parallel degree, offload setting,
     micro-batch or sequence length."""
     if verified_elsewhere:
-        return (
+        return Note(
+            Topic.EXTENT,
             f"traced {SMALL} of the {length} identical blocks in {fqn} and extended "
             "the timeline to all of them (the extension was verified exact on this run at another "
             "data-parallel or tensor-parallel degree, offload setting, micro-batch or sequence "
-            f"length: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block trace)"
+            f"length: extending its {SMALL}-block trace reproduced its {SMALL + 1}-block trace)",
         )
-    return (
+    return Note(
+        Topic.EXTENT,
         f"traced {SMALL} and {SMALL + 1} of the {length} identical blocks in {fqn} and "
-        "extended the timeline to all of them (verified exact on the smaller pair)"
+        "extended the timeline to all of them (verified exact on the smaller pair)",
     )

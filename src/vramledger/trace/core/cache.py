@@ -29,6 +29,7 @@ from typing import Any
 
 from vramledger.inputs.cache import VERSIONED_PACKAGES, Store, path_fingerprint
 from vramledger.inputs.categories import Category, Phase
+from vramledger.inputs.notes import from_records, records
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.record.timeline import Timeline
 
@@ -144,7 +145,7 @@ def load(key: dict[str, Any] | None, names: set[str], gpu_notes: list[str]) -> d
         values["timeline"] = decode_timeline(values["timeline"])
     except (KeyError, ValueError, TypeError):
         return None
-    values["notes"] = list(dict.fromkeys([*gpu_notes, *values["notes"]]))
+    values["notes"] = list(dict.fromkeys([*gpu_notes, *from_records(values["notes"])]))
     return values
 
 
@@ -154,7 +155,7 @@ def save(key: dict[str, Any] | None, result: Any, gpu_notes: list[str]) -> None:
         return
     values = {f.name: getattr(result, f.name) for f in fields(result)}
     values["timeline"] = encode_timeline(result.timeline)
-    values["notes"] = [n for n in result.notes if n not in gpu_notes]
+    values["notes"] = records(n for n in result.notes if n not in gpu_notes)
     TRACES.put(key, {"result": values})
 
 

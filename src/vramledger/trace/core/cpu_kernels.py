@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from vramledger.inputs.notes import Note, Topic
+
 PYTHON_CPU_KERNELS = {
     "bitsandbytes::optimizer_update_8bit_blockwise": (
         "bitsandbytes.backends.cpu.ops",
@@ -103,16 +105,22 @@ class CpuKernels:
         out = []
         if self.ran:
             out.append(
-                f"{', '.join(sorted(self.ran))} ran as its Python CPU kernel (its temporaries "
-                "recorded), as a CPU run runs it"
+                Note(
+                    Topic.KERNELS,
+                    f"{', '.join(sorted(self.ran))} ran as its Python CPU kernel (its temporaries "
+                    "recorded), as a CPU run runs it",
+                )
             )
         if self.no_outliers:
             out.append(
-                f"LLM.int8's outlier columns ({INT8_QUANT}, {INT8_MIXED_MM}: "
-                f"{self.no_outliers} calls): "
-                "no outlier columns assumed (how many columns exceed the threshold depends on "
-                "values the trace does not have; each outlier column adds a half-precision "
-                "slice of the activation and the weight)"
+                Note(
+                    Topic.VALUES,
+                    f"LLM.int8's outlier columns ({INT8_QUANT}, {INT8_MIXED_MM}: "
+                    f"{self.no_outliers} calls): "
+                    "no outlier columns assumed (how many columns exceed the threshold depends on "
+                    "values the trace does not have; each outlier column adds a half-precision "
+                    "slice of the activation and the weight)",
+                )
             )
         return out
 

@@ -32,6 +32,7 @@ import torch
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_map_only
 
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.sources import tensor_leaves
 from vramledger.record.allocator_events import memory_events, peak_of, recording
 from vramledger.trace.core.tracker import StorageTracker
@@ -225,16 +226,23 @@ class CpuScratchProbe:
         return max(0, peak_of(memory_events(prof)) - kept)
 
     def notes(self) -> list[str]:
-        notes = [
-            f"{op}: CPU kernel scratch not probed (over {PROBE_LIMIT_BYTES // 1024**3} GiB)"
+        notes: list[str] = [
+            Note(
+                Topic.LIMITS,
+                f"{op}: CPU kernel scratch not probed (over {PROBE_LIMIT_BYTES // 1024**3} GiB)",
+            )
             for op in sorted(self.skipped)
         ]
         if self.threads:
             counts = " and ".join(str(n) for n in sorted(self.threads))
+            capability = torch.backends.cpu.get_cpu_capability()
             notes.append(
-                f"CPU kernel scratch measured on this CPU ({torch.backends.cpu.get_cpu_capability()})"
-                f" with {counts} intra-op thread(s) (torch.get_num_threads()); kernels take "
-                "scratch per thread, so a run with another thread count (torchrun sets "
-                "OMP_NUM_THREADS=1 for several processes) takes other amounts"
+                Note(
+                    Topic.KERNELS,
+                    f"CPU kernel scratch measured on this CPU ({capability}) with {counts} "
+                    "intra-op thread(s) (torch.get_num_threads()); kernels take scratch per "
+                    "thread, so a run with another thread count (torchrun sets "
+                    "OMP_NUM_THREADS=1 for several processes) takes other amounts",
+                )
             )
         return notes

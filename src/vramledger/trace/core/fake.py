@@ -18,6 +18,7 @@ from vramledger.inputs.attention import AttentionCalls, built_implementation, im
 from vramledger.inputs.categories import Category
 from vramledger.inputs.config_depth import config_depth
 from vramledger.inputs.errors import InputError, VramledgerError
+from vramledger.inputs.notes import Note, Topic, tagged
 from vramledger.inputs.optimizers import OptimizerChoice
 from vramledger.inputs.recipe import Recipe, count_parameters, module_names, resolve
 from vramledger.inputs.sources import map_tensors
@@ -167,7 +168,7 @@ def _trace(
     recipe = engine.adapt(resolved)
     log = TraceLog(notes=[recipe.dtype_note()])
     if recipe.make_inputs.note:
-        log.notes.append(recipe.make_inputs.note)
+        log.notes.append(Note(Topic.INPUTS, recipe.make_inputs.note))
     notes = log.notes
     choice = stand_in(policy.optimizer(recipe.optimizer), policy.name)
     warm_library_caches(choice)
@@ -185,7 +186,7 @@ def _trace(
         timeline = _run(recipe, choice, model, policy, log, engine, rank=rank)
     else:
         timeline, counts = result
-    notes.extend(engine.finish(timeline, resolved))
+    notes.extend(tagged(engine.finish(timeline, resolved), Topic.ENGINE))
     return TraceResult(
         timeline=timeline,
         model_name=recipe.source.name,
@@ -222,20 +223,25 @@ def _extended(
         try:
             models = {d: recipe.at_depth(d).build_model("meta") for d in (SMALL, SMALL + 1)}
         except InputError as exc:  # an option naming deep blocks only (--freeze 'layers.2?.*')
-            log.notes.append(f"traced every block (the {SMALL}-block model: {exc.message})")
+            log.notes.append(
+                Note(Topic.EXTENT, f"traced every block (the {SMALL}-block model: {exc.message})")
+            )
             return None
         stack = find_block_stack(models[SMALL], min_blocks=SMALL)
         if stack is None or stack.length != SMALL:
             log.notes.append(
-                f"traced every block (the {SMALL}-block model has no list of {SMALL} blocks "
-                "alike in class, parameters and trainability)"
+                Note(
+                    Topic.EXTENT,
+                    f"traced every block (the {SMALL}-block model has no list of {SMALL} blocks "
+                    "alike in class, parameters and trainability)",
+                )
             )
             return None
         uneven = recipe.index_dependent_option(
             models[SMALL], stack.fqn, range(HEAD, max(depth, SMALL + 1))
         )
         if uneven is not None:  # blocks kept as traced (below HEAD) may differ
-            log.notes.append(f"traced every block of {stack.fqn} ({uneven})")
+            log.notes.append(Note(Topic.EXTENT, f"traced every block of {stack.fqn} ({uneven})"))
             return None
         stack = BlockStack(fqn=stack.fqn, length=depth)
     else:
@@ -263,7 +269,7 @@ def _extended(
                 raise NotExtensible("the extended trace differs from the traced one")
             full_timeline = extend(traced[SMALL + 1], SMALL + 1, stack.length, stack.fqn)
     except NotExtensible as exc:
-        log.notes.append(f"traced every block of {stack.fqn} ({exc})")
+        log.notes.append(Note(Topic.EXTENT, f"traced every block of {stack.fqn} ({exc})"))
         return None
     log.notes.append(extension_note(stack.fqn, stack.length, verified_elsewhere=verified))
     return full_timeline, extended_counts(counts[SMALL], counts[SMALL + 1], stack.length)
@@ -385,17 +391,23 @@ def _add_run_notes(
     routing, ``.item()`` in the optimizer), the engine's notes and the plain-path branches."""
     if values.draws:
         notes.append(
-            f"{values.draws} uniform random draws answered at the top of their range: code that "
-            "compares a draw with a probability takes the branch that keeps everything "
-            "(layerdrop keeps every layer, the most memory)"
+            Note(
+                Topic.VALUES,
+                f"{values.draws} uniform random draws answered at the top of their range: code that "
+                "compares a draw with a probability takes the branch that keeps everything "
+                "(layerdrop keeps every layer, the most memory)",
+            )
         )
     if values.routed_ops and not values.routing_dependent:  # else predict.py reports the band
         notes.append(
-            f"MoE routers ({', '.join(sorted(values.routed_ops))}) answered with the "
-            f"{log.routing} routing; the memory does not depend on the routing (no "
-            "value-dependent operator read it)"
+            Note(
+                Topic.VALUES,
+                f"MoE routers ({', '.join(sorted(values.routed_ops))}) answered with the "
+                f"{log.routing} routing; the memory does not depend on the routing (no "
+                "value-dependent operator read it)",
+            )
         )
-    notes.extend(n for n in engine.notes if n not in notes)
+    notes.extend(n for n in tagged(engine.notes, Topic.ENGINE) if n not in notes)
     notes.extend(tracker_notes(tracker))
 
 

@@ -21,6 +21,7 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from vramledger.inputs.notes import Note, Topic
 from vramledger.trace.core.values import KnownValues
 
 
@@ -64,7 +65,11 @@ def hf_known_values_once_imported(values: KnownValues) -> Iterator[Callable[[], 
             utils.is_fake_tensor = original
 
 
-ASSUMPTION = "assumed batches do not pack several sequences per row (transformers' packed-sequence check needs values)"
+ASSUMPTION = Note(
+    Topic.VALUES,
+    "assumed batches do not pack several sequences per row (transformers' packed-sequence check "
+    "needs values)",
+)
 
 
 @contextlib.contextmanager

@@ -25,6 +25,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from vramledger.inputs.categories import Category
 from vramledger.inputs.errors import InputError
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.optimizers import OptimizerChoice
 from vramledger.inputs.sources import tensor_leaves
 from vramledger.inputs.training import optimizer_state_tensors
@@ -39,10 +40,11 @@ BNB_METHOD = (
     "fake tensors); states updated in place"
 )
 OFFLOAD_METHOD = "layout of torchao's CPUOffloadOptimizer (it needs a CUDA device to run)"
-TORCHAO_NOTE = (
+TORCHAO_NOTE = Note(
+    Topic.KERNELS,
     "torchao compiles its per-parameter optimizer step (torch.compile in torchao/optim/adam.py); "
     "state bytes exact, step temporaries as the compiled step makes them (see the compiled "
-    "regions note)"
+    "regions note)",
 )
 
 

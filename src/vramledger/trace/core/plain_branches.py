@@ -46,6 +46,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from vramledger.inputs.notes import Note, Topic
 from vramledger.trace.core.plain_autograd import CHAINS, dense_like
 
 aten = torch.ops.aten
@@ -453,7 +454,10 @@ class PlainBranches:
             else "with a zero, prod_safe_zeros_backward holds no more at that point"
         )
         return [
-            f"prod backward ({self.prod_assumed} call{'s' * (self.prod_assumed != 1)} in the "
-            "trace): assumed the input holds no zero (its values come from parameters, unknown to the trace), "
-            f"so autograd computes grad * (result / input); {more}"
+            Note(
+                Topic.VALUES,
+                f"prod backward ({self.prod_assumed} call{'s' * (self.prod_assumed != 1)} in the "
+                "trace): assumed the input holds no zero (its values come from parameters, unknown to the trace), "
+                f"so autograd computes grad * (result / input); {more}",
+            )
         ]

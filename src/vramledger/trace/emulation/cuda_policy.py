@@ -50,6 +50,7 @@ import torch
 
 from vramledger.inputs.categories import Category, Phase
 from vramledger.inputs.gpus import DEFAULT_COMPUTE_CAPABILITY, architecture_notes
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.optimizers import OptimizerChoice
 from vramledger.inputs.units import format_bytes
 from vramledger.record.allocator import CUDA_CACHING_ALLOCATOR, AllocatorModel
@@ -127,7 +128,11 @@ class CudaPolicy(DevicePolicy):
     def optimizer(self, choice: OptimizerChoice) -> OptimizerChoice:
         user_chose = "foreach" in choice.kwargs or choice.kwargs.get("fused")
         if choice.accepts("foreach") and not user_chose:
-            self._notes.append(f"{choice.cls.__name__}: foreach implementation (CUDA's default)")
+            self._notes.append(
+                Note(
+                    Topic.KERNELS, f"{choice.cls.__name__}: foreach implementation (CUDA's default)"
+                )
+            )
             return choice.with_defaults(foreach=True)
         return choice
 
@@ -183,10 +188,14 @@ class CudaPolicy(DevicePolicy):
         if self._attention_used:
             notes.extend(sdpa_priority_notes(self.compute_capability))
             kernels = ", ".join(ATTENTION_NAMES[b] for b in BACKENDS if b in self._attention_used)
-            notes.append(f"scaled_dot_product_attention ran as {kernels}")
+            notes.append(Note(Topic.KERNELS, f"scaled_dot_product_attention ran as {kernels}"))
             if self._math_reasons:
                 notes.append(
-                    "attention: the math path ran because " + "; ".join(sorted(self._math_reasons))
+                    Note(
+                        Topic.KERNELS,
+                        "attention: the math path ran because "
+                        + "; ".join(sorted(self._math_reasons)),
+                    )
                 )
         return list(dict.fromkeys(notes))
 
@@ -210,11 +219,12 @@ def cublas_note(cc: tuple[int, int], threads: set[str]) -> str:
     """The cuBLAS workspace the trace added, on the threads whose matrix products it ran."""
     workspace = cublas_workspace_bytes(cc)
     config = ":4096:8" if workspace == CUBLAS_WORKSPACE_HOPPER else ":4096:2:16:8"
-    return (
+    return Note(
+        Topic.KERNELS,
         f"cuBLAS workspace {format_bytes(workspace)} per thread that ran a matrix product "
         f"({', '.join(sorted(threads))}; {config}, PyTorch's default "
         f"{'on sm9x/sm10x/sm12x' if workspace == CUBLAS_WORKSPACE_HOPPER else 'below sm90 and on sm11x'}"
-        "; CublasHandlePool.cpp), shared with cuBLASLt"
+        "; CublasHandlePool.cpp), shared with cuBLASLt",
     )
 
 
@@ -245,7 +255,7 @@ def sdpa_priority_notes(cc: tuple[int, int]) -> list[str]:
             f"({FLASH_TRAINING_HEAD_DIM}, {FLASH_TRAINING_HEAD_DIM_NO_DROPOUT}], nor up to "
             f"{FLASH_MAX_HEAD_DIM} with dropout"
         )
-    return notes
+    return [Note(Topic.KERNELS, n) for n in notes]
 
 
 @contextlib.contextmanager

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from vramledger.inputs.notes import Note, Topic
 from vramledger.inputs.program import ProgramFailed, ProgramSpec
 from vramledger.record.timeline import Timeline
 from vramledger.trace.core.blocks import (
@@ -268,9 +269,10 @@ def trace_program_blocks(spec: ProgramSpec, policy: DevicePolicy, gpu: EmulatedG
     parameters, trainable = extended_counts(
         (a.parameters, a.trainable_parameters), (b.parameters, b.trainable_parameters), length
     )
-    note = (
+    note = Note(
+        Topic.EXTENT,
         f"{extension_note(prefix, length)}; what the program printed from torch.cuda is the "
-        f"extended run's; the host tensors listed are the {SMALL + 1}-block run's"
+        f"extended run's; the host tensors listed are the {SMALL + 1}-block run's",
     )
     return replace(
         b,
@@ -290,7 +292,9 @@ def _every_block(
     gates = _Gates("drop")
     with gates.installed():
         c = trace_program(spec, policy, gpu, moves=ShallowModel(None, gates, then="pass"))
-    note = f"traced every one of the {length} blocks of the program's model ({why})"
+    note = Note(
+        Topic.EXTENT, f"traced every one of the {length} blocks of the program's model ({why})"
+    )
     return replace(c, notes=[*c.notes, note])
 
 

@@ -42,6 +42,7 @@ from vramledger.inputs.bnb_weights import EmulatedQuantization
 from vramledger.inputs.categories import Category, Phase
 from vramledger.inputs.checkpoint_shapes import weights_without_data
 from vramledger.inputs.errors import TraceError
+from vramledger.inputs.notes import Note, Topic, tagged
 from vramledger.inputs.offline_hub import offline_hub
 from vramledger.inputs.program import (
     ProgramFailed,
@@ -381,14 +382,14 @@ def trace_program(
         decided=bool(decided),
     )
     if (kept := host_tensors.note()) is not None:
-        notes.append(kept)
+        notes.append(Note(Topic.PROGRAM, kept))
     notes += cpu_kernels.notes()
     if fake_cuda.reports_cuda:
-        notes.append(_gpu_paths_note(tracker, paged, triton))
+        notes.append(Note(Topic.KERNELS, _gpu_paths_note(tracker, paged, triton)))
     if (unified := paged.note()) is not None:
-        notes.append(unified)
+        notes.append(Note(Topic.PROGRAM, unified))
     if (launched := triton.note()) is not None:
-        notes.append(launched)
+        notes.append(Note(Topic.KERNELS, launched))
     return ProgramTrace(
         host_tensors=host_tensors.found,
         unified_memory_bytes=paged.nbytes,
@@ -519,35 +520,49 @@ def _notes(
     notes: list[str] = []
     if decided:
         notes.append(
-            "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)"
+            Note(
+                Topic.KERNELS,
+                "torch.optim optimizers: foreach implementation (CUDA's default for CUDA tensors)",
+            )
         )
     if emulation.autocasts:
         notes.append(
-            f"the program ran torch.autocast('cuda') to {' and '.join(emulation.autocasts)} "
-            f"(as CPU autocast over the emulated tensors, with {policy.name}'s operator lists)"
+            Note(
+                Topic.PROGRAM,
+                f"the program ran torch.autocast('cuda') to {' and '.join(emulation.autocasts)} "
+                f"(as CPU autocast over the emulated tensors, with {policy.name}'s operator "
+                "lists)",
+            )
         )
     if emulation.host_device_contexts:
         notes.append(
-            "the program set the CPU as the default device (with torch.device(...)) at "
-            f"{', '.join(emulation.host_device_contexts)}: tensors made there are host memory "
-            "here; where that device was taken from a GPU tensor (torch.device(x.device)), "
-            "the GPU run makes them on the GPU and this prediction does not count them"
+            Note(
+                Topic.PROGRAM,
+                "the program set the CPU as the default device (with torch.device(...)) at "
+                f"{', '.join(emulation.host_device_contexts)}: tensors made there are host "
+                "memory here; where that device was taken from a GPU tensor "
+                "(torch.device(x.device)), the GPU run makes them on the GPU and this "
+                "prediction does not count them",
+            )
         )
-    notes += world.notes() if world is not None else []
-    notes += shapes.notes()
+    notes += tagged(world.notes() if world is not None else [], Topic.ENGINE)
+    notes += tagged(shapes.notes(), Topic.INPUTS)
     if (built := host.note()) is not None:
-        notes.append(built)
+        notes.append(Note(Topic.PROGRAM, built))
     if (quantized := quantization.note()) is not None:
-        notes.append(quantized)
-    notes += stand_ins.notes()
+        notes.append(Note(Topic.MODEL, quantized))
+    notes += tagged(stand_ins.notes(), Topic.VALUES)
     if values.routed_ops:
         notes.append(
-            f"{', '.join(sorted(values.routed_ops))} over values computed from parameters "
-            "answered with the balanced routing (row r picks (r·k + j) mod n, "
-            "trace/core/values.py)"
+            Note(
+                Topic.VALUES,
+                f"{', '.join(sorted(values.routed_ops))} over values computed from parameters "
+                "answered with the balanced routing (row r picks (r·k + j) mod n, "
+                "trace/core/values.py)",
+            )
         )
     if run.skipped_saves:
-        notes.append(skipped_saves_note(run.skipped_saves))
+        notes.append(Note(Topic.PROGRAM, skipped_saves_note(run.skipped_saves)))
     if run.children:
-        notes.insert(0, children_note(run.children))
+        notes.insert(0, Note(Topic.PROGRAM, children_note(run.children)))
     return notes + tracker_notes(tracker)
