@@ -73,7 +73,7 @@ from vramledger.parallel.deepspeed_runtime import (
     quiet,
     version,
 )
-from vramledger.parallel.deepspeed_zero3 import ZERO3_CHECKS_NOTE, gathers_tagged, rank0_lists_own
+from vramledger.parallel.deepspeed_zero3 import gathers_tagged, rank0_lists_own
 from vramledger.parallel.engines import DataParallel, fake_world
 from vramledger.trace.program.program_trace import STANDS_FOR
 
@@ -265,7 +265,7 @@ def build_run(
                 hint="check the --deepspeed config",
             )
         tag_optimizer_buffers(zero, labels._tag)
-        notes.append(zero3_note(spec, engine, on_group, fake))
+        notes.append(zero3_note(spec, engine, on_group))
 
         def during_step() -> contextlib.AbstractContextManager[Any]:
             return gathers_tagged(labels._tag)
@@ -302,7 +302,7 @@ def build_run(
     return run, notes
 
 
-def zero3_note(spec: TrainingSpec, engine: Any, on_group: str, fake: bool) -> str:
+def zero3_note(spec: TrainingSpec, engine: Any, on_group: str) -> str:
     """What ZeRO-3 ran with: its partition and the limits of its gathers and buckets (the
     config's, else DeepSpeed's defaults, as the engine read them)."""
     zero = engine.optimizer
@@ -320,8 +320,6 @@ def zero3_note(spec: TrainingSpec, engine: Any, on_group: str, fake: bool) -> st
         f"(stage3_param_persistence_threshold); reduce bucket of "
         f"{engine.zero_reduce_bucket_size():,} elements"
     )
-    if fake:
-        note += "; " + ZERO3_CHECKS_NOTE
     return note
 
 
@@ -492,12 +490,13 @@ class DeepSpeedZero(DataParallel):
     @contextlib.contextmanager
     def rank(self, rank: int) -> Iterator[DeepSpeedRank]:
         zero3 = self.spec.parallelism.is_deepspeed_zero3
+        notes = [self.optimizer_note] if self.optimizer_note else []
         with (
             fake_world(rank, self.spec.world_size),
             fake_deepspeed_world(),
-            rank0_lists_own({}) if zero3 else contextlib.nullcontext(),
+            # the rank's notes say the check was answered when DeepSpeed ran one
+            rank0_lists_own(notes) if zero3 else contextlib.nullcontext(),
         ):
-            notes = [self.optimizer_note] if self.optimizer_note else []
             yield DeepSpeedRank(spec=self.spec, rank=rank, notes=notes)
 
 

@@ -35,13 +35,15 @@ from unittest import mock
 import torch
 
 from vramledger.inputs.categories import Category
+from vramledger.inputs.notes import Note, Topic
 
 Register = Callable[[list[torch.Tensor], Category], None]
 
-ZERO3_CHECKS_NOTE = (
+ZERO3_CHECKS_NOTE = Note(
+    Topic.ENGINE,
     "DeepSpeed ZeRO-3's checks that every rank sees rank 0's order of parameters (a broadcast of "
     "a few int64s from rank 0) answered with the rank's own: every traced rank runs the same "
-    "program, and a fake process group carries no values"
+    "program, and a fake process group carries no values",
 )
 
 
@@ -53,15 +55,20 @@ def zero3_on_fake_group(register: Register, notes: dict[str, None]) -> Iterator[
 
 
 @contextlib.contextmanager
-def rank0_lists_own(notes: dict[str, None]) -> Iterator[None]:
+def rank0_lists_own(notes: dict[str, None] | list[str]) -> Iterator[None]:
     """ZeRO-3's ``assert_ints_same_as_other_ranks`` (``deepspeed/runtime/zero/utils.py``)
     broadcasts rank 0's list of ints and compares it with the rank's own; on a fake process
     group the broadcast leaves each rank's placeholder (-1), so the check would fail on every
-    rank but 0. Rank 0's list is the rank's own here (``ZERO3_CHECKS_NOTE``)."""
+    rank but 0. Rank 0's list is the rank's own here, and ``ZERO3_CHECKS_NOTE`` is added to
+    ``notes`` (a program's notes, a dict; the estimate's rank's, a list) when DeepSpeed ran a
+    check."""
     from deepspeed.runtime.zero import utils
 
     def own(lst: list[int]) -> list[int]:
-        notes[ZERO3_CHECKS_NOTE] = None
+        if isinstance(notes, dict):
+            notes[ZERO3_CHECKS_NOTE] = None
+        elif ZERO3_CHECKS_NOTE not in notes:
+            notes.append(ZERO3_CHECKS_NOTE)
         return list(lst)
 
     with (
