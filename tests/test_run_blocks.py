@@ -34,7 +34,7 @@ PLAIN_8 = ("8", "256", "4", "512", "32")
 """Eight blocks of 256 x 768 and 256 x 1024 fp32 weights (768 KiB and 1 MiB: the larger are
 host stand-ins)."""
 
-DIFFERING = ("notes", "seconds", "blocks_extended", "host_tensors", "host_bytes")
+DIFFERING = ("notes", "note_records", "seconds", "blocks_extended", "host_tensors", "host_bytes")
 """What an extended report says differently from the full one: how it was made, and the host
 tensors the program kept, which are listed from the shallow run's (its optimizer's host step
 counters are one per parameter of 5 blocks, not 8: the notes say so)."""
