@@ -11,6 +11,9 @@ Both drivers run their code under the same environment, in the same order:
 4. the regions ``compile/compiled.py`` models as Inductor runs them;
 5. the storage tracker, built from the same options (:func:`tracker_options`).
 
+The main thread's stack may grow to ``GRAPH_STACK_BYTES`` (raised once, left so: see
+:func:`room_for_deep_graphs`).
+
 The process's intra-op thread count is restored when the session ends: a program may set it
 (Lightning's and accelerate's CPU launchers, torchtune's offload recipes do), and the CPU
 kernels' scratch the next trace measures depends on it (``core/cpu_scratch.py``).
@@ -24,6 +27,7 @@ written once (:func:`tracker_notes`).
 from __future__ import annotations
 
 import contextlib
+import resource
 from collections.abc import Iterable, Iterator
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
@@ -61,6 +65,31 @@ class Traced:
     (``core/blocks.py``), not traced in full."""
 
 
+GRAPH_STACK_BYTES = 256 << 20
+"""The main thread's stack limit a trace asks for. Every autograd node a trace reads from Python
+(``torch._C._current_autograd_node()``, per backward call: ``core/backward_modules.py``,
+``core/plain_branches.py``) keeps a Python object, and a node with one is freed through it:
+freeing the graph then recurses one level (5 C frames) per such node where a plain run's
+``deleteNode`` loops. Measured here (torch 2.13, a chain of ``sin`` nodes each read once): the
+default 8 MiB overflowed (SIGSEGV) between 40,000 and 100,000 nodes, 1 GiB carried 400,000; a
+pipeline stage of 1,000 tiny Llama layers (35 nodes each) crashed at 8 MiB. Linux grows the main
+thread's stack on demand up to the soft limit, so raising it in the running process takes
+effect, up to the gap the kernel left below the stack at start (128 MiB at least): some 500,000
+nodes."""
+
+
+def room_for_deep_graphs() -> None:
+    """Raise the soft stack limit to ``GRAPH_STACK_BYTES`` (never lower it, never past the hard
+    limit). Left raised when the trace ends: its graphs may be freed after the session (with the
+    objects that hold them), and a larger limit changes no figure."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_STACK)
+    if soft == resource.RLIM_INFINITY or soft >= GRAPH_STACK_BYTES:
+        return
+    want = GRAPH_STACK_BYTES if hard == resource.RLIM_INFINITY else min(GRAPH_STACK_BYTES, hard)
+    if want > soft:
+        resource.setrlimit(resource.RLIMIT_STACK, (want, hard))
+
+
 @contextlib.contextmanager
 def trace_session(
     policy: DevicePolicy,
@@ -71,6 +100,7 @@ def trace_session(
 ) -> Iterator[None]:
     """The environment of a traced run (module docstring): ``inner`` is entered inside the
     policy and the eager stance, just before the tracker."""
+    room_for_deep_graphs()
     with contextlib.ExitStack() as stack:
         stack.callback(torch.set_num_threads, torch.get_num_threads())
         stack.enter_context(policy.context())
