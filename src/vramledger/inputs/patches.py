@@ -329,6 +329,15 @@ PATCHES: tuple[Patch, ...] = (
         kind="contents",
         note="the trace's own hooks on the region's modules too",
     ),
+    *_each(
+        "torch._dynamo.pgo",
+        ("_CODE_STATE", "_INIT_CODE_STATE", "_LOGGED_DYNAMIC_ALLOWLIST"),
+        by="trace/compile/compiled.py",
+        reason="Dynamo's automatic-dynamic record starts empty for each trace, as in a fresh "
+        "process (sizes compiled earlier in this process would make the trace's graphs "
+        "dynamic), and is put back after",
+        package="torch",
+    ),
     Patch(
         target="torch._dynamo.config.fail_on_recompile_limit_hit",
         by="trace/compile/compiled.py",
