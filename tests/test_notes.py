@@ -92,3 +92,20 @@ def test_the_html_report_groups_the_notes_by_topic():
     kernels, inputs = page.index(">kernels</h3>"), page.index(">inputs</h3>")
     assert inputs < kernels  # the topics' order
     assert page.index("attention:", kernels) > kernels
+
+
+def test_the_terminal_lists_the_notes_by_topic(capsys):
+    """``estimate``'s text answer gives every note of its JSON answer, by topic in the topics'
+    order (``render/notes.py``), each topic's in the order they were made."""
+    from vramledger.cli import main
+
+    args = ["estimate", TINY["model"], "--seq-len", "32", "--gpu", "h100-80gb", "--no-cache"]
+    assert main([*args, "--json"]) == 0
+    made = json.loads(capsys.readouterr().out)["note_records"]
+    assert main(args) == 0
+    shown = [line[len("note: ") :] for line in capsys.readouterr().out.splitlines()
+             if line.startswith("note: ")]  # fmt: skip
+    order = list(Topic)
+    expected = sorted(made, key=lambda r: order.index(Topic(r["topic"])))  # stable
+    assert shown == [r["text"] for r in expected]
+    assert [r["text"] for r in made] != shown  # the answer's own order differs here

@@ -15,7 +15,6 @@ from typing import Any
 
 from vramledger.inputs.categories import CATEGORY_PRIORITY, STEP_PHASES
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.notes import Topic, topic_of
 from vramledger.inputs.units import format_bytes
 from vramledger.ledger.ledger import TOP_MODULES, Ledger
 from vramledger.ledger.peak_modules import PASS_NAMES, passes_used, top_modules
@@ -25,6 +24,7 @@ from vramledger.plan.advise import Advice
 from vramledger.plan.fit import Fit, NoFit
 from vramledger.plan.search import Plan
 from vramledger.render.charts import COLOURS, escape, front_svg, timeline_svg
+from vramledger.render.notes import by_topic
 from vramledger.render.planning import FIT_COLUMNS
 
 _e = escape
@@ -64,12 +64,10 @@ def _notes(notes: list[str]) -> str:
     if not notes:
         return ""
     out = ["<h2>Notes</h2>"]
-    for topic in Topic:
-        texts = [n for n in notes if topic_of(n) is topic]
-        if texts:
-            out.append(f"<h3 class='note-topic'>{_e(topic.value)}</h3><ul class='notes'>")
-            out.extend(f"<li>{_e(n)}</li>" for n in texts)
-            out.append("</ul>")
+    for topic, texts in by_topic(notes):
+        out.append(f"<h3 class='note-topic'>{_e(topic.value)}</h3><ul class='notes'>")
+        out.extend(f"<li>{_e(n)}</li>" for n in texts)
+        out.append("</ul>")
     return "".join(out)
 
 

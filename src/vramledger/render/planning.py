@@ -15,6 +15,7 @@ from vramledger.plan.candidates import DERIVED, Candidate
 from vramledger.plan.fit import Fit, NoFit
 from vramledger.plan.rehearse import Rehearsal
 from vramledger.plan.search import Plan
+from vramledger.render.notes import note_lines
 
 FRONT_ROWS = 25
 """Rows of the Pareto front shown in the terminal (``--json`` has all of them)."""
@@ -160,7 +161,7 @@ def plan_table(p: Plan) -> Group:
         facts.append(f"* derived from single-GPU traces, not re-estimated: {derived[0].error}")
     if len(p.front) > FRONT_ROWS:
         facts.append(f"{len(p.front) - FRONT_ROWS} more front rows with --json")
-    facts += [f"note: {n}" for n in p.notes]
+    facts += note_lines(p.notes)
     parts = [head, fewest, front]
     if any(p.layouts.values()):
         parts.append(layouts_table(p))
@@ -258,7 +259,7 @@ def advice_table(a: Advice) -> Group:
         if a.host_memory_bytes is not None
         else f"host memory per node not limited (--host-memory); {a.gpus_per_node} GPUs per node"
     ]
-    parts.append(Text("\n".join(limits + [f"note: {n}" for n in a.notes]), style="dim"))
+    parts.append(Text("\n".join(limits + note_lines(a.notes)), style="dim"))
     return Group(*parts)
 
 
@@ -356,6 +357,6 @@ def fit_table(f: Fit) -> Group:
         )
     facts = [
         f"{fit_timing(f)}; sequence lengths in steps of {f.seq_step}",
-        *(f"note: {n}" for n in f.notes),
+        *note_lines(f.notes),
     ]
     return Group(head, table, Text("\n".join(facts), style="dim"))

@@ -12,6 +12,7 @@ from vramledger.inputs.units import format_bytes
 from vramledger.measure.program import ProgramMeasurement
 from vramledger.predict.program import ProgramReport
 from vramledger.predict.windows import OptimizerWindow
+from vramledger.render.notes import note_lines
 from vramledger.render.terminal import ledger_table
 
 
@@ -101,7 +102,7 @@ def program_table(report: ProgramReport) -> Group:
     seen.add_row(
         Text("total (tensor bytes)", style="bold"), format_bytes(sum(report.at_peak.values()))
     )
-    notes = Text("\n".join(f"note: {n}" for n in report.notes), style="dim")
+    notes = Text("\n".join(note_lines(report.notes)), style="dim")
     return Group(title, windows, seen, notes)
 
 
@@ -115,9 +116,7 @@ def measured_program_table(m: ProgramMeasurement) -> Group:
     for step, peak in m.step_peaks.items():
         owner = next((w.optimizer for w in m.windows if step in w.steps), "(after the last step)")
         steps.add_row(str(step), owner, format_bytes(peak))
-    notes = Text(
-        "\n".join([f"counted by {m.method}", *(f"note: {n}" for n in m.notes)]), style="dim"
-    )
+    notes = Text("\n".join([f"counted by {m.method}", *note_lines(m.notes)]), style="dim")
     parts = [title, windows_table(m.windows, m.peak_bytes, "CPU allocator"), steps]
     if m.world_size > 1:
         rows = [([rank], r.windows, r.peak_bytes) for rank, r in m.ranks]

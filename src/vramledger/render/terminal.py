@@ -14,6 +14,7 @@ from vramledger.inputs.units import format_bytes
 from vramledger.inputs.verdict import Verdict
 from vramledger.ledger.ledger import TOP_MODULES, Ledger
 from vramledger.ledger.peak_modules import PASS_NAMES, passes_used, top_modules
+from vramledger.render.notes import note_lines
 
 if TYPE_CHECKING:  # both import torch; a ledger's table does not (answer_cache.py draws one)
     from vramledger.measure import Measurement
@@ -123,7 +124,7 @@ def ledger_table(ledger: Ledger, *, label: str = "estimate") -> Group:
     ]
     if ledger.host_bytes:
         facts.append(f"host memory (not on the device): {format_bytes(ledger.host_bytes)}")
-    facts.extend(f"note: {n}" for n in ledger.notes)
+    facts.extend(note_lines(ledger.notes))
     facts.append(ledger_timing(ledger))
     parts.append(Text("\n".join(facts), style="dim"))
     return Group(*parts)
@@ -360,5 +361,5 @@ def comparison_table(c: Comparison) -> Group:
             largest,
             r.verdict,
         )
-    notes = [f"memory: {c.memory_method}", *(f"note: {n}" for n in c.notes)]
+    notes = [f"memory: {c.memory_method}", *note_lines(c.notes)]
     return Group(table, Text("\n".join(notes), style="dim"))
