@@ -4,6 +4,7 @@ and schedules on real gloo processes, each rank's prediction compared with the C
 own count (``cpu_allocator_count``, every thread; ``tests/mesh_real.py``)."""
 
 import json
+import os
 
 import pytest
 
@@ -16,7 +17,8 @@ from .conftest import FIXTURES
 from .mesh_real import PIPELINE, check_against_real_runs
 
 LLAMA8 = str(FIXTURES / "hub" / "tiny-llama-8l-bf16")  # 8 layers
-TEXT = dict(model=LLAMA8, seq_len=32, target="cpu", precision="bf16-master")
+TEXT_OPTIONS = dict(seq_len=32, target="cpu", precision="bf16-master")
+TEXT = dict(model=LLAMA8, **TEXT_OPTIONS)
 
 
 def test_stages_are_cut_as_torchtitan_cuts_them():
@@ -130,3 +132,46 @@ def test_per_rank_prediction_matches_real_pipeline_runs(world):
     """GPipe, 1F1B and interleaved 1F1B on 2 processes; 1F1B over 4 stages, 2 stages x FSDP2
     over 2 data-parallel ranks, and 2 stages x tensor parallel over 2 ranks, on 4."""
     check_against_real_runs(world, PIPELINE[world])
+
+
+@pytest.mark.slow
+def test_every_stage_extends_its_blocks_in_a_fresh_process_and_equals_its_full_trace():
+    """Each stage of a 40-layer model traces 4 and 5 of its 20 blocks and extends them, rank 0
+    too: in a fresh interpreter, where torch.distributed.pipelining is first imported by the
+    estimate (its microbatch.py makes a tensor at import, which fell inside the first stage's
+    4-block trace only, and stage 0 was traced in full). Each rank's peak equals its full
+    trace's."""
+    import subprocess
+    import sys
+
+    from vramledger.ledger.replay import replay, steady_peak
+    from vramledger.parallel.pipeline import PipelineParallel
+    from vramledger.predict.step import policy_for
+    from vramledger.trace.core.fake import trace
+
+    spec = TrainingSpec(model=str(FIXTURES / "tiny-llama-40l.json"), pp=2, **TEXT_OPTIONS)
+    code = (
+        "import json, sys; from vramledger import estimate; "
+        f"l = estimate(model={spec.model!r}, pp=2, **{TEXT_OPTIONS!r}); "
+        "print(json.dumps([[ids, r.peak_bytes, any('extended the timeline' in n for n in r.notes)]"
+        " for ids, r in l.ranks]))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "VRAMLEDGER_NO_CACHE": "1"},
+    )
+    ranks = json.loads(done.stdout.splitlines()[-1])
+    assert [ids for ids, _, _ in ranks] == [[0], [1]]
+    assert all(extended for _, _, extended in ranks), ranks
+    for (ids, peak, _), rank in zip(ranks, (0, 1), strict=True):
+        full = trace(
+            spec,
+            policy_for(spec),
+            rank=rank,
+            extend_blocks=False,
+            engine=PipelineParallel(spec, rank),
+        )
+        assert steady_peak(replay(full.timeline)).total == peak, ids

@@ -88,6 +88,12 @@ class PipelineParallel:
 
     def __init__(self, spec: TrainingSpec, rank: int) -> None:
         check_pipeline_spec(spec)
+        # Imported before any trace: microbatch.py makes a tensor when it is first imported
+        # (``sum_reducer = _LossReducer(torch.tensor(0.0), ...)``), which would be a storage of
+        # the first trace in the process only, so the 4-block trace of the block extension had
+        # one storage the 5-block trace had not and every pipeline stage was traced in full.
+        import torch.distributed.pipelining.schedules  # noqa: F401
+
         self.spec = spec
         self.rank_id = rank
         self.plans: list[StagePlan] = []
