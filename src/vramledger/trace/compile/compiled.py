@@ -99,6 +99,8 @@ class RegionLog:
     """Region name -> calls that ran Inductor's code (replays by ``step_memo`` not counted)."""
     eager: dict[str, str] = field(default_factory=dict)
     """Region name -> why it ran eagerly, with its eager and outputs-only figures."""
+    fresh: bool = False
+    """Dynamo's compiled code was cleared for this trace (:func:`fresh_dynamo`)."""
 
     def notes(self, target: str) -> list[str]:
         out = []
@@ -202,6 +204,9 @@ class CompiledRegions:
         import torch._dynamo
         from torch._dynamo.utils import counters
 
+        if not log.fresh:
+            fresh_dynamo()
+            log.fresh = True
         before = (Active.calls, sum(counters["graph_break"].values()))
         with _disable_current_modes() as modes, codegen_only():
             Active.modes, Active.region = list(modes), name
@@ -312,16 +317,27 @@ def _function_region(region: str, fn: Callable[..., Any], options: dict[str, Any
     return call
 
 
+def fresh_dynamo() -> None:
+    """Dynamo as a fresh process has it, before a trace's first compiled region: every frame's
+    compiled code and guards cleared (``torch._dynamo.reset()``; Inductor's on-disk caches are
+    kept). A program run in a fresh interpreter compiles its regions with nothing compiled
+    before; in this process Dynamo keeps what every earlier trace and the caller compiled, per
+    code object (transformers' ``deprecate_kwarg`` wrapper is one code object for every model's
+    forward), and the same region then compiled otherwise: measured at 163f827, the compiled
+    tiny Llama's 2x32 estimate gave 2,220,380 B alone (its plain run's count) and 2,362,440 B
+    after ten other tiny Llamas were compiled in the process; CI runs of the suite saw
+    2,509,152 B. Called only by a trace that reaches a compiled region: a caller's compiled
+    code survives traces that compile nothing."""
+    torch._dynamo.reset()
+
+
 @contextlib.contextmanager
 def fresh_shape_profile() -> Iterator[None]:
     """Dynamo's automatic-dynamic record as a fresh process starts it, for the trace; the
-    caller's record back after. Dynamo keeps, per function (by file, line and name, so across
-    ``_copy``'s code objects and ``torch.compile`` wrappers), the input sizes it compiled; a
-    function compiled again at other sizes is compiled with those dimensions symbolic, and its
-    graph's memory differs. A program run in a fresh interpreter compiles at its first sizes,
-    static: so does the trace, whatever this process compiled before (measured at 75c0f36:
-    the compiled tiny Llama's 2x32 estimate gave 2,220,380 B alone, 2,509,152 after a 4x16
-    estimate in the same process; ``fit`` and ``plan`` estimate one model at many sizes)."""
+    caller's record back after (:func:`fresh_dynamo` clears it too; this puts it back). Dynamo
+    keeps, per function (by file, line and name, so across ``_copy``'s code objects and
+    ``torch.compile`` wrappers), the input sizes it compiled; a function compiled again at
+    other sizes is compiled with those dimensions symbolic."""
     from torch._dynamo import pgo
 
     kept = pgo._CODE_STATE, pgo._INIT_CODE_STATE, pgo._LOGGED_DYNAMIC_ALLOWLIST
