@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vramledger import TrainingSpec, estimate
+from vramledger import Ledger, TrainingSpec, estimate
 from vramledger.predict.step import policy_for
 from vramledger.trace.compile.compiled import EAGER
 from vramledger.trace.core.blocks import same_timeline
@@ -180,15 +180,7 @@ def test_compiled_hugging_face_model_matches_plain_compiled_run():
     also returns (estimated 4.3 % above the plain run at dadce74; exact since, cause of the
     change not isolated)."""
     (first, steady), _ = _real(HUGGING_FACE)
-    ledger = estimate(
-        model=f"{FUNCTIONS}:compiled_tiny_llama",
-        inputs=f"{FUNCTIONS}:llama_inputs",
-        loss=f"{FUNCTIONS}:llama_loss",
-        batch_size=2,
-        seq_len=32,
-        optimizer="sgd",
-        target="cpu",
-    )
+    ledger = _compiled_llama(batch_size=2, seq_len=32)
     assert any(MODELLED in n and "(2 graphs)" in n for n in ledger.notes), ledger.notes
     assert _within(ledger.peak_bytes, steady), (ledger.peak_bytes, steady)
     assert _within(ledger.first_step_peak_bytes, first), (ledger.first_step_peak_bytes, first)
@@ -269,7 +261,7 @@ def test_compiled_regions_in_blocks_extend_as_a_full_trace(model, region, target
     assert same_timeline(extended.timeline, full.timeline)
 
 
-def _compiled_llama_peak(batch_size: int, seq_len: int) -> int:
+def _compiled_llama(batch_size: int, seq_len: int) -> Ledger:
     return estimate(
         model=f"{FUNCTIONS}:compiled_tiny_llama",
         inputs=f"{FUNCTIONS}:llama_inputs",
@@ -278,7 +270,7 @@ def _compiled_llama_peak(batch_size: int, seq_len: int) -> int:
         seq_len=seq_len,
         optimizer="sgd",
         target="cpu",
-    ).peak_bytes
+    )
 
 
 def test_an_estimate_compiles_as_a_fresh_process_whatever_was_compiled_before():
@@ -286,14 +278,14 @@ def test_an_estimate_compiles_as_a_fresh_process_whatever_was_compiled_before():
     process holds what earlier traces and the caller compiled (Dynamo's code and guards per
     code object, its automatic-dynamic record of the sizes each function was compiled at). Each
     trace that reaches a compiled region starts from a fresh Dynamo (``fresh_dynamo``) and
-    puts the caller's size record back. Measured at 163f827 without it: after ten other tiny
+    puts the caller's size record back. Measured at 9f97c06 without it: after ten other tiny
     Llamas compiled in the process (Dynamo alone, forward only, as here), the 2x32 estimate
     gave 2,362,440 B where alone 2,220,380; CI runs of the suite saw 2,509,152."""
     import transformers
     from torch._dynamo import pgo
 
     code = (
-        "from tests.test_compiled import _compiled_llama_peak; print(_compiled_llama_peak(3, 24))"
+        "from tests.test_compiled import _compiled_llama; print(_compiled_llama(3, 24).peak_bytes)"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, check=True
@@ -309,6 +301,6 @@ def test_an_estimate_compiles_as_a_fresh_process_whatever_was_compiled_before():
         torch.compile(model, backend="eager")(input_ids=ids, labels=ids)
     record = pgo.get_code_state()
     before = set(record)
-    assert _compiled_llama_peak(3, 24) == fresh
+    assert _compiled_llama(3, 24).peak_bytes == fresh
     # the trace's compiles left no sizes in this process's record
     assert pgo.get_code_state() is record and set(record) == before

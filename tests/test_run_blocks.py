@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import vramledger.predict.program as predict_program
+from vramledger.inputs.notes import NOTE_FIELDS
 from vramledger.inputs.program import ProgramSpec
 from vramledger.measure.program import measure_program
 from vramledger.predict.program import run_program
@@ -34,7 +35,7 @@ PLAIN_8 = ("8", "256", "4", "512", "32")
 """Eight blocks of 256 x 768 and 256 x 1024 fp32 weights (768 KiB and 1 MiB: the larger are
 host stand-ins)."""
 
-DIFFERING = ("notes", "note_records", "seconds", "blocks_extended", "host_tensors", "host_bytes")
+DIFFERING = (*NOTE_FIELDS, "seconds", "blocks_extended", "host_tensors", "host_bytes")
 """What an extended report says differently from the full one: how it was made, and the host
 tensors the program kept, which are listed from the shallow run's (its optimizer's host step
 counters are one per parameter of 5 blocks, not 8: the notes say so)."""

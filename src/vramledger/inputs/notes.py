@@ -78,6 +78,11 @@ def tagged(notes: Iterable[str], topic: Topic) -> list[str]:
     return [n if isinstance(n, Note) else Note(topic, n) for n in notes]
 
 
+NOTE_FIELDS = ("notes", "note_records")
+"""A JSON answer's fields that hold its notes (texts, records): what a comparison of two answers'
+figures leaves out."""
+
+
 def records(notes: Iterable[str]) -> list[dict[str, str]]:
     """``note_records`` of a JSON answer: each note's topic and text, in order."""
     return [{"topic": topic_of(n).value, "text": str(n)} for n in notes]

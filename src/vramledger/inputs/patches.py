@@ -333,9 +333,9 @@ PATCHES: tuple[Patch, ...] = (
         "torch._dynamo.pgo",
         ("_CODE_STATE", "_INIT_CODE_STATE", "_LOGGED_DYNAMIC_ALLOWLIST"),
         by="trace/compile/compiled.py",
-        reason="Dynamo's automatic-dynamic record starts empty for each trace, as in a fresh "
-        "process (sizes compiled earlier in this process would make the trace's graphs "
-        "dynamic), and is put back after",
+        reason="the caller's automatic-dynamic record is put back after a trace (the trace's "
+        "fresh Dynamo clears it, and the sizes the trace's regions compiled at are not the "
+        "caller's)",
         package="torch",
     ),
     Patch(

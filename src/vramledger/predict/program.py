@@ -16,7 +16,7 @@ from typing import Any
 
 from vramledger.inputs.categories import Category
 from vramledger.inputs.gpus import Gpu, resolve_gpu
-from vramledger.inputs.notes import Note, Topic, records
+from vramledger.inputs.notes import NOTE_FIELDS, Note, Topic, records
 from vramledger.inputs.program import ProgramSpec
 from vramledger.inputs.torchrun_env import TorchrunRank
 from vramledger.inputs.verdict import DEFAULT_MARGIN, verdict
@@ -257,7 +257,7 @@ def _signature(report: ProgramReport) -> str:
     """What must be equal for two ranks to share a report: every figure, not the notes (which
     name the rank) or the time taken."""
     out = report._dict()
-    for key in ("notes", "note_records", "seconds", "ranks", "spec", "host_tensors", "host_bytes"):
+    for key in (*NOTE_FIELDS, "seconds", "ranks", "spec", "host_tensors", "host_bytes"):
         out.pop(key, None)
     return json.dumps(out, sort_keys=True, default=str)
 

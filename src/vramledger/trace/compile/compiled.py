@@ -319,29 +319,29 @@ def _function_region(region: str, fn: Callable[..., Any], options: dict[str, Any
 
 def fresh_dynamo() -> None:
     """Dynamo as a fresh process has it, before a trace's first compiled region: every frame's
-    compiled code and guards cleared (``torch._dynamo.reset()``; Inductor's on-disk caches are
-    kept). A program run in a fresh interpreter compiles its regions with nothing compiled
-    before; in this process Dynamo keeps what every earlier trace and the caller compiled, per
-    code object (transformers' ``deprecate_kwarg`` wrapper is one code object for every model's
-    forward), and the same region then compiled otherwise: measured at 163f827, the compiled
-    tiny Llama's 2x32 estimate gave 2,220,380 B alone (its plain run's count) and 2,362,440 B
-    after ten other tiny Llamas were compiled in the process; CI runs of the suite saw
-    2,509,152 B. Called only by a trace that reaches a compiled region: a caller's compiled
+    compiled code and guards cleared, and its automatic-dynamic record of the sizes each
+    function was compiled at (``torch._dynamo.reset()``; Inductor's on-disk caches are kept). A
+    program run in a fresh interpreter compiles its regions with nothing compiled before; in
+    this process Dynamo keeps what every earlier trace and the caller compiled, per code object
+    (transformers' ``deprecate_kwarg`` wrapper is one code object for every model's forward),
+    and the same region then compiled otherwise: measured at 9f97c06 (without this), the
+    compiled tiny Llama's 2x32 estimate gave 2,220,380 B alone (its plain run's count) and
+    2,362,440 B after ten other tiny Llamas were compiled in the process; CI runs of the suite
+    saw 2,509,152 B. Called only by a trace that reaches a compiled region: a caller's compiled
     code survives traces that compile nothing."""
     torch._dynamo.reset()
 
 
 @contextlib.contextmanager
 def fresh_shape_profile() -> Iterator[None]:
-    """Dynamo's automatic-dynamic record as a fresh process starts it, for the trace; the
-    caller's record back after (:func:`fresh_dynamo` clears it too; this puts it back). Dynamo
-    keeps, per function (by file, line and name, so across ``_copy``'s code objects and
-    ``torch.compile`` wrappers), the input sizes it compiled; a function compiled again at
-    other sizes is compiled with those dimensions symbolic."""
+    """The caller's automatic-dynamic record back after the trace: :func:`fresh_dynamo` clears
+    it for the trace's regions, and the sizes they compile at are the trace's, not the
+    caller's. Dynamo keeps, per function (by file, line and name, so across ``_copy``'s code
+    objects and ``torch.compile`` wrappers), the input sizes it compiled; a function compiled
+    again at other sizes is compiled with those dimensions symbolic."""
     from torch._dynamo import pgo
 
     kept = pgo._CODE_STATE, pgo._INIT_CODE_STATE, pgo._LOGGED_DYNAMIC_ALLOWLIST
-    pgo.reset_code_state()
     try:
         yield
     finally:
