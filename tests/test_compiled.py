@@ -280,7 +280,8 @@ def test_an_estimate_compiles_as_a_fresh_process_whatever_was_compiled_before():
     trace that reaches a compiled region starts from a fresh Dynamo (``fresh_dynamo``) and
     puts the caller's size record back. Measured at 9f97c06 without it: after ten other tiny
     Llamas compiled in the process (Dynamo alone, forward only, as here), the 2x32 estimate
-    gave 2,362,440 B where alone 2,220,380; CI runs of the suite saw 2,509,152."""
+    gave 2,362,440 B where alone 2,220,380; a run of the slow tests (7cedbfa) and a CI run
+    (163f827) saw 2,509,152."""
     import transformers
     from torch._dynamo import pgo
 
