@@ -1,7 +1,6 @@
 import atexit
 import os
 import shutil
-import sys
 import tempfile
 import warnings
 from pathlib import Path
@@ -20,32 +19,6 @@ _CACHE = tempfile.mkdtemp(prefix="vramledger-test-cache-")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 os.environ["VRAMLEDGER_CACHE_DIR"] = _CACHE
 os.environ["VRAMLEDGER_NO_CACHE"] = "1"
-
-
-def worker_threads(cores: int, workers: int) -> int:
-    """Intra-op threads for each of ``workers`` pytest-xdist workers on ``cores`` cores: an equal
-    share, at least one. torch's default is every core in every process, so two workers on two
-    cores ran four threads that wait on each other: measured on the 2-core VM (2026-12-07,
-    ``test_plan.py::test_rehearsal_extrapolates_a_13x_deeper_model``, two copies at once),
-    133 s with torch's default and 61 s with one thread each."""
-    return max(1, cores // max(1, workers))
-
-
-def _share_the_cores() -> None:
-    """Each xdist worker (and the processes it starts, which inherit the environment) takes
-    :func:`worker_threads`, unless the caller set a thread count. Under ``-n 0`` nothing
-    changes."""
-    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
-    if workers < 2 or any(name in os.environ for name in THREAD_VARIABLES):
-        return
-    threads = str(worker_threads(len(os.sched_getaffinity(0)), workers))
-    for name in THREAD_VARIABLES:
-        os.environ[name] = threads
-    if "torch" in sys.modules:  # read at torch's first parallel region; set it if that passed
-        sys.modules["torch"].set_num_threads(int(threads))
-
-
-_share_the_cores()
 
 FIXTURES = Path(__file__).parent / "fixtures"
 

@@ -470,21 +470,13 @@ def test_a_default_device_taken_from_an_emulated_tensor(capsys):
     )
 
 
-def test_a_programs_thread_count_and_environment_do_not_outlive_its_run():
+def test_a_programs_thread_count_and_environment_do_not_outlive_its_run(monkeypatch):
     """A program that sets its threads and ``OMP_NUM_THREADS`` runs with them, and leaves the
     process as it found it: the next trace's CPU kernels (their scratch depends on the thread
     count, trace/core/cpu_scratch.py) and the real processes spawned later would take them."""
-    # not the program's 1, whatever the suite's workers were given (conftest.py), and put back
-    # here: the thread check (conftest's _threads_kept) runs before monkeypatch's teardown
-    caller = torch.get_num_threads(), os.environ.pop("OMP_NUM_THREADS", None)
-    threads = 2
-    torch.set_num_threads(threads)
-    try:
-        report = run_program(_spec("sets_threads"), target="cpu")
-        assert torch.get_num_threads() == threads
-        assert "OMP_NUM_THREADS" not in os.environ
-    finally:
-        torch.set_num_threads(caller[0])
-        if caller[1] is not None:
-            os.environ["OMP_NUM_THREADS"] = caller[1]
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    threads = torch.get_num_threads()
+    report = run_program(_spec("sets_threads"), target="cpu")
     assert report.steps == 2
+    assert torch.get_num_threads() == threads
+    assert "OMP_NUM_THREADS" not in os.environ
