@@ -1,8 +1,10 @@
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,20 @@ def _threads_kept():
     assert after == before, (
         f"the test changed the threads (count, {THREAD_VARIABLES}): {before} -> {after}"
     )
+
+
+@contextlib.contextmanager
+def intra_op_threads(count: int) -> Iterator[None]:
+    """Run the block with ``count`` intra-op threads, and give the caller's count back after
+    (as ``_threads_kept`` requires of every test)."""
+    import torch
+
+    caller = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(caller)
 
 
 @pytest.fixture

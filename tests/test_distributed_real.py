@@ -10,6 +10,7 @@ from vramledger import estimate
 from vramledger.inputs.categories import Phase
 from vramledger.measure.local import free_port
 
+from .conftest import intra_op_threads
 from .mesh_real import DATA_PARALLEL, check_against_real_runs, real_runs
 
 pytestmark = pytest.mark.multiprocess
@@ -87,11 +88,7 @@ def test_real_processes_run_with_the_callers_thread_count():
 
     from vramledger.measure.local import run_on_local_gloo
 
-    threads = torch.get_num_threads()
-    wanted = 1 if threads > 1 else 2
-    torch.set_num_threads(wanted)
-    try:
+    wanted = 1 if torch.get_num_threads() > 1 else 2
+    with intra_op_threads(wanted):
         reported = run_on_local_gloo(2, _report_threads, (), 2)
-    finally:
-        torch.set_num_threads(threads)
     assert sorted(reported) == [(0, wanted), (1, wanted)]

@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vramledger import estimate
 from vramledger.measure import PLAIN_RUN, cpu_allocator_count, measure
 
-from .conftest import fixture
+from .conftest import fixture, intra_op_threads
 
 PLAIN_PATHS_PY = fixture("plain_paths.py")
 BATCH = 8
@@ -156,13 +156,9 @@ def test_smoothed_weighted_cross_entropy_runs_the_plain_weight_sum(monkeypatch):
     import vramledger.trace.core.plain_branches as plain_branches
 
     name = "ce-smoothing-weight-tagger"
-    caller = torch.get_num_threads()
-    torch.set_num_threads(SEVERAL_THREADS)
-    try:
+    with intra_op_threads(SEVERAL_THREADS):
         plain = _plain_peak(name)
         monkeypatch.setattr(plain_branches, "_SMOOTHED_WEIGHT_SUM", frozenset())
         before = _estimate(name).peak_bytes
         monkeypatch.undo()
-    finally:
-        torch.set_num_threads(caller)
     assert before < plain * (1 - BOUND), (before, plain)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import fixture
+from tests.conftest import fixture, intra_op_threads
 from vramledger.cli import main
 from vramledger.inputs import cache
 from vramledger.inputs.spec import TrainingSpec
@@ -130,13 +130,9 @@ def test_a_cpu_targets_key_holds_the_thread_count_and_kernel_choice(monkeypatch)
     spec = TrainingSpec(model=TINY, target="cpu")
     gpu = TrainingSpec(model=TINY, gpu="h100-80gb")
     before, before_gpu = key_of(spec), key_of(gpu)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(threads + 1)
+    with intra_op_threads(torch.get_num_threads() + 1):
         assert key_of(spec) != before
         assert key_of(gpu) == before_gpu
-    finally:
-        torch.set_num_threads(threads)
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert key_of(spec) != before
     assert key_of(gpu) == before_gpu

@@ -327,8 +327,8 @@ def fresh_dynamo() -> None:
     and the same region then compiled otherwise: measured at 9f97c06 (without this), the
     compiled tiny Llama's 2x32 estimate gave 2,220,380 B alone (its plain run's count) and
     2,362,440 B after ten other tiny Llamas were compiled in the process; a run of the slow
-    tests (7cedbfa) and a CI run (163f827) saw 2,509,152 B. Called only by a trace that reaches a compiled region: a caller's compiled
-    code survives traces that compile nothing."""
+    tests (7cedbfa) and a CI run (163f827) saw 2,509,152 B. Called only by a trace that reaches
+    a compiled region: a caller's compiled code survives traces that compile nothing."""
     torch._dynamo.reset()
 
 
