@@ -12,7 +12,7 @@ import pytest
 
 from vramledger.cli import build_parser, spec_from_args
 from vramledger.cli.options import GPU_OPTIONS, PARALLEL_OPTIONS, PYTHON_ONLY, flag
-from vramledger.cli.serve.worker import PLAN_SEARCHES
+from vramledger.cli.serve.worker import LEFT_OUT
 from vramledger.inputs.precision import PRECISIONS
 from vramledger.inputs.spec import TrainingSpec
 from vramledger.inputs.spec_fields import cli_of, field_docs
@@ -126,7 +126,13 @@ def test_choices_are_the_specs_and_each_is_taken():
 def test_commands_leave_out_what_they_answer_themselves():
     subs = _subparsers()
     plan, rehearse, measure = (set(_spec_actions(c)) for c in ("plan", "rehearse", "measure"))
-    assert not plan & set(PARALLEL_OPTIONS) and set(PLAN_SEARCHES) <= set(PARALLEL_OPTIONS)
+    assert not plan & set(PARALLEL_OPTIONS)
+    # the page's questions leave out what the commands do not take (its plan searches the
+    # form's one optimizer and precision, the command's --optimizers and --precisions)
+    estimate = set(_spec_actions("estimate"))
+    for kind in ("fit", "plan", "advise"):
+        own = {"optimizer", "precision"} if kind == "plan" else set()
+        assert estimate - set(_spec_actions(kind)) - own == set(LEFT_OUT.get(kind, ())), kind
     assert not rehearse & (set(PARALLEL_OPTIONS) | set(GPU_OPTIONS))
     assert not measure & set(GPU_OPTIONS) and "world_size" in measure
     assert {"world_size", "tp", "pp", "strategy", "gpus_per_node"} <= set(PARALLEL_OPTIONS)

@@ -133,6 +133,87 @@ def test_the_form_takes_only_names_and_numbers(tmp_path):
             parse_question({**TINY, "form": form}, sources)
 
 
+def test_the_page_offers_every_spec_option_the_cli_takes(tmp_path):
+    """Each spec option of ``estimate`` is an input of the page, with the option's help, default
+    and choices, in its section; or a code option (with ``--allow-code``); or named with a
+    reason in NOT_ON_PAGE. An option added to the spec is on the page without a line here."""
+    from vramledger.cli.options import help_text, is_positional, spec_fields
+    from vramledger.cli.serve.app import choices
+    from vramledger.cli.serve.form import CODE_FIELDS, NOT_ON_PAGE, form_fields
+    from vramledger.cli.serve.page import page
+
+    options = {f.name: f for f in spec_fields() if not is_positional(f)}
+    drawn = {f.name: f for f in form_fields()}
+    assert set(options) == {*drawn, *CODE_FIELDS, *NOT_ON_PAGE}
+    assert not set(drawn) & {*CODE_FIELDS, *NOT_ON_PAGE}
+    assert set(CODE_FIELDS) == {"inputs", "loss", "tp_plan"}
+    html = page(choices(Sources(FIXTURES, tmp_path, tmp_path)))
+    for name, f in drawn.items():
+        assert f.help == help_text(options[name]).replace("%%", "%")
+        assert f"id='f-{name}' data-field='{name}'" in html, name
+    for name in CODE_FIELDS:
+        assert f"id='f-{name}' data-field='{name}'" in html, name
+    assert drawn["gpu"].offered[:2] == ("a100-40gb", "a100-80gb")  # the catalogue, suggested
+    assert drawn["strategy"].kind == "choice" and drawn["strategy"].value == ""
+    assert (drawn["seq_len"].kind, drawn["seq_len"].value) == ("number", "512")
+    assert drawn["grad_checkpointing"].kind == "switch"
+    without_code = page(choices(Sources(FIXTURES, None, tmp_path)))
+    assert "data-field='inputs'" not in without_code
+
+
+FORM_WORDS = {
+    "batch_size": "4",
+    "grad_checkpointing": True,
+    "checkpoint_modules": "LlamaDecoderLayer, LlamaMLP",
+    "optimizer_kwargs": '{"momentum": 0.9}',
+    "precision": "32-true",
+    "world_size": "8",
+    "strategy": "fsdp",
+    "shard_min_params": "1000",
+    "reshard_after_forward": "2",
+    "freeze": "*.embed_tokens.*",
+    "gpu": "h100-80gb",
+    "margin": "1GiB",
+}
+"""A word for each kind of option: a number, a switch, names separated by commas, JSON, a
+precision alias, a choice, true/false/N, a pattern, a GPU name and a size."""
+
+
+def test_the_form_reads_words_as_the_cli_does(tmp_path):
+    """The page's words become the spec the CLI makes of the same options, and a bad word is
+    refused in the CLI's words."""
+    from vramledger.cli.options import spec_values
+    from vramledger.cli.parser import build_parser
+    from vramledger.cli.serve.form import spec_words
+
+    def cli(words):
+        argv = ["estimate", "m.json"]
+        for name, word in words.items():
+            flag = "--" + name.replace("_", "-")
+            argv += [flag] if word is True else [f"{flag}={word}"]
+        values = spec_values(build_parser().parse_args(argv))
+        return {name: values[name] for name in words}
+
+    assert spec_words(FORM_WORDS) == cli(FORM_WORDS)
+    assert spec_words({"seq_len": " ", "grad_checkpointing": False, "strategy": ""}) == {}
+    sources = Sources(FIXTURES, None, tmp_path)
+    question = parse_question({**TINY, "form": FORM_WORDS}, sources)
+    assert question.spec == cli(FORM_WORDS)
+    for form, words in [
+        ({"strategy": "zero9"}, "argument --strategy: invalid choice: 'zero9'"),
+        ({"reshard_after_forward": "x"}, "'x' is not true, false or an integer"),
+        ({"tp": "-1"}, None),  # a number argparse takes; the spec refuses it, as on the CLI
+        ({"grad_checkpointing": "yes"}, "grad-checkpointing must be true or false"),
+        ({"seed": "1"}, "the page takes no field 'seed'"),
+        ({"inputs": "slow.py:batch"}, "this server runs no Python files"),
+    ]:
+        if words is None:
+            assert spec_words(form) == {"tp": -1}
+            continue
+        with pytest.raises(InputError, match=re.escape(words)):
+            parse_question({**TINY, "form": form}, sources)
+
+
 # -- the server -------------------------------------------------------------------------------
 def request(url, body=None, headers=None, method=None):
     """(status, JSON or text) of a request; errors are answers too."""
@@ -246,7 +327,7 @@ def test_the_page_answers_in_a_browser(server, tmp_path, capsys):
                 "[e.dataset.category, Number(e.dataset.bytes)]))",
             )
 
-        page.select_option("#f-gpu", "a100-80gb")
+        page.fill("#f-gpu", "a100-80gb")
         page.fill("#f-seq_len", "64")
         page.fill("#config", "tiny-llama.json")
         page.press("#config", "Enter")
@@ -271,7 +352,7 @@ def test_the_page_answers_in_a_browser(server, tmp_path, capsys):
         assert page.inner_text("#error") == lora_error
 
         page.fill("#f-lora", "")
-        page.select_option("#f-gpu", "")
+        page.fill("#f-gpu", "")
         page.fill("#f-gpu_memory", "60MiB")
         page.fill("#f-margin", "0")
         page.press("#f-margin", "Tab")

@@ -54,6 +54,9 @@ PARALLEL_OPTIONS = section_fields("parallelism")
 """Spec options that ``plan`` searches itself and ``rehearse`` (one device) does not take."""
 GPU_OPTIONS = section_fields("gpu")
 """Spec options of the GPU predicted for, which commands that run on a real device do not take."""
+STEP_FIXED_OPTIONS = ("target", "steps")
+"""Spec options that ``fit`` and ``plan`` do not take: they answer for CUDA GPUs, at the spec's
+default steps."""
 
 
 def flag(f: Field) -> str:
@@ -142,6 +145,12 @@ def add_spec_options(parser: argparse.ArgumentParser, exclude: tuple[str, ...] =
 def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
     """The TrainingSpec the parsed options say; an option the command does not take, or one
     not given whose default is None, leaves the spec's default."""
+    return TrainingSpec(**spec_values(args))
+
+
+def spec_values(args: argparse.Namespace) -> dict[str, Any]:
+    """The TrainingSpec fields the parsed options set, as the spec takes them (each option's
+    ``convert`` applied, repeated options as tuples)."""
     values = {}
     for f in spec_fields():
         if not hasattr(args, f.name):
@@ -154,4 +163,4 @@ def spec_from_args(args: argparse.Namespace) -> TrainingSpec:
             value = tuple(value or ())
         if value is not None:
             values[f.name] = value
-    return TrainingSpec(**values)
+    return values

@@ -21,7 +21,12 @@ from vramledger.cli.commands import (
     cmd_run,
     cmd_serve,
 )
-from vramledger.cli.options import GPU_OPTIONS, PARALLEL_OPTIONS, add_spec_options
+from vramledger.cli.options import (
+    GPU_OPTIONS,
+    PARALLEL_OPTIONS,
+    STEP_FIXED_OPTIONS,
+    add_spec_options,
+)
 from vramledger.inputs.precision import PRECISIONS
 from vramledger.inputs.program import ProgramSpec
 from vramledger.inputs.spec import TARGETS
@@ -271,7 +276,7 @@ def _add_plan(sub: Any) -> None:
     p = _command(sub, cmd_plan)
     add_spec_options(
         p,
-        exclude=("optimizer", "precision", "target", "steps", *PARALLEL_OPTIONS),
+        exclude=("optimizer", "precision", *STEP_FIXED_OPTIONS, *PARALLEL_OPTIONS),
     )
     _add_gpu_options(p)
     p.add_argument(
@@ -335,7 +340,7 @@ def _add_advise(sub: Any) -> None:
 
 def _add_fit(sub: Any) -> None:
     p = _command(sub, cmd_fit)
-    add_spec_options(p, exclude=("target", "steps"))
+    add_spec_options(p, exclude=STEP_FIXED_OPTIONS)
     p.add_argument(
         "--max",
         dest="maximize",

@@ -13,7 +13,7 @@ from typing import Any, Literal
 from vramledger.inputs.adapters import QUANTIZE, parse_lora
 from vramledger.inputs.attention import IMPLEMENTATIONS, check_implementation
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.gpus import Gpu, asked_gpu
+from vramledger.inputs.gpus import CATALOGUE, Gpu, asked_gpu
 from vramledger.inputs.parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
 from vramledger.inputs.precision import PRECISIONS, Precision, canonical_precision
 from vramledger.inputs.spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
@@ -46,6 +46,13 @@ longer sequence is a typo, and the default batch is made for real on the host be
 (``--seq-len 1000000000`` held 16 GB and traced for a minute before it failed)."""
 
 
+def _optimizer_names() -> list[str]:
+    """The optimizer names ``--optimizer`` knows (imports torch.optim: asked only by the page)."""
+    from vramledger.inputs.optimizers import known_names
+
+    return known_names()
+
+
 @dataclass(frozen=True, kw_only=True)
 class TrainingSpec:
     """Everything that decides the memory of a training step. Each field's docstring is its
@@ -68,7 +75,7 @@ class TrainingSpec:
     loss: Any = field(default=None, metadata=cli("model", metavar="FILE.py:FUNCTION"))
     """``FILE.py:FUNCTION`` called as ``loss(model, batch)`` returning the scalar loss (runs the
     forward itself). Default: the model's ``output.loss``."""
-    optimizer: Any = field(default="adamw", metadata=cli("optimizer"))
+    optimizer: Any = field(default="adamw", metadata=cli("optimizer", offered=_optimizer_names))
     """A torch.optim name (adamw, sgd, sgd-momentum, adam, adagrad, rmsprop, ...) or a class
     (import path or, from Python, the class itself)."""
     optimizer_kwargs: dict[str, Any] = field(
@@ -77,7 +84,10 @@ class TrainingSpec:
     """Keyword arguments for the optimizer (momentum, foreach, fused, amsgrad, ...), on the
     command line as a JSON object."""
     precision: Precision = field(
-        default="fp32", metadata=cli("precision", metavar="{" + ",".join(PRECISIONS) + "}")
+        default="fp32",
+        metadata=cli(
+            "precision", metavar="{" + ",".join(PRECISIONS) + "}", offered=lambda: PRECISIONS
+        ),
     )
     """The frameworks' names (precision.py): fp32 (or 32-true), bf16-mixed and 16-mixed
     (autocast over fp32 weights, as Lightning, HF Trainer and accelerate), bf16-true (bf16
@@ -189,7 +199,9 @@ class TrainingSpec:
     flash_attention_2 (modelled, attention.py). Default: the model's own."""
     freeze: tuple[str, ...] = field(default=(), metadata=cli("adapters", metavar="PATTERN"))
     """Freeze parameters whose names match these fnmatch patterns (the option repeats)."""
-    gpu: str | Gpu | None = field(default=None, metadata=cli("gpu", metavar="NAME"))
+    gpu: str | Gpu | None = field(
+        default=None, metadata=cli("gpu", metavar="NAME", offered=lambda: tuple(CATALOGUE))
+    )
     """The GPU to predict, from the catalogue (gpus.py: a100-80gb, h100-80gb, v100-32gb, ...;
     from Python also a ``Gpu``): its compute capability selects CUDA's decisions in the trace
     (cuBLAS workspace, attention kernel) and the ledger says whether the step fits its memory.

@@ -18,7 +18,7 @@ import inspect
 import itertools
 import json
 import textwrap
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import Field, dataclass
 from typing import Any, Literal
 
@@ -58,6 +58,11 @@ class Cli:
     convert: Callable[[Any, str], Any] | None = None
     """What parsing gave (None when the option was not given) to the field's value, with the
     option's flag for the message of the ``InputError`` that refuses it."""
+    offered: Callable[[], Sequence[str]] | None = None
+    """Words to suggest where the field is typed (the ``serve`` page's list), without refusing
+    others: the spec checks the value, as for a word on the command line (the GPU catalogue,
+    whose refusal names every GPU; the precision names, whose old spellings are refused with
+    the new name; the optimizer names, beside which an import path is taken)."""
 
 
 def cli(section: Section, **options: Any) -> dict[str, Cli]:

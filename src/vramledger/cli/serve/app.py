@@ -44,22 +44,12 @@ LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def choices(sources: Sources) -> dict[str, Any]:
-    """What the form offers: the CLI's own lists."""
-    from vramledger.inputs.adapters import QUANTIZE
-    from vramledger.inputs.gpus import CATALOGUE
-    from vramledger.inputs.optimizers import known_names
-    from vramledger.inputs.precision import PRECISIONS
-    from vramledger.inputs.spec import STRATEGIES
-
+    """Where the form's models come from: the configs listed under the folder, and the folders
+    (the spec's options are drawn from the spec itself, ``form.py``)."""
     return {
         "configs": sources.listed(),
         "config_dir": str(sources.configs) if sources.configs else None,
         "code_dir": str(sources.code) if sources.code else None,
-        "gpus": list(CATALOGUE),
-        "precisions": list(PRECISIONS),
-        "optimizers": known_names(),
-        "strategies": list(STRATEGIES[1:]),
-        "quantize": list(QUANTIZE),
     }
 
 

@@ -1,13 +1,18 @@
 """The page ``vramledger serve`` serves: one HTML document with its CSS and script inline (no
-network: nothing is fetched but the server's own answers), the form drawn from the same choices
-the CLI offers, and the answers filled in from the HTML fragments the worker renders with
+network: nothing is fetched but the server's own answers), the form drawn from the TrainingSpec
+fields as the CLI's options are (form.py), and the answers filled in from the HTML fragments the worker renders with
 ``render/html.py`` (the report's own charts)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from html import escape
 from typing import Any
 
+from vramledger.cli.options import help_text
+from vramledger.cli.serve.form import CODE_FIELDS, FormField, form_fields, page_fields
+from vramledger.cli.serve.question import OPTIONS
+from vramledger.inputs.spec_fields import SECTIONS
 from vramledger.render.html import CSS
 
 PAGE_CSS = """
@@ -18,6 +23,9 @@ background:#f7f7f7;padding:1rem;border-radius:6px}
 label{display:flex;flex-direction:column;font-size:.85rem;color:#444;gap:.15rem}
 label.check{flex-direction:row;align-items:center;gap:.4rem}
 .wide{grid-column:span 4}.half{grid-column:span 2}
+fieldset{grid-column:span 4;display:grid;grid-template-columns:repeat(4,minmax(0,1fr));
+gap:.5rem 1rem;align-items:end;border:1px solid #ddd;border-radius:4px;margin:0}
+legend{font-size:.85rem;font-weight:600;color:#333}
 textarea{font-family:ui-monospace,monospace;font-size:.8rem;height:7rem}
 input,select,textarea,button{font:inherit;font-size:.9rem}
 .buttons{display:flex;gap:.6rem;align-items:center;flex-wrap:wrap}
@@ -144,7 +152,7 @@ document.addEventListener('DOMContentLoaded', () => {
 """
 
 
-def _options(values: list[str], selected: str | None = None, blank: str | None = None) -> str:
+def _options(values: Iterable[str], selected: str | None = None, blank: str | None = None) -> str:
     out = [f"<option value=''>{escape(blank)}</option>"] if blank is not None else []
     for value in values:
         mark = " selected" if value == selected else ""
@@ -159,49 +167,73 @@ def _input(field: str, label: str, value: Any = "", kind: str = "text", extra: s
     )
 
 
-def _select(field: str, label: str, options: str) -> str:
+def _select(field: str, label: str, options: str, extra: str = "") -> str:
     return (
-        f"<label>{escape(label)}<select id='f-{field}' data-field='{field}'>{options}</select>"
-        "</label>"
+        f"<label {extra}>{escape(label)}<select id='f-{field}' data-field='{field}'>{options}"
+        "</select></label>"
     )
 
 
-def _spec_fields(choices: dict[str, Any]) -> list[str]:
-    """The form's fields of the spec (each ``data-field`` a TrainingSpec field) and of the
-    questions (fit's ``maximize``, plan's ``max_gpus``)."""
-    return [
-        _select("gpu", "GPU", _options(choices["gpus"], blank="— none —")),
-        _input("gpu_memory", "or GPU memory", extra="placeholder='24GiB'"),
-        _input("margin", "margin", extra="placeholder='2GiB'"),
-        _select("precision", "precision", _options(choices["precisions"], "fp32")),
-        _input(
-            "optimizer",
-            "optimizer",
-            "adamw",
-            extra="list='optimizers' autocomplete='off'",
+def _field(f: FormField) -> str:
+    """One spec option's input, labelled with the option's name and titled with its help."""
+    label = f.name.replace("_", "-")
+    title = f"title='{escape(f.help)}'"
+    if f.kind == "switch":
+        return (
+            f"<label class='check' {title}><input id='f-{f.name}' data-field='{f.name}' "
+            f"type='checkbox'>{escape(label)}</label>"
         )
-        + "<datalist id='optimizers'>"
-        + "".join(f"<option value='{escape(o)}'>" for o in choices["optimizers"])
-        + "</datalist>",
-        "<label class='check'><input id='f-grad_checkpointing' data-field='grad_checkpointing' "
-        "type='checkbox'>activation checkpointing</label>",
-        _input("batch_size", "micro-batch", 1, "number", "min='1'"),
-        _input("seq_len", "sequence length", 512, "number", "min='1'"),
-        _input("lora", "LoRA", extra="placeholder='r=16,alpha=32,targets=all-linear'"),
-        _select("quantize", "quantized base (QLoRA)", _options(choices["quantize"], blank="none")),
-        _input("world_size", "world size", 1, "number", "min='1'"),
-        _select("strategy", "strategy", _options(choices["strategies"], blank="default")),
-        _input("tp", "tensor parallel", 1, "number", "min='1'"),
-        _input("pp", "pipeline stages", 1, "number", "min='1'"),
-        _select("maximize", "fit: maximise", _options(["batch-size", "seq-len", "both"])),
-        _input("max_gpus", "plan: at most GPUs", 1024, "number", "min='1'"),
-    ]
+    if f.kind == "choice":
+        blank = None if f.value else "— default —"
+        return _select(f.name, label, _options(f.choices, f.value, blank), title)
+    kind = "number" if f.kind == "number" else "text"
+    extra = f"{title} placeholder='{escape(f.placeholder)}'"
+    extra += " min='1'" if f.kind == "number" else ""
+    if not f.offered:
+        return _input(f.name, label, f.value, kind, extra)
+    listed = "".join(f"<option value='{escape(o)}'>" for o in f.offered)
+    return _input(
+        f.name, label, f.value, kind, f"{extra} list='list-{f.name}' autocomplete='off'"
+    ) + (f"<datalist id='list-{f.name}'>{listed}</datalist>")
+
+
+def _spec_fields() -> list[str]:
+    """The form's fields of the spec, a fieldset per section of the spec (as ``--help`` groups
+    them), drawn from the fields (form.py); then the questions' own (fit's ``maximize``,
+    plan's ``max_gpus``)."""
+    fields = form_fields()
+    out = []
+    for section, title in SECTIONS.items():
+        inputs = [_field(f) for f in fields if f.section == section]
+        if inputs:
+            out.append(f"<fieldset><legend>{escape(title)}</legend>{''.join(inputs)}</fieldset>")
+    fit, plan = OPTIONS["fit"]["maximize"], OPTIONS["plan"]["max_gpus"]
+    assert plan is int
+    out.append(
+        "<fieldset><legend>fit and plan</legend>"
+        + _select("maximize", "fit: maximise", _options(fit))
+        + _input("max_gpus", "plan: at most GPUs", 1024, "number", "min='1'")
+        + "</fieldset>"
+    )
+    return out
+
+
+def _code_fields() -> str:
+    """The spec's code options (``FILE.py:FUNCTION``) beside the model function."""
+    helps = {f.name: f for f in page_fields()}
+    return "".join(
+        _input(
+            name,
+            name.replace("_", "-"),
+            extra=(f"placeholder='models.py:function' title='{escape(help_text(helps[name]))}'"),
+        )
+        for name in CODE_FIELDS
+    )
 
 
 def page(choices: dict[str, Any]) -> str:
-    """The page, its form drawn from ``choices`` (the listed configs, the GPU catalogue, the
-    precisions, optimizers, strategies and quantizations the CLI takes, and the folders the
-    server reads)."""
+    """The page: its model sources from ``choices`` (the listed configs and the folders the
+    server reads), its spec options drawn from the spec's fields as the CLI's are (form.py)."""
     configs = choices["configs"]
     folder = choices["config_dir"]
     code = choices["code_dir"]
@@ -235,12 +267,9 @@ def page(choices: dict[str, Any]) -> str:
     if code:
         boxes += (
             "<div id='source-code' class='wide buttons'><label>model function<input id='code' "
-            "placeholder='models.py:build_model'></label><label>inputs<input id='f-inputs' "
-            "data-field='inputs' placeholder='models.py:make_batch'></label><label>loss (default:"
-            " output.loss)<input id='f-loss' data-field='loss' placeholder='models.py:loss'>"
-            "</label></div>"
+            f"placeholder='models.py:build_model'></label>{_code_fields()}</div>"
         )
-    fields = _spec_fields(choices)
+    fields = _spec_fields()
     buttons = (
         "<div class='buttons wide'>"
         "<button class='primary' data-kind='estimate' id='ask-estimate'>Estimate</button>"

@@ -20,28 +20,12 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from vramledger.cli.serve.form import CODE_FIELDS, spec_words
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.jsonfile import parse_json_object
 
 KINDS: tuple[str, ...] = ("estimate", "fit", "plan", "advise")
 """The answers the page asks for: each is the CLI command of the same name."""
-INT_FIELDS: tuple[str, ...] = ("batch_size", "seq_len", "world_size", "tp", "pp")
-"""TrainingSpec fields the form sends as whole numbers (argparse's ``type=int`` in the CLI)."""
-TEXT_FIELDS: tuple[str, ...] = (
-    "optimizer",
-    "precision",
-    "strategy",
-    "lora",
-    "quantize",
-    "gpu",
-    "gpu_memory",
-    "margin",
-)
-"""TrainingSpec fields the form sends as text; an empty one is the CLI's default."""
-BOOL_FIELDS: tuple[str, ...] = ("grad_checkpointing",)
-CODE_FIELDS: tuple[str, ...] = ("inputs", "loss")
-"""TrainingSpec fields that name Python code (``FILE.py:FUNCTION``): taken only with
-``--allow-code DIR``, from files under DIR, as the model is."""
 OPTIONS: dict[str, dict[str, Any]] = {  # fit --max (its only choice option), plan --max-gpus
     "fit": {"maximize": ("batch-size", "seq-len", "both")},
     "plan": {"max_gpus": int},
@@ -231,26 +215,12 @@ def parse_question(body: Any, sources: Sources) -> Question:
     form = body.get("form") or {}
     if not isinstance(form, dict):
         raise InputError("the form must be a JSON object")
-    known = {*INT_FIELDS, *TEXT_FIELDS, *BOOL_FIELDS, *CODE_FIELDS, *_option_names()}
-    unknown = sorted(set(form) - known)
-    if unknown:
-        raise InputError(f"the page takes no field {unknown[0]!r}")
-    spec: dict[str, Any] = {}
-    for name in INT_FIELDS:
-        if (value := _text(form, name)) is not None:
-            spec[name] = _int(value, name)
-    for name in TEXT_FIELDS:
-        if (value := _text(form, name)) is not None:
-            spec[name] = value
+    form = dict(form)
+    options_given = {name: form.pop(name) for name in _option_names() if name in form}
+    spec = spec_words(form)
     for name in CODE_FIELDS:
-        if (value := _text(form, name)) is not None:
-            spec[name] = sources.code_model(value)[0]
-    for name in BOOL_FIELDS:
-        value = form.get(name, False)
-        if not isinstance(value, bool):
-            raise InputError(f"{name.replace('_', '-')} must be true or false, not {value!r}")
-        if value:
-            spec[name] = True
+        if name in spec:
+            spec[name] = sources.code_model(spec[name])[0]
     optimizer = spec.get("optimizer", "")
     if any(mark in optimizer for mark in (":", ".", "/", "\\")):
         raise InputError(
@@ -260,7 +230,7 @@ def parse_question(body: Any, sources: Sources) -> Question:
         )
     options: dict[str, Any] = {}
     for name, kind_ in OPTIONS.get(kind, {}).items():
-        if (value := _text(form, name)) is None:
+        if (value := _text(options_given, name)) is None:
             continue
         if kind_ is int:
             options[name] = _int(value, name)

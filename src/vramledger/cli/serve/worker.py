@@ -19,6 +19,8 @@ import sys
 import time
 from typing import Any, TextIO
 
+from vramledger.cli.options import PARALLEL_OPTIONS, STEP_FIXED_OPTIONS
+
 WARM_UP_CONFIG: dict[str, Any] = {
     "model_type": "llama",
     "architectures": ["LlamaForCausalLM"],
@@ -33,9 +35,13 @@ WARM_UP_CONFIG: dict[str, Any] = {
 first-call work of torch's dispatcher and transformers' lazy imports (a few seconds)."""
 
 
-PLAN_SEARCHES = ("world_size", "strategy", "tp", "pp")
-"""Form fields that ``plan`` answers rather than takes (``PARALLEL_OPTIONS`` of cli/options.py,
-as the page has them)."""
+LEFT_OUT: dict[str, tuple[str, ...]] = {
+    "fit": STEP_FIXED_OPTIONS,
+    "plan": (*STEP_FIXED_OPTIONS, *PARALLEL_OPTIONS),
+}
+"""Form fields each question leaves out, as the CLI's command takes no such option
+(cli/parser.py): plan answers the layout rather than taking it, fit and plan answer for CUDA at
+the default steps. (The page's plan searches the form's one optimizer and precision.)"""
 
 
 def error_line(exc: BaseException, shown: dict[str, str] | None = None) -> str:
@@ -66,8 +72,7 @@ def answer(question: dict[str, Any], progress: Any) -> dict[str, str]:
 
     kind, options = question["kind"], question["options"]
     fields = question["spec"]
-    if kind == "plan":  # plan searches the layout itself: the CLI's plan takes none of these
-        fields = {k: v for k, v in fields.items() if k not in PLAN_SEARCHES}
+    fields = {k: v for k, v in fields.items() if k not in LEFT_OUT.get(kind, ())}
     spec = TrainingSpec(model=question["model"], **fields)
     if kind == "estimate":
         ledger = estimate(spec)
