@@ -36,9 +36,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from vramledger.inputs.errors import InputError
+
 Strategy = Literal["none", "ddp", "zero1", "zero2", "zero3", "fsdp", "zero1-torch", "zero0"]
 STRATEGIES: tuple[str, ...] = Strategy.__args__  # type: ignore[attr-defined]
 """How ranks share the work (``parallel/strategy.py`` says what each keeps on a rank)."""
+
+Offload = Literal["none", "optimizer", "params", "both"]
+OFFLOADS: tuple[str, ...] = Offload.__args__  # type: ignore[attr-defined]
+"""What is kept in host memory."""
+
+MAX_RANKS = 2**17
+"""131,072 ranks: above the largest GPU clusters built for training (100,000 H100s in xAI's
+Colossus, 2024); a larger world size is a typo, and per-rank work grows with it
+(``--world-size 100000000`` grew to 20 GB and was killed)."""
 
 _FSDP = frozenset({"fsdp"})
 _DDP = frozenset({"ddp", "zero1-torch"})
@@ -82,6 +93,73 @@ class Parallelism:
     def __post_init__(self) -> None:
         if self.strategy is not None and self.strategy not in STRATEGIES:
             raise ValueError(f"unknown strategy {self.strategy!r}; use one of {STRATEGIES}")
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        strategy: str | None,
+        world_size: int,
+        nodes: int | None,
+        gpus_per_node: int | None,
+        dp_shard: int | None,
+        tp: int,
+        pp: int,
+        cp: int,
+        ep: int,
+        offload: str,
+    ) -> Parallelism:
+        """The parallel options as a user gives them (``--world-size`` or ``--nodes`` x
+        ``--gpus-per-node``, the axes, ``--strategy``, ``--offload``), checked, and resolved:
+        the world size made from the nodes or the axes where not given, the strategy defaulted
+        (none on one rank, ddp on several, fsdp when the model is split, the data-parallel axis
+        given as ``--dp-shard`` or experts split over it). A bad value is an ``InputError``."""
+        for name, value in (("world_size", world_size), ("nodes", nodes)):
+            _check_ranks(name, value)
+        _check_ranks("gpus_per_node", gpus_per_node)
+        if (nodes is None) != (gpus_per_node is None):
+            raise InputError(
+                "give --nodes and --gpus-per-node together", hint="or just --world-size"
+            )
+        if nodes is not None and gpus_per_node is not None:
+            world = nodes * gpus_per_node
+            if world_size not in (1, world):
+                raise InputError(f"world-size {world_size} is not nodes x gpus-per-node = {world}")
+            world_size = world
+        for name, value in (("tp", tp), ("pp", pp), ("cp", cp), ("ep", ep), ("dp_shard", dp_shard)):
+            _check_ranks(name, value)
+        split = tp * pp * cp
+        if dp_shard is not None:
+            world = dp_shard * split
+            if world_size not in (1, world):
+                raise InputError(
+                    f"world-size {world_size} is not dp-shard x tp x pp x cp = {world}",
+                    hint="drop --world-size, or make the axes multiply to it",
+                )
+            world_size = world
+        elif split > 1 and world_size == 1:
+            world_size = split
+        if world_size % split:
+            raise InputError(
+                f"world-size {world_size} is not a multiple of tp x pp x cp = {split}",
+                hint="the data-parallel axis takes world-size / (tp x pp x cp) ranks",
+            )
+        dp = world_size // split
+        if (dp * cp) % ep:
+            raise InputError(
+                f"ep {ep} does not divide the data-parallel x context-parallel ranks ({dp * cp})",
+                hint="expert parallelism borrows ranks from those axes",
+            )
+        return cls(
+            strategy=_default_strategy(strategy, dp, cp, dp_shard, split, ep, world_size),
+            world_size=world_size,
+            dp_shard=dp_shard,
+            tp=tp,
+            pp=pp,
+            cp=cp,
+            ep=ep,
+            offload=_check_offload(offload),
+        )
 
     @property
     def name(self) -> str:
@@ -229,3 +307,54 @@ class Parallelism:
     def offloads(self) -> bool:
         """Something is kept in host memory."""
         return self.offload != "none"
+
+
+def _check_ranks(name: str, value: int | None) -> None:
+    """A count of ranks (or None, not given): a positive integer, at most ``MAX_RANKS``."""
+    if value is None:
+        return
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise InputError(f"{name.replace('_', '-')} must be a positive integer, not {value!r}")
+    if value > MAX_RANKS:
+        raise InputError(
+            f"{name.replace('_', '-')} {value:,} is beyond any training cluster "
+            f"(vramledger models at most {MAX_RANKS:,} ranks)",
+            hint="check the number",
+        )
+
+
+def _default_strategy(
+    strategy: str | None, dp: int, cp: int, dp_shard: int | None, split: int, ep: int, world: int
+) -> str:
+    """The strategy given, or the default: fsdp where the data-parallel axis is sharded
+    (``--dp-shard``, a split model, experts split over it) and ranks reduce gradients
+    (context-parallel ranks reduce theirs as data-parallel ones do: torchtitan shards over
+    dp_shard x cp), ddp over plain data parallelism, none on one rank; checked against what is
+    modelled."""
+    sharded = dp_shard is not None or split > 1 or ep > 1
+    chosen = strategy or ("ddp" if dp > 1 and not sharded else None)
+    if chosen is None:
+        chosen = "fsdp" if dp * cp > 1 else "none"
+    if chosen not in STRATEGIES:
+        raise InputError(
+            f"unknown strategy {chosen!r}", hint=f"use one of {', '.join(STRATEGIES[1:])}"
+        )
+    parallelism = Parallelism(strategy=chosen)
+    if parallelism.is_single and dp * cp > 1:
+        raise InputError(
+            f"world-size {world} needs a --strategy (data-parallel and "
+            "context-parallel ranks reduce their gradients)",
+            hint=f"use one of {', '.join(STRATEGIES[1:])}",
+        )
+    if split > 1 and not parallelism.models_split_model:
+        raise InputError(
+            f"--strategy {chosen} with tensor/pipeline/context parallelism is not modelled",
+            hint="use fsdp (FSDP2) or ddp over the data-parallel axis",
+        )
+    return chosen
+
+
+def _check_offload(offload: str) -> str:
+    if offload not in OFFLOADS:
+        raise InputError(f"unknown offload {offload!r}", hint=f"use one of {', '.join(OFFLOADS)}")
+    return offload

@@ -14,7 +14,14 @@ from vramledger.inputs.adapters import QUANTIZE, parse_lora
 from vramledger.inputs.attention import IMPLEMENTATIONS, check_implementation
 from vramledger.inputs.errors import InputError
 from vramledger.inputs.gpus import CATALOGUE, Gpu, asked_gpu
-from vramledger.inputs.parallelism import STRATEGIES, Parallelism, Strategy  # noqa: F401 (re-exported)
+from vramledger.inputs.parallelism import (  # noqa: F401 (re-exported)
+    MAX_RANKS,
+    OFFLOADS,
+    STRATEGIES,
+    Offload,
+    Parallelism,
+    Strategy,
+)
 from vramledger.inputs.precision import PRECISIONS, Precision, canonical_precision
 from vramledger.inputs.spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
 from vramledger.inputs.tasks import TASKS
@@ -26,18 +33,9 @@ ROUTINGS: tuple[str, ...] = ("balanced", "first", "last", "worst")
 PpSchedule = Literal["gpipe", "1f1b", "interleaved-1f1b"]
 PP_SCHEDULES: tuple[str, ...] = PpSchedule.__args__  # type: ignore[attr-defined]
 """torch.distributed.pipelining schedules: ScheduleGPipe, Schedule1F1B, ScheduleInterleaved1F1B."""
-Offload = Literal["none", "optimizer", "params", "both"]
-OFFLOADS: tuple[str, ...] = Offload.__args__  # type: ignore[attr-defined]
-"""What is kept in host memory."""
-
 Target = Literal["cuda", "cpu"]
 TARGETS: tuple[str, ...] = ("cuda", "cpu")
 
-
-MAX_RANKS = 2**17
-"""131,072 ranks: above the largest GPU clusters built for training (100,000 H100s in xAI's
-Colossus, 2024); a larger world size is a typo, and per-rank work grows with it
-(``--world-size 100000000`` grew to 20 GB and was killed)."""
 
 MAX_SEQ_LEN = 2**24
 """16,777,216 tokens: above the longest context any released model was trained for (Llama 4
@@ -267,68 +265,13 @@ class TrainingSpec:
         self._check_parallel()
 
     def _check_parallel(self) -> None:
-        for name in ("world_size", "nodes", "gpus_per_node"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value <= 0
-            ):
-                raise InputError(
-                    f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
-                )
-            if value is not None and value > MAX_RANKS:
-                raise InputError(
-                    f"{name.replace('_', '-')} {value:,} is beyond any training cluster "
-                    f"(vramledger models at most {MAX_RANKS:,} ranks)",
-                    hint="check the number",
-                )
-        if (self.nodes is None) != (self.gpus_per_node is None):
-            raise InputError(
-                "give --nodes and --gpus-per-node together", hint="or just --world-size"
-            )
-        if self.nodes is not None and self.gpus_per_node is not None:
-            world = self.nodes * self.gpus_per_node
-            if self.world_size not in (1, world):
-                raise InputError(
-                    f"world-size {self.world_size} is not nodes x gpus-per-node = {world}"
-                )
-            object.__setattr__(self, "world_size", world)
-        self._check_axes()
-        dp = self.dp_degree
-        # --dp-shard, a split model or experts split over data-parallel ranks: FSDP2 by default
-        sharded = self.dp_shard is not None or self.model_split > 1 or self.ep > 1
-        strategy = self.strategy or ("ddp" if dp > 1 and not sharded else None)
-        if strategy is None:
-            # context-parallel ranks reduce their gradients as data-parallel ones do (torchtitan
-            # shards over dp_shard x cp)
-            strategy = "fsdp" if dp * self.cp > 1 else "none"
-        if strategy not in STRATEGIES:
-            raise InputError(
-                f"unknown strategy {strategy!r}", hint=f"use one of {', '.join(STRATEGIES[1:])}"
-            )
-        if Parallelism(strategy=strategy).is_single and dp * self.cp > 1:
-            raise InputError(
-                f"world-size {self.world_size} needs a --strategy (data-parallel and "
-                "context-parallel ranks reduce their gradients)",
-                hint=f"use one of {', '.join(STRATEGIES[1:])}",
-            )
-        if self.model_split > 1 and not Parallelism(strategy=strategy).models_split_model:
-            raise InputError(
-                f"--strategy {strategy} with tensor/pipeline/context parallelism is not modelled",
-                hint="use fsdp (FSDP2) or ddp over the data-parallel axis",
-            )
-        object.__setattr__(self, "strategy", strategy)
-        if self.offload not in OFFLOADS:
-            raise InputError(
-                f"unknown offload {self.offload!r}", hint=f"use one of {', '.join(OFFLOADS)}"
-            )
-        self._check_shard_units()
-
-    @property
-    def parallelism(self) -> Parallelism:
-        """The strategy and the parallel axes as one value to ask (``parallelism.py``)."""
-        return Parallelism(
+        """The parallel section checked and resolved once by its class (the world size made
+        from the axes or the nodes, the default strategy), and the pipeline's schedule."""
+        parallelism = Parallelism.resolve(
             strategy=self.strategy,
             world_size=self.world_size,
+            nodes=self.nodes,
+            gpus_per_node=self.gpus_per_node,
             dp_shard=self.dp_shard,
             tp=self.tp,
             pp=self.pp,
@@ -336,57 +279,39 @@ class TrainingSpec:
             ep=self.ep,
             offload=self.offload,
         )
-
-    @property
-    def model_split(self) -> int:
-        """Ranks one copy of the model is split over: tp x pp x cp."""
-        return self.tp * self.pp * self.cp
-
-    @property
-    def dp_degree(self) -> int:
-        """Ranks of the data-parallel axis (replicas or FSDP shards)."""
-        return self.world_size // self.model_split
-
-    def _check_axes(self) -> None:
-        """tp, pp, cp, ep and dp_shard: positive; the world is dp x tp x pp x cp (given by
-        --world-size or made from the axes); ep divides dp x cp; a known pipeline schedule."""
-        for name in ("tp", "pp", "cp", "ep", "dp_shard", "microbatches"):
-            value = getattr(self, name)
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or value <= 0
-            ):
-                raise InputError(
-                    f"{name.replace('_', '-')} must be a positive integer, not {value!r}"
-                )
+        object.__setattr__(self, "world_size", parallelism.world_size)
+        object.__setattr__(self, "strategy", parallelism.strategy)
+        object.__setattr__(self, "_parallelism", parallelism)
+        if self.microbatches is not None and (
+            not isinstance(self.microbatches, int)
+            or isinstance(self.microbatches, bool)
+            or self.microbatches <= 0
+        ):
+            raise InputError(f"microbatches must be a positive integer, not {self.microbatches!r}")
         if self.pp_schedule not in PP_SCHEDULES:
             raise InputError(
                 f"unknown pipeline schedule {self.pp_schedule!r}",
                 hint=f"use {', '.join(PP_SCHEDULES)}",
             )
-        split = self.model_split
-        if self.dp_shard is not None:
-            world = self.dp_shard * split
-            if self.world_size not in (1, world):
-                raise InputError(
-                    f"world-size {self.world_size} is not dp-shard x tp x pp x cp = {world}",
-                    hint="drop --world-size, or make the axes multiply to it",
-                )
-            object.__setattr__(self, "world_size", world)
-        elif split > 1 and self.world_size == 1:
-            object.__setattr__(self, "world_size", split)
-        if self.world_size % split:
-            raise InputError(
-                f"world-size {self.world_size} is not a multiple of tp x pp x cp = {split}",
-                hint="the data-parallel axis takes world-size / (tp x pp x cp) ranks",
-            )
-        if (self.dp_degree * self.cp) % self.ep:
-            raise InputError(
-                f"ep {self.ep} does not divide the data-parallel x context-parallel ranks "
-                f"({self.dp_degree * self.cp})",
-                hint="expert parallelism borrows ranks from those axes",
-            )
         if self.microbatches is not None and self.pp == 1:
             raise InputError("--microbatches is for pipeline parallelism", hint="add --pp N")
+        self._check_shard_units()
+
+    @property
+    def parallelism(self) -> Parallelism:
+        """The strategy and the parallel axes as one value to ask (``parallelism.py``), as
+        resolved when the spec was made."""
+        return self._parallelism  # type: ignore[attr-defined]
+
+    @property
+    def model_split(self) -> int:
+        """Ranks one copy of the model is split over: tp x pp x cp."""
+        return self.parallelism.model_split
+
+    @property
+    def dp_degree(self) -> int:
+        """Ranks of the data-parallel axis (replicas or FSDP shards)."""
+        return self.parallelism.data_parallel_degree
 
     def _check_shard_units(self) -> None:
         given = [
