@@ -1,7 +1,7 @@
 """The page ``vramledger serve`` serves: one HTML document with its CSS and script inline (no
 network: nothing is fetched but the server's own answers), the form drawn from the TrainingSpec
-fields as the CLI's options are (form.py), and the answers filled in from the HTML fragments the worker renders with
-``render/html.py`` (the report's own charts)."""
+fields as the CLI's options are (form.py), and the answers filled in from the HTML fragments the
+worker renders with ``render/html.py`` (the report's own charts)."""
 
 from __future__ import annotations
 
