@@ -4,6 +4,8 @@ compares a strategy with a name any more."""
 from __future__ import annotations
 
 import ast
+import dataclasses
+import inspect
 import re
 from pathlib import Path
 
@@ -159,18 +161,9 @@ def test_spec_parallelism(fields, strategy):
 def test_the_parallel_section_resolves_itself(given, resolved):
     """``Parallelism.resolve`` checks the parallel options and makes the world size and the
     default strategy from them, with no spec around it; the spec keeps what it resolved."""
-    options = {
-        "strategy": None,
-        "world_size": 1,
-        "nodes": None,
-        "gpus_per_node": None,
-        "dp_shard": None,
-        "tp": 1,
-        "pp": 1,
-        "cp": 1,
-        "ep": 1,
-        "offload": "none",
-    }
+    taken = inspect.signature(Parallelism.resolve).parameters
+    options = {f.name: f.default for f in dataclasses.fields(TrainingSpec) if f.name in taken}
+    assert set(options) == set(taken)  # the spec's defaults for every option resolve takes
     p = Parallelism.resolve(**{**options, **given})
     assert (p.name, p.world_size) == resolved
     spec = TrainingSpec(model="gpt2", **given)

@@ -114,9 +114,12 @@ class Parallelism:
         the world size made from the nodes or the axes where not given, the strategy defaulted
         (none on one rank, ddp on several, fsdp when the model is split, the data-parallel axis
         given as ``--dp-shard`` or experts split over it). A bad value is an ``InputError``."""
-        for name, value in (("world_size", world_size), ("nodes", nodes)):
+        for name, value in (
+            ("world_size", world_size),
+            ("nodes", nodes),
+            ("gpus_per_node", gpus_per_node),
+        ):
             _check_ranks(name, value)
-        _check_ranks("gpus_per_node", gpus_per_node)
         if (nodes is None) != (gpus_per_node is None):
             raise InputError(
                 "give --nodes and --gpus-per-node together", hint="or just --world-size"

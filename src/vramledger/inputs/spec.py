@@ -23,7 +23,14 @@ from vramledger.inputs.parallelism import (  # noqa: F401 (re-exported)
     Strategy,
 )
 from vramledger.inputs.precision import PRECISIONS, Precision, canonical_precision
-from vramledger.inputs.spec_fields import bool_or_int, cli, comma_names, json_object, option_flag
+from vramledger.inputs.spec_fields import (
+    CODE,
+    bool_or_int,
+    cli,
+    comma_names,
+    json_object,
+    option_flag,
+)
 from vramledger.inputs.tasks import TASKS
 from vramledger.inputs.verdict import DEFAULT_MARGIN, check_gpu_options
 
@@ -67,10 +74,10 @@ class TrainingSpec:
     """Tokens per example for text models."""
     image_size: int | None = field(default=None, metadata=cli("model"))
     """Image side in pixels for vision models (default: the config's image_size)."""
-    inputs: Any = field(default=None, metadata=cli("model", metavar="FILE.py:FUNCTION"))
+    inputs: Any = field(default=None, metadata=cli("model", metavar=CODE))
     """``FILE.py:FUNCTION`` making a batch, called with ``device=`` and, where its signature takes
     them, ``batch_size=``, ``seq_len=``, ``image_size=``; returns a dict, tuple or tensor."""
-    loss: Any = field(default=None, metadata=cli("model", metavar="FILE.py:FUNCTION"))
+    loss: Any = field(default=None, metadata=cli("model", metavar=CODE))
     """``FILE.py:FUNCTION`` called as ``loss(model, batch)`` returning the scalar loss (runs the
     forward itself). Default: the model's ``output.loss``."""
     optimizer: Any = field(default="adamw", metadata=cli("optimizer", offered=_optimizer_names))
@@ -172,9 +179,7 @@ class TrainingSpec:
     ep: int = field(default=1, metadata=cli("parallelism", metavar="N"))
     """Expert-parallel degree for mixture-of-experts layers: the experts split over this many
     ranks of the data-parallel (and context-parallel) axes, tokens exchanged all-to-all."""
-    tp_plan: str | None = field(
-        default=None, metadata=cli("parallelism", metavar="FILE.py:FUNCTION")
-    )
+    tp_plan: str | None = field(default=None, metadata=cli("parallelism", metavar=CODE))
     """``FILE.py:FUNCTION`` returning the tensor-parallel plan for the model (a dict of module
     name pattern -> torch.distributed.tensor.parallel style); default: the model family's."""
     moe_routing: str = field(default="balanced", metadata=cli("model", choices=ROUTINGS))

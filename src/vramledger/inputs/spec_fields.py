@@ -36,6 +36,10 @@ SECTIONS: dict[Section, str] = {
 }
 """The parts of a spec, in the order ``--help`` shows them, with their headings there."""
 
+CODE = "FILE.py:FUNCTION"
+"""The metavar of the options that name Python code (``--inputs``, ``--loss``, ``--tp-plan``):
+what a server without ``--allow-code`` refuses to run (``cli/serve/form.py``)."""
+
 METADATA_KEY = "vramledger.cli"
 """The key of a field's :class:`Cli` in its ``dataclasses.field(metadata=...)``."""
 

@@ -4,8 +4,9 @@ docstring, its default and choices the option's; and the form's words read back 
 argparse options, so the page takes what the CLI takes and refuses it in the CLI's words.
 
 Nothing here names an option the page offers: a field added to the spec is on the page, unless
-:data:`NOT_ON_PAGE` says why not. Fields that name Python code (:data:`CODE_FIELDS`) are asked
-for beside the model function, and only from a server started with ``--allow-code``.
+:data:`NOT_ON_PAGE` says why not. Fields that name Python code (:data:`CODE_FIELDS`, the options
+whose metavar is ``spec_fields.CODE``) are asked for beside the model function, and only from a
+server started with ``--allow-code``.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from typing import Any, Literal
 
 from vramledger.cli.options import (
     add_spec_options,
-    flag,
     is_positional,
     option_kwargs,
     shown_default,
@@ -26,17 +26,15 @@ from vramledger.cli.options import (
     spec_values,
 )
 from vramledger.inputs.errors import InputError
-from vramledger.inputs.spec_fields import Section, cli_of
+from vramledger.inputs.spec_fields import CODE, Section, cli_of, option_flag
 
-CODE_METAVAR = "FILE.py:FUNCTION"
-"""The metavar of the options that name Python code (``--inputs``, ``--loss``, ``--tp-plan``)."""
 NOT_ON_PAGE: dict[str, str] = {
     "deepspeed": "a file the server would read: the CLI's --deepspeed",
     "accelerate_config": "a file the server would read: the CLI's --accelerate-config",
     "seed": "seeds real runs (measure, rehearse); the page's answers are traces",
 }
 """Spec options the page does not offer, each with the reason (the model is the page's source
-boxes; the code fields are in the code box)."""
+boxes)."""
 
 Kind = Literal["switch", "number", "choice", "text"]
 
@@ -53,6 +51,9 @@ class FormField:
     names separated by commas, or JSON, as on the command line)."""
     value: str
     """What the input holds at first: the option's default ('' for none)."""
+    code: bool = False
+    """The option names Python code (``FILE.py:FUNCTION``): asked for beside the model
+    function, only from a server started with ``--allow-code``."""
     choices: tuple[str, ...] = ()
     offered: tuple[str, ...] = ()
     """Words suggested for a text input (the spec checks what is typed)."""
@@ -61,51 +62,44 @@ class FormField:
     """The option's ``--help`` text."""
 
 
-def _is_code(f: Field) -> bool:
+def _form_field(f: Field) -> FormField:
+    kwargs = option_kwargs(f)
     form = cli_of(f)
-    return form is not None and form.metavar == CODE_METAVAR
+    assert form is not None
+    kind: Kind = "text"
+    if kwargs.get("action") == "store_true":
+        kind = "switch"
+    elif form.choices is not None:
+        kind = "choice"
+    elif kwargs.get("type") is int:
+        kind = "number"
+    return FormField(
+        name=f.name,
+        section=form.section,
+        kind=kind,
+        value=shown_default(f) or "",
+        code=form.metavar == CODE,
+        choices=tuple(form.choices or ()),
+        offered=tuple(form.offered()) if form.offered is not None else (),
+        placeholder=form.metavar or "",
+        help=kwargs["help"].replace("%%", "%"),  # argparse's escape undone
+    )
 
 
 @functools.cache
-def page_fields() -> tuple[Field, ...]:
-    """The spec fields the page offers, in the spec's order (the code fields among them)."""
-    return tuple(f for f in spec_fields() if not is_positional(f) and f.name not in NOT_ON_PAGE)
+def form_fields() -> dict[str, FormField]:
+    """The page's inputs by spec field, in the spec's order: every option of the spec but the
+    model and :data:`NOT_ON_PAGE`."""
+    return {
+        f.name: _form_field(f)
+        for f in spec_fields()
+        if not is_positional(f) and f.name not in NOT_ON_PAGE
+    }
 
 
-CODE_FIELDS: tuple[str, ...] = tuple(f.name for f in page_fields() if _is_code(f))
+CODE_FIELDS: tuple[str, ...] = tuple(name for name, f in form_fields().items() if f.code)
 """Spec fields that name Python code (``FILE.py:FUNCTION``): taken only from a server started
 with ``--allow-code DIR``, from files under DIR, as the model is."""
-
-
-def form_fields() -> tuple[FormField, ...]:
-    """The page's inputs for the spec, but the code fields, in the spec's order."""
-    out = []
-    for f in page_fields():
-        if f.name in CODE_FIELDS:
-            continue
-        kwargs = option_kwargs(f)
-        form = cli_of(f)
-        assert form is not None
-        kind: Kind = "text"
-        if kwargs.get("action") == "store_true":
-            kind = "switch"
-        elif form.choices is not None:
-            kind = "choice"
-        elif kwargs.get("type") is int:
-            kind = "number"
-        out.append(
-            FormField(
-                name=f.name,
-                section=form.section,
-                kind=kind,
-                value=shown_default(f) or "",
-                choices=tuple(form.choices or ()),
-                offered=tuple(form.offered()) if form.offered is not None else (),
-                placeholder=form.metavar or "",
-                help=kwargs["help"].replace("%%", "%"),
-            )
-        )
-    return tuple(out)
 
 
 class _Refusing(argparse.ArgumentParser):
@@ -129,14 +123,13 @@ def spec_words(form: Mapping[str, Any]) -> dict[str, Any]:
     ``{field: text or checked}`` given to the options as ``--field=text`` (``--field`` for a
     checked switch); an empty input is an option not given. A code field's value is the
     reference as typed (the caller resolves it under the code folder)."""
-    switches = {f.name for f in form_fields() if f.kind == "switch"}
-    known = {f.name for f in page_fields()}
+    fields = form_fields()
     argv, given = [], []
     for name, value in form.items():
-        if name not in known:
+        if name not in fields:
             raise InputError(f"the page takes no field {name!r}")
-        option = flag(_field(name))
-        if name in switches:
+        option = option_flag(name)
+        if fields[name].kind == "switch":
             if not isinstance(value, bool):
                 raise InputError(f"{option[2:]} must be true or false, not {value!r}")
             if value:
@@ -151,7 +144,3 @@ def spec_words(form: Mapping[str, Any]) -> dict[str, Any]:
             given.append(name)
     values = spec_values(_parser().parse_args(argv))
     return {name: values[name] for name in given}
-
-
-def _field(name: str) -> Field:
-    return next(f for f in page_fields() if f.name == name)

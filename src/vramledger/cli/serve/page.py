@@ -9,8 +9,7 @@ from collections.abc import Iterable
 from html import escape
 from typing import Any
 
-from vramledger.cli.options import help_text
-from vramledger.cli.serve.form import CODE_FIELDS, FormField, form_fields, page_fields
+from vramledger.cli.serve.form import FormField, form_fields
 from vramledger.cli.serve.question import OPTIONS
 from vramledger.inputs.spec_fields import SECTIONS
 from vramledger.render.html import CSS
@@ -187,8 +186,7 @@ def _field(f: FormField) -> str:
         blank = None if f.value else "— default —"
         return _select(f.name, label, _options(f.choices, f.value, blank), title)
     kind = "number" if f.kind == "number" else "text"
-    extra = f"{title} placeholder='{escape(f.placeholder)}'"
-    extra += " min='1'" if f.kind == "number" else ""
+    extra = f"{title} placeholder='{escape(f.placeholder)}'"  # the spec says what is too small
     if not f.offered:
         return _input(f.name, label, f.value, kind, extra)
     listed = "".join(f"<option value='{escape(o)}'>" for o in f.offered)
@@ -199,36 +197,21 @@ def _field(f: FormField) -> str:
 
 def _spec_fields() -> list[str]:
     """The form's fields of the spec, a fieldset per section of the spec (as ``--help`` groups
-    them), drawn from the fields (form.py); then the questions' own (fit's ``maximize``,
-    plan's ``max_gpus``)."""
-    fields = form_fields()
+    them), drawn from the fields (form.py), but the code options; then the questions' own
+    (fit's ``maximize``, plan's ``max_gpus``)."""
+    fields = [f for f in form_fields().values() if not f.code]
     out = []
     for section, title in SECTIONS.items():
         inputs = [_field(f) for f in fields if f.section == section]
         if inputs:
             out.append(f"<fieldset><legend>{escape(title)}</legend>{''.join(inputs)}</fieldset>")
-    fit, plan = OPTIONS["fit"]["maximize"], OPTIONS["plan"]["max_gpus"]
-    assert plan is int
     out.append(
         "<fieldset><legend>fit and plan</legend>"
-        + _select("maximize", "fit: maximise", _options(fit))
+        + _select("maximize", "fit: maximise", _options(OPTIONS["fit"]["maximize"]))
         + _input("max_gpus", "plan: at most GPUs", 1024, "number", "min='1'")
         + "</fieldset>"
     )
     return out
-
-
-def _code_fields() -> str:
-    """The spec's code options (``FILE.py:FUNCTION``) beside the model function."""
-    helps = {f.name: f for f in page_fields()}
-    return "".join(
-        _input(
-            name,
-            name.replace("_", "-"),
-            extra=(f"placeholder='models.py:function' title='{escape(help_text(helps[name]))}'"),
-        )
-        for name in CODE_FIELDS
-    )
 
 
 def page(choices: dict[str, Any]) -> str:
@@ -267,7 +250,9 @@ def page(choices: dict[str, Any]) -> str:
     if code:
         boxes += (
             "<div id='source-code' class='wide buttons'><label>model function<input id='code' "
-            f"placeholder='models.py:build_model'></label>{_code_fields()}</div>"
+            "placeholder='models.py:build_model'></label>"
+            + "".join(_field(f) for f in form_fields().values() if f.code)
+            + "</div>"
         )
     fields = _spec_fields()
     buttons = (
